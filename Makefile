@@ -1,0 +1,31 @@
+# Two commands: `make run` (set-up + the default experiment) and `make test` (set-up + the suite).
+# Set-up is idempotent: the venv is rebuilt only when pyproject.toml changes.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup run test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU torch first: a bare `torch` requirement would otherwise pull a CUDA build
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m experiments.train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check dpsgd topologies experiments tests
+
+clean:
+	rm -rf $(VENV) outputs multirun

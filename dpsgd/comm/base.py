@@ -1,0 +1,276 @@
+"""The Communicator protocol: what optimizers may ask of their peers, on every backend.
+
+A backend supplies three primitives (a non-blocking point-to-point exchange of one flat
+buffer, a non-blocking all-reduce sum of one flat buffer, and a barrier). This module builds
+the public operations on top of them once: flattening, weighting, byte and time accounting,
+deadlines and error messages are therefore the same on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class CommError(RuntimeError):
+    """A collective or point-to-point operation could not complete."""
+
+
+class PeerTimeoutError(CommError):
+    """A peer did not answer before the deadline."""
+
+
+class PeerFailedError(CommError):
+    """Another peer of the same world failed, so this operation can never complete."""
+
+
+class NeighborWeights(Protocol):
+    """What `neighbor_average` needs to know: a `topologies.Neighbors` has exactly this."""
+
+    recv: dict[int, float]
+    send: dict[int, float]
+    self_weight: float
+
+
+@dataclass
+class CommStats:
+    """Traffic and time counters of one peer. Bytes are payload bytes of the algorithm's
+    messages; an all-reduce of M bytes is counted at the bandwidth-optimal ring cost,
+    2 (n-1)/n M sent and as much received, whatever the backend does underneath, so
+    figures compare across backends."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    comm_time_s: float = 0.0  # time spent blocked waiting for peers
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "messages_sent": self.messages_sent,
+            "comm_time_s": self.comm_time_s,
+            "calls": dict(self.calls),
+        }
+
+
+class Pending(ABC):
+    """A backend's in-flight operation."""
+
+    @abstractmethod
+    def wait(self, deadline: float) -> None:
+        """Block until done; raise PeerTimeoutError past `deadline` (time.monotonic)."""
+
+    def peers_outstanding(self) -> list[int]:
+        """Peers whose part has not completed yet (for error messages)."""
+        return []
+
+
+class Exchange(Pending):
+    """A point-to-point exchange: after `wait`, `received[peer]` holds each peer's buffer."""
+
+    received: dict[int, torch.Tensor]
+
+
+class Handle:
+    """A started public operation; `wait()` returns its result as a list of tensors shaped
+    like the input list."""
+
+    def __init__(self, comm: Communicator, op: str, pending: Pending, finish, peers: Sequence[int]):
+        self._comm, self._op, self._pending, self._finish = comm, op, pending, finish
+        self._peers = list(peers)
+        self._result: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._result is None:
+            self._comm._wait(self._op, self._pending, self._peers)
+            self._result = self._finish()
+        return self._result
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous buffer holding all tensors (one message per peer instead of many)."""
+    if not tensors:
+        raise ValueError("expected a non-empty list of tensors to communicate, got an empty one")
+    dtypes = {t.dtype for t in tensors}
+    devices = {t.device for t in tensors}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise TypeError(
+            f"tensors communicated together must share one dtype and device, got dtypes "
+            f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}; call once per dtype/device"
+        )
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view_as(t))
+        offset += n
+    return out
+
+
+class Communicator(ABC):
+    """One peer's view of a world of `size` peers. Every blocking wait has a deadline of
+    `timeout_s` seconds; past it, a PeerTimeoutError names the operation and the peers."""
+
+    backend: str = "?"
+
+    def __init__(self, rank: int, size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        self.rank, self.size, self.timeout_s = rank, size, float(timeout_s)
+        self.stats = CommStats()
+        self.context = ""  # e.g. "step 12": the training loop sets it so errors say when
+        self._counting = True
+        self._tag = 0
+
+    # --- backend primitives -------------------------------------------------------------
+    @abstractmethod
+    def _start_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int],
+                        tag: int) -> Exchange:
+        """Send `buf` to every peer of `send_to` and receive a buffer shaped like `buf` from every
+        peer of `recv_from`, without blocking."""
+
+    @abstractmethod
+    def _start_allreduce_sum(self, buf: torch.Tensor) -> Pending:
+        """Sum `buf` over all peers, in place, without blocking."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release backend resources; the communicator cannot be used afterwards."""
+
+    # --- public operations --------------------------------------------------------------
+    def start_allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> Handle:
+        """Start averaging `tensors` over all peers; `.wait()` returns the averages."""
+        buf = flatten(tensors)  # a fresh copy: the reduction never touches the caller's tensors
+        self._count("allreduce_mean", sent=self._ring_bytes(buf), received=self._ring_bytes(buf),
+                    messages=2 * (self.size - 1))
+        pending = self._start_allreduce_sum(buf) if self.size > 1 else _Done()
+
+        def finish():
+            return unflatten(buf.div_(self.size), tensors)
+
+        return Handle(self, "allreduce_mean", pending, finish, range(self.size))
+
+    def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.start_allreduce_mean(tensors).wait()
+
+    def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: NeighborWeights) -> Handle:
+        """Send `tensors` to `weights.send`'s peers, receive from `weights.recv`'s, and (at
+        `.wait()`) return self_weight * x_i + sum_j recv[j] * x_j. The weights are applied on
+        the receiving side, so one buffer goes to every out-neighbour."""
+        buf = flatten(tensors)
+        send_to, recv_from = sorted(weights.send), sorted(weights.recv)
+        self._check_peers("neighbor_average", send_to + recv_from)
+        self._count("neighbor_average", sent=buf.nbytes * len(send_to),
+                    received=buf.nbytes * len(recv_from), messages=len(send_to))
+        ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
+
+        def finish():
+            out = buf * weights.self_weight
+            for peer in recv_from:  # rank order: the same sum on every backend
+                out.add_(ex.received[peer], alpha=weights.recv[peer])
+            return unflatten(out, tensors)
+
+        return Handle(self, "neighbor_average", ex, finish, recv_from)
+
+    def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: NeighborWeights) -> list[torch.Tensor]:
+        return self.start_neighbor_average(tensors, weights).wait()
+
+    def start_exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
+        """Pairwise exchange (AD-PSGD's primitive): send `tensors` to `peer` and return the
+        peer's tensors, shaped like ours."""
+        buf = flatten(tensors)
+        self._check_peers("exchange", [peer])
+        self._count("exchange", sent=buf.nbytes, received=buf.nbytes, messages=1)
+        ex = self._start_exchange(buf, [peer], [peer], self._next_tag())
+        return Handle(self, "exchange", ex, lambda: unflatten(ex.received[peer], tensors), [peer])
+
+    def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
+        return self.start_exchange(tensors, peer).wait()
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Traffic inside this block (metrics, evaluation) is left out of `stats`, so the
+        reported bytes are the algorithm's alone."""
+        saved, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = saved
+
+    # --- shared machinery ---------------------------------------------------------------
+    def _wait(self, op: str, pending: Pending, peers: Sequence[int]) -> None:
+        start = time.monotonic()
+        try:
+            pending.wait(start + self.timeout_s)
+        except PeerTimeoutError:
+            waiting_for = pending.peers_outstanding() or list(peers)
+            raise PeerTimeoutError(
+                f"rank {self.rank}: {op} timed out after {self.timeout_s:g} s waiting for peer(s) "
+                f"{waiting_for}{' at ' + self.context if self.context else ''}; a peer died or hangs "
+                f"(raise comm.timeout_s if peers are just slow)"
+            ) from None
+        finally:
+            if self._counting:
+                self.stats.comm_time_s += time.monotonic() - start
+
+    def _count(self, op: str, sent: float, received: float, messages: int) -> None:
+        if not self._counting:
+            return
+        s = self.stats
+        s.bytes_sent += int(sent)
+        s.bytes_received += int(received)
+        s.messages_sent += messages
+        s.calls[op] = s.calls.get(op, 0) + 1
+
+    def _ring_bytes(self, buf: torch.Tensor) -> float:
+        return 2 * (self.size - 1) / self.size * buf.nbytes
+
+    def _check_peers(self, op: str, peers: Sequence[int]) -> None:
+        for p in peers:
+            if not 0 <= p < self.size or p == self.rank:
+                raise ValueError(
+                    f"rank {self.rank}: {op} got peer {p}; peers must be other ranks in [0, {self.size}) "
+                    f"- is the topology built for {self.size} peers?"
+                )
+
+    def _next_tag(self) -> int:
+        # a fresh tag per operation keeps consecutive exchanges from matching each other's
+        # messages; every peer issues the same sequence of operations, so tags agree
+        self._tag = (self._tag + 1) % 32768
+        return self._tag
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+class _Done(Pending):
+    def wait(self, deadline: float) -> None:
+        return None
+
+
+def poll_until(test, deadline: float, outstanding=list) -> None:
+    """Wait for `test()` to be true without spinning a core: a few quick polls, then
+    sleeps growing to 1 ms (waiting ranks that spin halve the speed of computing ones on
+    small machines)."""
+    delay = 0.0
+    while not test():
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError(f"peers {outstanding()} did not answer")
+        if delay:
+            time.sleep(delay)
+        delay = min(0.001, delay * 2 if delay else 2e-5)

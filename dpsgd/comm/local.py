@@ -1,0 +1,169 @@
+"""The `local` backend: n peers as threads of one process, exchanging tensors through queues.
+
+It is the embedded reference (tests, notebooks, laptops): real concurrent peers with the same
+message pattern as the distributed backends, no launcher needed. torch releases the GIL in its
+kernels, so peers really overlap. Messages are copied on send, so a peer never sees another
+peer's later in-place changes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, PeerTimeoutError, Pending
+
+_POLL_S = 0.05  # how often a blocked receive looks whether another peer failed
+
+
+class LocalWorld:
+    """The shared state of n in-process peers: one FIFO queue per (sender, receiver, tag)."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"a local world needs at least 1 peer, got {n}")
+        self.n = n
+        self._queues: dict[tuple[int, int, int], queue.SimpleQueue] = {}
+        self._lock = threading.Lock()
+        self._barrier = threading.Barrier(n)
+        self.failed_rank: int | None = None
+
+    def channel(self, src: int, dst: int, tag: int) -> queue.SimpleQueue:
+        key = (src, dst, tag)
+        q = self._queues.get(key)
+        if q is None:
+            with self._lock:
+                q = self._queues.setdefault(key, queue.SimpleQueue())
+        return q
+
+    def fail(self, rank: int) -> None:
+        """Record that `rank` failed: every peer blocked on the world then raises at once."""
+        with self._lock:
+            if self.failed_rank is None:
+                self.failed_rank = rank
+        self._barrier.abort()
+
+    def check(self, rank: int, op: str) -> None:
+        if self.failed_rank is not None and self.failed_rank != rank:
+            raise PeerFailedError(f"rank {rank}: {op} abandoned because peer {self.failed_rank} failed")
+
+
+class _LocalExchange(Exchange):
+    def __init__(self, world: LocalWorld, rank: int, recv_from: Sequence[int], tag: int):
+        self._world, self._rank, self._tag = world, rank, tag
+        self._missing = list(recv_from)
+        self.received: dict[int, torch.Tensor] = {}
+
+    def wait(self, deadline: float) -> None:
+        while self._missing:
+            peer = self._missing[0]
+            q = self._world.channel(peer, self._rank, self._tag)
+            while True:
+                self._world.check(self._rank, "receive")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerTimeoutError(f"peer {peer} did not answer")
+                try:
+                    self.received[peer] = q.get(timeout=min(remaining, _POLL_S))
+                    break
+                except queue.Empty:
+                    continue
+            self._missing.pop(0)
+
+    def peers_outstanding(self) -> list[int]:
+        return list(self._missing)
+
+
+class _LocalAllreduce(Pending):
+    """All-to-all of the buffer, then every peer sums all n buffers in rank order: the same
+    bits on every peer, whatever the thread timing."""
+
+    def __init__(self, exchange: _LocalExchange, buf: torch.Tensor, rank: int, size: int):
+        self._ex, self._buf, self._rank, self._size = exchange, buf, rank, size
+
+    def wait(self, deadline: float) -> None:
+        self._ex.wait(deadline)
+        total = None
+        for r in range(self._size):
+            x = self._buf if r == self._rank else self._ex.received[r]
+            total = x.clone() if total is None else total.add_(x)
+        self._buf.copy_(total)
+
+    def peers_outstanding(self) -> list[int]:
+        return self._ex.peers_outstanding()
+
+
+class LocalCommunicator(Communicator):
+    backend = "local"
+
+    def __init__(self, world: LocalWorld, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(rank, world.n, timeout_s)
+        self.world = world
+
+    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+        self.world.check(self.rank, "send")
+        for peer in send_to:
+            self.world.channel(self.rank, peer, tag).put(buf.clone())
+        return _LocalExchange(self.world, self.rank, recv_from, tag)
+
+    def _start_allreduce_sum(self, buf) -> Pending:
+        others = [r for r in range(self.size) if r != self.rank]
+        ex = self._start_exchange(buf, others, others, self._next_tag())
+        return _LocalAllreduce(ex, buf, self.rank, self.size)
+
+    def barrier(self) -> None:
+        start = time.monotonic()
+        try:
+            self.world._barrier.wait(timeout=self.timeout_s)
+        except threading.BrokenBarrierError:
+            self.world.check(self.rank, "barrier")
+            if time.monotonic() - start >= self.timeout_s:
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: barrier timed out after {self.timeout_s:g} s"
+                    f"{' at ' + self.context if self.context else ''}; a peer died or hangs"
+                ) from None
+            raise
+
+
+_current = threading.local()
+
+
+def current_peer() -> LocalCommunicator | None:
+    """The communicator of the `run_local` peer running in this thread, if any."""
+    return getattr(_current, "comm", None)
+
+
+def run_local(n: int, fn: Callable[..., Any], *args, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+    """Run `fn(comm, *args, **kwargs)` on n in-process peers and return their results in rank
+    order. If any peer raises, the others are released from their waits and the first
+    failing peer's exception is raised here."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"run_local needs n >= 1 peers, got {n!r}")
+    world = LocalWorld(n)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+
+    def peer(rank: int) -> None:
+        comm = LocalCommunicator(world, rank, timeout_s)
+        _current.comm = comm
+        try:
+            results[rank] = fn(comm, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            errors[rank] = exc
+            world.fail(rank)
+        finally:
+            _current.comm = None
+
+    threads = [threading.Thread(target=peer, args=(r,), name=f"dpsgd-peer-{r}", daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if world.failed_rank is not None:
+        raise errors[world.failed_rank]
+    return results

@@ -1,0 +1,105 @@
+"""The `mpi` backend: mpi4py point-to-point messages and all-reduce on a duplicated communicator.
+
+CPU tensors travel as zero-copy buffers (a tensor's memory seen as a numpy array); CUDA tensors
+are handed to mpi4py directly, which works where the MPI library is CUDA-aware. Waits poll the
+requests with short sleeps instead of blocking inside MPI, because MPICH's blocking waits spin
+and halve the speed of the peers still computing on a small machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, Pending, poll_until
+
+
+def load_mpi():
+    """Import mpi4py.MPI, or say how to install an MPI runtime."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the mpi backend needs mpi4py and an MPI runtime ({exc}); install both from PyPI with "
+            f"`pip install mpi4py mpich`, or choose backend=local or backend=torch"
+        ) from exc
+    return MPI
+
+
+def in_mpi_world() -> bool:
+    """True when this process was started by mpiexec/srun as one rank of several."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        if int(os.environ.get(var, "1") or 1) > 1:
+            return True
+    return False
+
+
+def _as_buffer(t: torch.Tensor):
+    """The memory of a contiguous tensor as something mpi4py can send without copying."""
+    if t.is_cuda:
+        return t  # __cuda_array_interface__: needs CUDA-aware MPI
+    return t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _mpi_op_buffer(t: torch.Tensor):
+    if t.dtype in (torch.bfloat16, torch.float16) and not t.is_cuda:
+        raise TypeError(f"the mpi backend reduces float32/float64 on the CPU, got {t.dtype}; cast first")
+    return _as_buffer(t)
+
+
+class _Requests(Pending):
+    def __init__(self, MPI, requests: list, peers: list[int]):
+        self._MPI, self._requests, self._peers = MPI, requests, peers
+
+    def wait(self, deadline: float) -> None:
+        poll_until(lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding)
+
+    def peers_outstanding(self) -> list[int]:
+        # a collective has no single peer to blame: the caller then names all of them
+        return sorted({p for p, r in zip(self._peers, self._requests) if p >= 0 and not r.Test()})
+
+
+class _MPIExchange(_Requests, Exchange):
+    def __init__(self, MPI, requests, peers, received):
+        super().__init__(MPI, requests, peers)
+        self.received = received
+
+
+class MPICommunicator(Communicator):
+    backend = "mpi"
+
+    def __init__(self, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        MPI = load_mpi()
+        # our own context: user code using COMM_WORLD can never match our messages
+        self._MPI, self._comm = MPI, (comm or MPI.COMM_WORLD).Dup()
+        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout_s)
+
+    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+        buf = buf.contiguous()
+        received = {p: torch.empty_like(buf) for p in recv_from}
+        reqs, peers = [], []
+        for p in recv_from:
+            reqs.append(self._comm.Irecv(_as_buffer(received[p]), source=p, tag=tag))
+            peers.append(p)
+        for p in send_to:
+            reqs.append(self._comm.Isend(_as_buffer(buf), dest=p, tag=tag))
+            peers.append(p)
+        return _MPIExchange(self._MPI, reqs, peers, received)
+
+    def _start_allreduce_sum(self, buf) -> Pending:
+        req = self._comm.Iallreduce(self._MPI.IN_PLACE, _mpi_op_buffer(buf), op=self._MPI.SUM)
+        return _Requests(self._MPI, [req], [-1])
+
+    def barrier(self) -> None:
+        req = self._comm.Ibarrier()
+        self._wait("barrier", _Requests(self._MPI, [req], [-1]), range(self.size))
+
+    def close(self) -> None:
+        if self._comm != self._MPI.COMM_NULL:
+            self._comm.Free()
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the world (a failed peer must not leave the others waiting)."""
+        self._MPI.COMM_WORLD.Abort(code)
+

@@ -1,0 +1,96 @@
+"""The `torch` backend: torch.distributed point-to-point ops and all_reduce (gloo on CPU, nccl on GPU).
+
+Joins an existing default process group (torchrun, or a user's own init) or makes one from the
+usual environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Waits use
+`Work.wait(timeout)`, which sleeps in the library instead of spinning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, Pending
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def in_torch_world() -> bool:
+    """True when a launcher (torchrun, our spawner) gave this process a rank of several."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ
+
+
+class _Works(Pending):
+    def __init__(self, works: list, peers: list[int]):
+        self._works, self._peers = works, peers
+        self._done = [False] * len(works)
+
+    def wait(self, deadline: float) -> None:
+        for i, work in enumerate(self._works):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerTimeoutError("deadline passed")
+            try:
+                work.wait(timeout=timedelta(seconds=remaining))
+            except RuntimeError as exc:  # gloo reports a timeout (or a dead peer) this way
+                raise PeerTimeoutError(str(exc)) from exc
+            self._done[i] = True
+
+    def peers_outstanding(self) -> list[int]:
+        return sorted({p for p, done in zip(self._peers, self._done) if p >= 0 and not done})
+
+
+class _TorchExchange(_Works, Exchange):
+    def __init__(self, works, peers, received):
+        super().__init__(works, peers)
+        self.received = received
+
+
+class TorchCommunicator(Communicator):
+    backend = "torch"
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, dist_backend: str | None = None,
+                 init_method: str | None = None):
+        if not dist.is_available():
+            raise RuntimeError("this torch build has no torch.distributed; choose backend=local or backend=mpi")
+        if not dist.is_initialized():
+            for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                if init_method is None and var not in os.environ:
+                    raise RuntimeError(
+                        f"backend=torch needs a launcher: {var} is not set. Start the peers with "
+                        f"`torchrun --nproc-per-node N python -m experiments.train backend=torch`, let "
+                        f"experiments.train spawn them, or call torch.distributed.init_process_group first"
+                    )
+            if os.environ.get("MASTER_ADDR") in _LOOPBACK:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay off external interfaces
+            dist_backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(dist_backend, init_method=init_method or "env://",
+                                    timeout=timedelta(seconds=timeout_s))
+            # a group left alive at interpreter exit aborts the process (SIGABRT in gloo)
+            atexit.register(self.close)
+        super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
+        self.dist_backend = dist.get_backend()
+
+    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+        buf = buf.contiguous()
+        received = {p: torch.empty_like(buf) for p in recv_from}
+        ops = [dist.P2POp(dist.irecv, received[p], p, tag=tag) for p in recv_from]
+        ops += [dist.P2POp(dist.isend, buf, p, tag=tag) for p in send_to]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return _TorchExchange(works, list(recv_from) + list(send_to), received)
+
+    def _start_allreduce_sum(self, buf) -> Pending:
+        return _Works([dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)], [-1])
+
+    def barrier(self) -> None:
+        buf = torch.zeros(1, device="cuda" if self.dist_backend == "nccl" else "cpu")
+        self._wait("barrier", _Works([dist.all_reduce(buf, async_op=True)], [-1]), range(self.size))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,73 @@
+"""Measurements shared by every algorithm: evaluation of the averaged and the local models,
+consensus distance (1/n) sum_i ||x_i - x_bar||^2, and traffic. Their own communication runs
+`uncounted`, so the reported bytes are the algorithm's alone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from dpsgd.comm import Communicator
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+             batch_size: int = 1024) -> tuple[float, float, int]:
+    """(sum of losses, number correct, count) of `model` with `params` on (x, y)."""
+    loss, correct = 0.0, 0
+    for i in range(0, len(x), batch_size):
+        out = functional_call(model, params, (x[i : i + batch_size],))
+        loss += nn.functional.cross_entropy(out, y[i : i + batch_size], reduction="sum").item()
+        correct += (out.argmax(1) == y[i : i + batch_size]).sum().item()
+    return loss, correct, len(x)
+
+
+@torch.no_grad()
+def gather_scalars(comm: Communicator, values: list[float]) -> torch.Tensor:
+    """Every peer's `values` as a (size, len(values)) tensor, on every peer."""
+    slots = torch.zeros(comm.size, len(values), dtype=torch.float64)
+    slots[comm.rank] = torch.tensor(values, dtype=torch.float64)
+    with comm.uncounted():
+        return comm.allreduce_mean([slots])[0] * comm.size
+
+
+@torch.no_grad()
+def snapshot_metrics(comm: Communicator, model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor,
+                     train_loss: float) -> dict:
+    """Test metrics of the averaged model and of each peer's own, consensus distance, mean train loss."""
+    names = [n for n, _ in model.named_parameters()]
+    local = [p.detach() for p in model.parameters()]
+    with comm.uncounted():
+        avg = comm.allreduce_mean(local)
+    sq_dist = sum(float((x.double() - a.double()).pow(2).sum()) for x, a in zip(local, avg))
+
+    # the averaged model: each peer scores its slice of the test set, and the counts are summed
+    lo, hi = comm.rank * len(x_test) // comm.size, (comm.rank + 1) * len(x_test) // comm.size
+    avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test[lo:hi], y_test[lo:hi])
+    own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x_test, y_test)
+    table = gather_scalars(comm, [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count,
+                                  sq_dist, train_loss])
+    total = table.sum(0)
+    peer_acc = table[:, 3]
+    return {
+        "test_loss": float(total[0] / total[2]),
+        "test_accuracy": float(total[1] / total[2]),
+        "peer_test_accuracy_mean": float(peer_acc.mean()),
+        "peer_test_accuracy_min": float(peer_acc.min()),
+        "peer_test_accuracy_max": float(peer_acc.max()),
+        "peer_test_loss_mean": float(table[:, 4].mean()),
+        "consensus_distance": float(table[:, 5].mean()),
+        "train_loss": float(table[:, 6].mean()),
+    }
+
+
+def traffic(comm: Communicator) -> dict:
+    """Mean over peers of the algorithm's bytes sent and time blocked in communication."""
+    s = comm.stats
+    table = gather_scalars(comm, [s.bytes_sent, s.bytes_received, s.comm_time_s])
+    return {
+        "mb_sent_per_peer": float(table[:, 0].mean()) / 1e6,
+        "mb_received_per_peer": float(table[:, 1].mean()) / 1e6,
+        "comm_time_s": float(table[:, 2].mean()),
+    }

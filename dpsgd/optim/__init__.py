@@ -1,0 +1,34 @@
+"""Distributed optimizers. Each wraps a local torch optimizer and behaves like one."""
+
+from __future__ import annotations
+
+import torch
+
+from .allreduce import AllReduce
+from .base import DistributedOptimizer
+from .dpsgd import DPSGD
+
+ALGORITHMS = {"allreduce": AllReduce, "dpsgd": DPSGD}
+BASE_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+__all__ = ["ALGORITHMS", "DPSGD", "AllReduce", "DistributedOptimizer", "build", "build_base"]
+
+
+def build_base(params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
+               nesterov: bool = False) -> torch.optim.Optimizer:
+    """The local optimizer a config names."""
+    if not lr > 0:
+        raise ValueError(f"the learning rate must be > 0, got {lr}")
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    if name in ("adam", "adamw"):
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        return cls(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown base optimizer {name!r}; valid: {', '.join(BASE_OPTIMIZERS)}")
+
+
+def build(name: str, base: torch.optim.Optimizer, comm, topology, **options) -> DistributedOptimizer:
+    """The distributed optimizer `name` (a key of ALGORITHMS) with its options."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name](base, comm=comm, topology=topology, **options)

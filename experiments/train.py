@@ -1,0 +1,140 @@
+"""One experiment: `python -m experiments.train [overrides]` (Hydra; `-m` sweeps).
+
+Without a launcher, this process is the driver: it validates the config, writes it resolved to
+the run folder, and starts the peers (threads for backend=local, `mpiexec -n peers` for mpi,
+`peers` processes for torch). Under a user's mpiexec/srun or torchrun, every rank runs this app
+and joins the launcher's world; the ranks agree on one output folder before Hydra starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from dpsgd.launch import launched_world, spawn
+from experiments.table import format_table
+from experiments.validate import ConfigError, check_group_overrides, validate
+
+
+def fail(message: str, run_dir: Path | None = None, code: int = 2):
+    """One line on stderr; a run folder holding no results yet is removed, so nothing that
+    looks like a result is left behind."""
+    if run_dir is not None and run_dir.exists() and not (run_dir / "summary.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _world_rank(world: str) -> int:
+    if world == "mpi":
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank()
+    return int(os.environ["RANK"])
+
+
+def agree_on_run_dir(world: str) -> None:
+    """All ranks of a launched world must write to one folder: rank 0's timestamp is sent to all
+    (as fixed-size bytes: nothing received is unpickled)."""
+    if "DPSGD_RUN_DIR" in os.environ:
+        return
+    stamp = time.strftime("outputs/%Y-%m-%d/%H-%M-%S").encode().ljust(64)
+    if world == "mpi":
+        from mpi4py import MPI
+
+        buf = bytearray(stamp)
+        MPI.COMM_WORLD.Bcast(buf, root=0)
+        stamp = bytes(buf)
+    else:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        t = torch.frombuffer(bytearray(stamp), dtype=torch.uint8).clone()
+        dist.broadcast(t, src=0)
+        stamp = bytes(t.tolist())
+    os.environ["DPSGD_RUN_DIR"] = stamp.decode().strip()
+
+
+def run(cfg: dict, run_dir: Path, world: str | None) -> dict | None:
+    """Run the experiment; return the summary where this process has it (driver or rank 0)."""
+    import torch
+
+    torch.set_num_threads(1)
+    if world is not None:
+        from experiments.peer import init_comm, run_peer
+
+        comm = init_comm(cfg)
+        if comm.rank == 0:
+            OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
+        summary = run_peer(comm, cfg, run_dir)
+        comm.close()
+        return summary if comm.rank == 0 else None
+    OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
+    backend = cfg["backend"]["name"]
+    if backend == "local":
+        from dpsgd.comm import run_local
+        from dpsgd.training import train
+
+        return run_local(cfg["peers"], train, cfg, run_dir, timeout_s=float(cfg["comm"]["timeout_s"]))[0]
+    code = spawn(backend, cfg["peers"], ["-m", "experiments.peer", str(run_dir)])
+    if code != 0:
+        fail(f"a peer failed (exit code {code}); its message is above. Run folder: {run_dir}", run_dir, code=1)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> float | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    world = launched_world()
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        world_size = None
+        if world is not None:
+            if resolved["backend"]["name"] != world:
+                raise ConfigError(f"started by a {world} launcher but backend={resolved['backend']['name']}; "
+                                  f"pass backend={world}")
+            world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("PMI_SIZE")
+                             or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0) or None
+        validate(resolved, world_size)
+    except ConfigError as exc:
+        fail(str(exc), run_dir)
+    summary = run(resolved, run_dir, world)
+    if summary is None:
+        return None
+    print(format_table([summary]), flush=True)
+    print(f"outputs: {run_dir}", flush=True)
+    return summary["test_accuracy"]
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    try:
+        check_group_overrides(argv)
+    except ConfigError as exc:
+        fail(str(exc))
+    world = launched_world()
+    if world is not None:
+        if "-m" in argv or "--multirun" in argv:
+            fail(f"a sweep (-m) cannot run inside a {world} launcher; run the sweep without it "
+                 f"and the app starts the peers of each run itself")
+        agree_on_run_dir(world)
+        rank = _world_rank(world)
+        # one .hydra/ folder (rank 0's) and one log file per rank
+        sys.argv += [f"hydra.job.name=train_rank{rank}"] + (["hydra.output_subdir=null"] if rank else [])
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The Hydra app end to end: outputs, the same numbers on every backend and launcher, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpsgd.launch import mpiexec, peer_env
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = ["epochs=3", "log_every=5"]
+
+
+def train(args, run_dir: Path, launcher: list[str] | None = None, timeout=180):
+    cmd = (launcher or []) + [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_default_experiment_local_writes_outputs(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(["backend=local"], run_dir)
+    assert proc.returncode == 0, proc.stderr
+    s = summary(run_dir)
+    assert s["algorithm"] == "dpsgd" and s["topology"] == "ring" and s["peers"] == 4
+    assert s["test_accuracy"] >= 0.90, s
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == s["steps"] and len(records) >= 10
+    for key in ("step", "epoch", "wall_time_s", "emulated_time_s", "train_loss", "test_accuracy",
+                "consensus_distance", "mb_sent_per_peer", "comm_time_s"):
+        assert key in records[0]
+    assert records[-1]["mb_sent_per_peer"] > records[0]["mb_sent_per_peer"] > 0
+    assert (run_dir / "config.yaml").exists() and (run_dir / ".hydra" / "config.yaml").exists()
+    assert "test acc (avg model)" in proc.stdout and "dpsgd" in proc.stdout
+
+
+LAUNCHES = {
+    "mpi-self": (["backend=mpi"], None),
+    "mpi-user": (["backend=mpi"], lambda: [mpiexec(), "-n", "4"]),
+    "torch-self": (["backend=torch"], None),
+    "torch-user": (["backend=torch"], lambda: [sys.executable, "-m", "torch.distributed.run",
+                                               "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+                                               "--master-port", "29533", "--no-python"]),
+}
+
+
+@pytest.fixture(scope="module")
+def local_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("local") / "run"
+    proc = train(["backend=local", *SHORT], run_dir)
+    assert proc.returncode == 0, proc.stderr
+    return summary(run_dir)
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_same_numbers_on_every_backend(launch, local_reference, tmp_path):
+    args, launcher = LAUNCHES[launch]
+    run_dir = tmp_path / "run"
+    proc = train(args + SHORT, run_dir, launcher() if launcher else None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = summary(run_dir)
+    assert s["steps"] == local_reference["steps"]
+    for key in ("test_accuracy", "peer_test_accuracy_mean", "train_loss", "test_loss", "consensus_distance",
+                "mb_sent_per_peer"):
+        assert s[key] == pytest.approx(local_reference[key], rel=1e-4, abs=1e-6), key
+    logs = sorted(p.name for p in run_dir.glob("*.log"))
+    if launcher:  # every rank wrote into the same folder, each its own log
+        assert logs == ["train_rank0.log", "train_rank1.log", "train_rank2.log", "train_rank3.log"], logs
+
+
+def test_single_peer_runs(tmp_path):
+    proc = train(["peers=1", "backend=mpi", *SHORT], tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    s = summary(tmp_path / "run")
+    assert s["peers"] == 1 and s["consensus_distance"] == 0 and s["mb_sent_per_peer"] == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["algorithm=nope"], ["unknown algorithm 'nope'", "allreduce", "dpsgd"]),
+    (["topology=nope"], ["unknown topology 'nope'", "ring"]),
+    (["backend=nope"], ["unknown backend 'nope'", "local", "mpi", "torch"]),
+    (["peers=0"], ["peers must be an integer >= 1"]),
+    (["algorithm.name=nope"], ["unknown algorithm 'nope'", "dpsgd"]),
+    (["topology.name=nope", "backend=local"], ["topology 'nope'", "ring"]),
+    (["topology=one_peer_exponential", "peers=6", "topology.name=hypercube"], ["hypercube", "power of 2"]),
+])
+def test_bad_input_one_line_and_no_outputs(args, words, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(args, run_dir, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert not run_dir.exists()
+
+
+def test_world_size_must_match_peers(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(["backend=mpi", "peers=4"], run_dir, [mpiexec(), "-n", "2"], timeout=60)
+    assert proc.returncode != 0
+    assert "started 2 processes but peers=4" in proc.stderr
+    assert not (run_dir / "summary.json").exists()
+
+
