@@ -190,6 +190,22 @@ class Communicator(ABC):
     def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: NeighborWeights) -> list[torch.Tensor]:
         return self.start_neighbor_average(tensors, weights).wait()
 
+    def start_neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]) -> Handle:
+        """Send one flat buffer (any dtype, e.g. a compressed message packed as bytes) to
+        `send_to` and receive a buffer of the same shape and dtype from each of `recv_from`;
+        `.wait()` returns them as a list in the order of `recv_from`. Bytes are counted as sent."""
+        buf = buf.detach().reshape(-1).contiguous()
+        send_to, recv_from = list(send_to), list(recv_from)
+        self._check_peers("neighbor_exchange", send_to + recv_from)
+        self._count("neighbor_exchange", sent=buf.nbytes * len(send_to), received=buf.nbytes * len(recv_from),
+                    messages=len(send_to))
+        ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
+        return Handle(self, "neighbor_exchange", ex, lambda: [ex.received[p] for p in recv_from], recv_from)
+
+    def neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int],
+                          recv_from: Sequence[int]) -> list[torch.Tensor]:
+        return self.start_neighbor_exchange(buf, send_to, recv_from).wait()
+
     def start_exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
         """Pairwise exchange (AD-PSGD's primitive): send `tensors` to `peer` and return the
         peer's tensors, shaped like ours."""
