@@ -1,6 +1,9 @@
-"""The comparison table printed after a run (and by the report for a sweep)."""
+"""The comparison table: printed after a run, and by the report for a sweep (text, Markdown, CSV)."""
 
 from __future__ import annotations
+
+import csv
+import io
 
 COLUMNS = [  # (header, summary key, format)
     ("algorithm", "algorithm", "{}"),
@@ -14,11 +17,48 @@ COLUMNS = [  # (header, summary key, format)
 ]
 
 
-def format_table(summaries: list[dict]) -> str:
-    rows = [[h for h, _, _ in COLUMNS]]
+def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted rows; `extra` keys (swept parameters) come first."""
+    header = list(extra) + [h for h, _, _ in COLUMNS if h not in extra]
+    rows = []
     for s in summaries:
-        rows.append([fmt.format(s[key]) if s.get(key) is not None else "-" for _, key, fmt in COLUMNS])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        row = [str(s.get(k, "-")) for k in extra]
+        row += [fmt.format(s[key]) if s.get(key) is not None else "-" for h, key, fmt in COLUMNS if h not in extra]
+        rows.append(row)
+    return header, rows
+
+
+def format_table(summaries: list[dict], extra: list[str] = ()) -> str:
+    header, rows = _cells(summaries, list(extra))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    numeric = [all(_is_number(r[i]) for r in rows) and rows != [] for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_markdown(summaries: list[dict], extra: list[str] = ()) -> str:
+    header, rows = _cells(summaries, list(extra))
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def format_csv(summaries: list[dict], extra: list[str] = ()) -> str:
+    """Raw (unformatted) values: every summary key, swept parameters first."""
+    keys = list(extra) + sorted({k for s in summaries for k in s if k not in extra})
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for s in summaries:
+        writer.writerow({k: s.get(k, "") for k in keys})
+    return out.getvalue()
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return text == "-"
