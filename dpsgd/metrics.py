@@ -11,15 +11,25 @@ from torch.func import functional_call
 from dpsgd.comm import Communicator
 
 
+def loss_function(y: torch.Tensor):
+    """Cross-entropy for class labels, mean squared error for real-valued targets."""
+    if y.is_floating_point():
+        return lambda out, target, reduction="mean": nn.functional.mse_loss(out.squeeze(-1), target,
+                                                                             reduction=reduction)
+    return nn.functional.cross_entropy
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
              batch_size: int = 1024) -> tuple[float, float, int]:
-    """(sum of losses, number correct, count) of `model` with `params` on (x, y)."""
-    loss, correct = 0.0, 0
+    """(sum of losses, number correct, count) of `model` with `params` on (x, y); for regression
+    "correct" counts predictions within 0.1 of the target."""
+    loss_fn, loss, correct = loss_function(y), 0.0, 0
     for i in range(0, len(x), batch_size):
-        out = functional_call(model, params, (x[i : i + batch_size],))
-        loss += nn.functional.cross_entropy(out, y[i : i + batch_size], reduction="sum").item()
-        correct += (out.argmax(1) == y[i : i + batch_size]).sum().item()
+        out, target = functional_call(model, params, (x[i : i + batch_size],)), y[i : i + batch_size]
+        loss += loss_fn(out, target, reduction="sum").item()
+        hit = (out.squeeze(-1) - target).abs() < 0.1 if y.is_floating_point() else out.argmax(1) == target
+        correct += hit.sum().item()
     return loss, correct, len(x)
 
 

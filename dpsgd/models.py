@@ -1,4 +1,12 @@
-"""Small models for the bundled datasets, built identically on every peer from one seed."""
+"""Models, built identically on every peer from one seed.
+
+- `linear`: multinomial logistic (or linear) regression, a convex problem.
+- `mlp`: fully connected with ReLU, `hidden` widths.
+- `cnn`: two 3x3 conv blocks (conv, GroupNorm, ReLU, max-pool) and a linear head; any image size.
+- `resnet20`: He et al. 2016's CIFAR ResNet-20 (0.27 M parameters) with GroupNorm instead of
+  BatchNorm, as in the decentralized literature (Hsieh et al. 2020): batch statistics are local
+  to a peer and do not average meaningfully.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +16,75 @@ from math import prod
 import torch
 from torch import nn
 
-MODELS = ("mlp", "linear")
+MODELS = ("linear", "mlp", "cnn", "resnet20")
 _init_lock = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
 
 
-def build(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int,
-          hidden: list[int] | None = None) -> nn.Module:
-    """Every peer calls this with the same seed and gets the same initial parameters."""
+def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int,
+          hidden: list[int] | None = None, width: int = 16, groups: int = 2) -> nn.Module:
+    """Every peer calls this with the same seed and gets the same initial parameters.
+    `num_outputs` is the class count (1 for regression)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
+    if name in ("cnn", "resnet20") and len(input_shape) != 3:
+        raise ValueError(f"model {name} needs images (channels, height, width), got inputs of shape {input_shape}; "
+                         f"use model=mlp or model=linear")
     with _init_lock:
         state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         try:
-            width = [prod(input_shape)] + (list(hidden or [64]) if name == "mlp" else [])
-            layers: list[nn.Module] = [nn.Flatten()]
-            for a, b in zip(width, width[1:]):
-                layers += [nn.Linear(a, b), nn.ReLU()]
-            layers.append(nn.Linear(width[-1], num_classes))
-            return nn.Sequential(*layers)
+            if name in ("linear", "mlp"):
+                return _mlp(prod(input_shape), list(hidden or [64]) if name == "mlp" else [], num_outputs)
+            if name == "cnn":
+                return _cnn(input_shape, num_outputs, width, groups)
+            return ResNet20(input_shape[0], num_outputs, groups)
         finally:
             torch.random.set_rng_state(state)
+
+
+def _mlp(inputs: int, hidden: list[int], outputs: int) -> nn.Module:
+    widths = [inputs, *hidden]
+    layers: list[nn.Module] = [nn.Flatten()]
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    layers.append(nn.Linear(widths[-1], outputs))
+    return nn.Sequential(*layers)
+
+
+def _cnn(input_shape, outputs: int, width: int, groups: int) -> nn.Module:
+    channels = input_shape[0]
+    layers: list[nn.Module] = []
+    for c_in, c_out in ((channels, width), (width, 2 * width)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.GroupNorm(groups, c_out), nn.ReLU(), nn.MaxPool2d(2)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(2 * width * 4, outputs))
+
+
+class _Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.norm2 = nn.GroupNorm(groups, c_out)
+        self.shortcut = nn.Identity() if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(groups, c_out))
+
+    def forward(self, x):
+        out = torch.relu(self.norm1(self.conv1(x)))
+        return torch.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    def __init__(self, channels: int = 3, num_classes: int = 10, groups: int = 2):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(channels, 16, 3, 1, 1, bias=False), nn.GroupNorm(groups, 16), nn.ReLU())
+        blocks, c_in = [], 16
+        for c_out, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(3):
+                blocks.append(_Block(c_in, c_out, stride if i == 0 else 1, groups))
+                c_in = c_out
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))

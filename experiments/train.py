@@ -25,10 +25,13 @@ from experiments.validate import ConfigError, check_group_overrides, validate
 
 
 def fail(message: str, run_dir: Path | None = None, code: int = 2):
-    """One line on stderr; a run folder holding no results yet is removed, so nothing that
-    looks like a result is left behind."""
-    if run_dir is not None and run_dir.exists() and not (run_dir / "summary.json").exists():
-        shutil.rmtree(run_dir, ignore_errors=True)
+    """One line on stderr. A run folder this invocation made and that holds nothing but Hydra's
+    own files is removed, so nothing that looks like a result is left behind; a folder holding
+    an earlier run's files (a resume) is never touched."""
+    if run_dir is not None and run_dir.exists():
+        ours = all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
+        if ours:
+            shutil.rmtree(run_dir, ignore_errors=True)
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -88,7 +91,8 @@ def run(cfg: dict, run_dir: Path, world: str | None) -> dict | None:
         from dpsgd.training import train
 
         return run_local(cfg["peers"], train, cfg, run_dir, timeout_s=float(cfg["comm"]["timeout_s"]))[0]
-    code = spawn(backend, cfg["peers"], ["-m", "experiments.peer", str(run_dir)])
+    progress = {"DPSGD_PROGRESS": "1" if sys.stdout.isatty() else "0"}  # the peers' stdout is a pipe
+    code = spawn(backend, cfg["peers"], ["-m", "experiments.peer", str(run_dir)], env=progress)
     if code != 0:
         fail(f"a peer failed (exit code {code}); its message is above. Run folder: {run_dir}", run_dir, code=1)
     return json.loads((run_dir / "summary.json").read_text())
@@ -108,6 +112,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
             world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("PMI_SIZE")
                              or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0) or None
         validate(resolved, world_size)
+        if not resolved.get("resume") and any((run_dir / f).exists() for f in ("metrics.jsonl", "checkpoints")):
+            raise ConfigError(f"{run_dir} already holds a run; pass resume=true to continue it, or choose a new "
+                              f"hydra.run.dir")
     except ConfigError as exc:
         fail(str(exc), run_dir)
     summary = run(resolved, run_dir, world)

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "topology", "model", "data", "backend")
+GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))
 
 
 class ConfigError(ValueError):
@@ -34,7 +34,7 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
     from dpsgd import data, models
     from dpsgd.comm import BACKENDS
     from dpsgd.optim import ALGORITHMS, BASE_OPTIMIZERS
-    from dpsgd.training import build_topology
+    from dpsgd.training import build_topology, load_data, partition
 
     peers = cfg.get("peers")
     if not isinstance(peers, int) or isinstance(peers, bool) or peers < 1:
@@ -61,6 +61,15 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
         build_topology(cfg, peers)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
+    _check_choice("data.partition", cfg["data"].get("partition", "iid"), data.PARTITIONS)
+    # build what the peers will build (cheap at this size): data files, partition, model shapes
+    try:
+        split = load_data(cfg)
+        partition(cfg, split, peers)
+        model_options = {k: v for k, v in cfg["model"].items() if k != "name" and v is not None}
+        models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, 0, **model_options)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
 
 
 def _check_choice(what: str, value, valid) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,34 @@ def test_world_size_must_match_peers(tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
+
+
+def test_killed_run_resumes_to_the_same_numbers(tmp_path):
+    args = ["backend=local", "epochs=60", "log_every=10", "checkpoint.every=20"]
+    full = tmp_path / "full"
+    assert train(args, full).returncode == 0
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=peer_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(run_dir.glob("checkpoints/*/COMPLETE")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "summary.json").exists(), "the run ended before it could be killed"
+
+    again = train(args, run_dir)  # the folder holds a run: refused without resume=true
+    assert again.returncode == 2 and "resume=true" in again.stderr and (run_dir / "checkpoints").exists()
+    resumed = train(args + ["resume=true"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = summary(full), summary(run_dir)
+    for key in ("steps", "test_accuracy", "test_loss", "train_loss", "consensus_distance", "mb_sent_per_peer",
+                "peer_test_accuracy_min"):
+        assert a[key] == b[key], key
+    assert _timeless_records(full) == _timeless_records(run_dir)
+
+
+def _timeless_records(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in ("wall_time_s", "comm_time_s")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
