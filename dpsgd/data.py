@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASETS = ("digits", "mnist_small", "synthetic", "synthetic_regression", "mnist", "cifar10")
+DATASETS = ("digits", "mnist_small", "synthetic", "synthetic_regression", "tiny_text", "mnist", "cifar10")
 PARTITIONS = ("iid", "dirichlet", "shards")
 
 
@@ -44,7 +44,7 @@ class DataNotFoundError(FileNotFoundError):
 
 
 def load(name: str, test_fraction: float = 0.2, seed: int = 0, root: str | None = None,
-         num_samples: int = 2000, num_features: int = 32, num_classes: int = 10) -> Split:
+         num_samples: int = 2000, num_features: int = 32, num_classes: int = 10, seq_len: int = 32) -> Split:
     """The dataset `name` with a fixed held-out test split. Bundled or generated datasets are split
     by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets."""
     if name not in DATASETS:
@@ -53,6 +53,8 @@ def load(name: str, test_fraction: float = 0.2, seed: int = 0, root: str | None 
         return _read_files(name, root)
     if not 0 < test_fraction < 1:
         raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
+    if name == "tiny_text":
+        return _tiny_text(num_samples, seq_len, test_fraction, seed)
     if name == "digits":
         from sklearn.datasets import load_digits
 
@@ -86,6 +88,38 @@ def _split(x_tr, y_tr, x_te, y_te, classes: int) -> Split:
     label = (lambda y: t(np.array(y)).long()) if classes else (lambda y: t(np.array(y, dtype=np.float32)))
     return Split(t(np.ascontiguousarray(x_tr, dtype=np.float32)), label(y_tr),
                  t(np.ascontiguousarray(x_te, dtype=np.float32)), label(y_te), classes)
+
+
+# --- a generated text corpus for language models -----------------------------------------------
+_NOUNS = ["cat", "dog", "bird", "peer", "node", "model", "graph", "robot", "child", "river"]
+_ADJECTIVES = ["small", "quick", "quiet", "bright", "old", "lazy", "strange", "happy"]
+_VERBS = ["sees", "follows", "likes", "finds", "helps", "averages", "calls", "trusts"]
+_ENDINGS = ["today", "again", "at night", "in the park", "with care", "near the sea"]
+
+
+def generated_corpus(sentences: int, seed: int) -> str:
+    """Sentences from a small seeded grammar: structure a language model can learn (agreement,
+    word order, a closed vocabulary), no file needed."""
+    rng = np.random.default_rng(seed)
+    pick = lambda words: words[rng.integers(len(words))]  # noqa: E731
+    out = []
+    for _ in range(sentences):
+        subject = f"the {pick(_ADJECTIVES)} {pick(_NOUNS)}" if rng.random() < 0.5 else f"a {pick(_NOUNS)}"
+        out.append(f"{subject} {pick(_VERBS)} the {pick(_NOUNS)} {pick(_ENDINGS)}.")
+    return " ".join(out)
+
+
+def _tiny_text(num_samples: int, seq_len: int, test_fraction: float, seed: int) -> Split:
+    """Next-character prediction: windows of `seq_len` characters, the targets shifted by one.
+    The test windows are the corpus' last part (a held-out continuation, not shuffled in)."""
+    text = generated_corpus(max(1, num_samples * (seq_len + 1) // 30), seed)
+    vocab = sorted(set(text))
+    tokens = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+    windows = tokens[: (len(tokens) - 1) // seq_len * seq_len + 1]
+    x = windows[:-1].reshape(-1, seq_len)[:num_samples]
+    y = windows[1:].reshape(-1, seq_len)[:num_samples]
+    cut = int(len(x) * (1 - test_fraction))
+    return Split(x[:cut], y[:cut], x[cut:], y[cut:], num_classes=len(vocab))
 
 
 # --- file-based datasets ----------------------------------------------------------------------
@@ -159,8 +193,8 @@ def partition(labels: np.ndarray, peers: int, seed: int, scheme: str = "iid", al
         share = n // peers  # equal shares: all-reduce of mean gradients is then exactly large-batch SGD
         order = rng.permutation(n)
         return [np.sort(order[r * share : (r + 1) * share]) for r in range(peers)]
-    if labels.dtype.kind == "f":
-        raise ValueError(f"partition {scheme!r} splits by class; a regression dataset needs partition=iid")
+    if labels.dtype.kind == "f" or labels.ndim > 1:
+        raise ValueError(f"partition {scheme!r} splits by class; regression and text data need partition=iid")
     if scheme == "dirichlet":
         if not alpha > 0:
             raise ValueError(f"data.alpha must be > 0, got {alpha}")
@@ -187,7 +221,7 @@ def partition(labels: np.ndarray, peers: int, seed: int, scheme: str = "iid", al
 
 
 def class_histogram(labels: torch.Tensor, num_classes: int) -> list[int]:
-    return torch.bincount(labels, minlength=num_classes).tolist() if num_classes else [len(labels)]
+    return torch.bincount(labels.reshape(-1), minlength=num_classes).tolist() if num_classes else [len(labels)]
 
 
 class Batches:

@@ -12,25 +12,27 @@ from dpsgd.comm import Communicator
 
 
 def loss_function(y: torch.Tensor):
-    """Cross-entropy for class labels, mean squared error for real-valued targets."""
+    """Cross-entropy for class labels (per token for sequences), mean squared error for real targets."""
     if y.is_floating_point():
         return lambda out, target, reduction="mean": nn.functional.mse_loss(out.squeeze(-1), target,
                                                                              reduction=reduction)
-    return nn.functional.cross_entropy
+    return lambda out, target, reduction="mean": nn.functional.cross_entropy(
+        out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction=reduction)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
              batch_size: int = 1024) -> tuple[float, float, int]:
     """(sum of losses, number correct, count) of `model` with `params` on (x, y); for regression
-    "correct" counts predictions within 0.1 of the target."""
-    loss_fn, loss, correct = loss_function(y), 0.0, 0
+    "correct" counts predictions within 0.1 of the target; for sequences, count is in tokens."""
+    loss_fn, loss, correct, count = loss_function(y), 0.0, 0, 0
     for i in range(0, len(x), batch_size):
         out, target = functional_call(model, params, (x[i : i + batch_size],)), y[i : i + batch_size]
         loss += loss_fn(out, target, reduction="sum").item()
-        hit = (out.squeeze(-1) - target).abs() < 0.1 if y.is_floating_point() else out.argmax(1) == target
+        hit = (out.squeeze(-1) - target).abs() < 0.1 if y.is_floating_point() else out.argmax(-1) == target
         correct += hit.sum().item()
-    return loss, correct, len(x)
+        count += target.numel()
+    return loss, correct, count
 
 
 @torch.no_grad()

@@ -6,6 +6,8 @@
 - `resnet20`: He et al. 2016's CIFAR ResNet-20 (0.27 M parameters) with GroupNorm instead of
   BatchNorm, as in the decentralized literature (Hsieh et al. 2020): batch statistics are local
   to a peer and do not average meaningfully.
+- `transformer`: a small causal transformer language model over token ids (pre-norm encoder
+  layers with a causal mask, learned positions, no dropout so that peers stay deterministic).
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from math import prod
 import torch
 from torch import nn
 
-MODELS = ("linear", "mlp", "cnn", "resnet20")
+MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer")
 _init_lock = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
 
 
 def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int,
-          hidden: list[int] | None = None, width: int = 16, groups: int = 2) -> nn.Module:
+          hidden: list[int] | None = None, width: int = 16, groups: int = 2, dim: int = 64, layers: int = 2,
+          heads: int = 4) -> nn.Module:
     """Every peer calls this with the same seed and gets the same initial parameters.
-    `num_outputs` is the class count (1 for regression)."""
+    `num_outputs` is the class count (1 for regression; the vocabulary size for a language model)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
+    if name == "transformer" and len(input_shape) != 1:
+        raise ValueError(f"model transformer needs token sequences (data=tiny_text), got inputs of shape {input_shape}")
     if name in ("cnn", "resnet20") and len(input_shape) != 3:
         raise ValueError(f"model {name} needs images (channels, height, width), got inputs of shape {input_shape}; "
                          f"use model=mlp or model=linear")
@@ -37,6 +42,8 @@ def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int,
                 return _mlp(prod(input_shape), list(hidden or [64]) if name == "mlp" else [], num_outputs)
             if name == "cnn":
                 return _cnn(input_shape, num_outputs, width, groups)
+            if name == "transformer":
+                return TinyTransformer(num_outputs, input_shape[0], dim, layers, heads)
             return ResNet20(input_shape[0], num_outputs, groups)
         finally:
             torch.random.set_rng_state(state)
@@ -88,3 +95,20 @@ class ResNet20(nn.Module):
 
     def forward(self, x):
         return self.head(self.blocks(self.stem(x)))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int, seq_len: int, dim: int = 64, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.zeros(seq_len, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.position[:t]
+        return self.head(self.norm(self.encoder(h, mask=self.mask[:t, :t], is_causal=True)))

@@ -37,7 +37,8 @@ def build_topology(cfg: dict, n: int):
 
 def load_data(cfg: dict) -> data.Split:
     d = cfg["data"]
-    options = {k: d[k] for k in ("root", "num_samples", "num_features", "num_classes") if d.get(k) is not None}
+    options = {k: d[k] for k in ("root", "num_samples", "num_features", "num_classes", "seq_len")
+               if d.get(k) is not None}
     return data.load(d["name"], d.get("test_fraction", 0.2), int(cfg["seed"]), **options)
 
 
@@ -92,6 +93,8 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
     out_dir = Path(out_dir) if out_dir is not None else None
 
     step, running, seen, elapsed = 0, 0.0, 0, 0.0
+    target = cfg.get("target_accuracy")
+    reached: dict = {}  # the first record at or above the target accuracy
     if cfg.get("resume") and out_dir is not None:
         state = checkpoint.load_latest(out_dir, comm.rank, comm.size)
         if state is not None:
@@ -99,6 +102,7 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
             opt.load_state_dict(state["optimizer"])
             batches.load_state_dict(state["batches"])
             step, running, seen, elapsed = state["step"], state["running"], state["seen"], state["elapsed"]
+            reached = state["reached"]
             for key, value in state["comm_stats"].items():
                 setattr(comm.stats, key, value)
     if writer:
@@ -137,6 +141,9 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
                     **metrics.traffic(comm),
                 }
                 running, seen = 0.0, 0
+                if target is not None and not reached and record["test_accuracy"] >= target:
+                    reached = {"steps_to_target": step, "time_to_target_s": record["wall_time_s"],
+                               "samples_to_target": record["samples"], "mb_sent_to_target": record["mb_sent_per_peer"]}
                 if writer:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
@@ -148,7 +155,8 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
                 checkpoint.save(comm, out_dir, step, {
                     "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "batches": batches.state_dict(), "running": running, "seen": seen,
-                    "elapsed": time.perf_counter() - start, "comm_stats": comm.stats.as_dict()})
+                    "elapsed": time.perf_counter() - start, "comm_stats": comm.stats.as_dict(),
+                    "reached": reached})
     wall = time.perf_counter() - start
     summary = {
         "algorithm": algo["name"],
@@ -164,6 +172,8 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
         **{k: v for k, v in record.items() if k not in ("step", "emulated_time_s")},
         "wall_time_s": wall,
         "samples_per_s": total_steps * batches.batch_size * comm.size / wall,
+        **({"target_accuracy": target, **(reached or {"steps_to_target": None, "time_to_target_s": None})}
+           if target is not None else {}),
         "class_histograms": [data.class_histogram(split.y_train[s], split.num_classes) for s in shares],
     }
     if writer:
