@@ -1,0 +1,45 @@
+"""Hydra launchers a cluster user takes: submitit (its local executor here; Slurm where present)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpsgd.launch import peer_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sweep(launcher: str, sweep_dir: Path, *extra: str, timeout: int = 300):
+    cmd = [sys.executable, "-m", "experiments.train", "-m", f"hydra/launcher={launcher}",
+           "algorithm=allreduce,dpsgd", "epochs=2", f"hydra.sweep.dir={sweep_dir}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_submitit_local_runs_a_sweep(tmp_path):
+    proc = sweep("local_submitit", tmp_path, "backend=local")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.parent.name for p in tmp_path.glob("*/summary.json")) == ["0", "1"]
+
+
+def _slurm_up() -> str | None:
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return "slurm is not installed (no sbatch/sinfo on PATH)"
+    probe = subprocess.run(["sinfo", "-h", "-o", "%P %a"], capture_output=True, text=True, timeout=20)
+    if probe.returncode != 0 or " up" not in probe.stdout:
+        return f"no Slurm partition is up: {probe.stderr.strip() or probe.stdout.strip()}"
+    return None
+
+
+@pytest.mark.timeout(900)
+def test_slurm_runs_a_two_run_sweep(tmp_path):
+    reason = _slurm_up()
+    if reason:
+        pytest.skip(reason)
+    proc = sweep("slurm", tmp_path, "peers=2", timeout=880)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(tmp_path.glob("*/summary.json"))) == 2
