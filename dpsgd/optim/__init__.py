@@ -6,12 +6,19 @@ import torch
 
 from .allreduce import AllReduce
 from .base import DistributedOptimizer
-from .dpsgd import DPSGD
+from .choco import Choco
+from .d2 import D2
+from .dpsgd import DPSGD, QGM
+from .gradient_tracking import GradientTracking
+from .local_sgd import BMUF, DiLoCo, LocalSGD, SlowMo
+from .sgp import SGP
 
-ALGORITHMS = {"allreduce": AllReduce, "dpsgd": DPSGD}
+ALGORITHMS = {"allreduce": AllReduce, "dpsgd": DPSGD, "local_sgd": LocalSGD, "slowmo": SlowMo, "diloco": DiLoCo,
+              "bmuf": BMUF, "sgp": SGP, "choco": Choco, "d2": D2, "gradient_tracking": GradientTracking, "qgm": QGM}
 BASE_OPTIMIZERS = ("sgd", "adam", "adamw")
 
-__all__ = ["ALGORITHMS", "DPSGD", "AllReduce", "DistributedOptimizer", "build", "build_base"]
+__all__ = ["ALGORITHMS", "BMUF", "D2", "DPSGD", "QGM", "SGP", "AllReduce", "Choco", "DiLoCo",
+           "DistributedOptimizer", "GradientTracking", "LocalSGD", "SlowMo", "build", "build_base"]
 
 
 def build_base(params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,

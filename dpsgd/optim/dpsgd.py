@@ -5,6 +5,20 @@ Peer i at step k, with d_i = base(x_i, g_i) - x_i its local increment (g_i taken
   x^k is known before the backward pass, so `start_communication()` may send it early and let
   the exchange overlap the gradient computation; `step()` then only waits for it.
 - order "atc" (adapt-then-combine):               x_i <- sum_j W[i,j] (x_j^k + d_j).
+
+Option `qgm=True`: quasi-global momentum (Lin, Karimireddy, Stich, Jaggi, ICML 2021, Algorithm 1,
+QG-DSGDm), registered as the algorithm "qgm". The momentum buffer is built from the model's
+actual movement, gossip included, instead of the local gradient, so it approximates the global
+direction on heterogeneous data. With beta = `qgm_beta`, mu = `qgm_mu` (beta by default, as in
+the paper's experiments), m_hat_i = 0 at start and lr the current learning rate:
+
+    m_i         = g_i + beta m_hat_i                 (handed to the base SGD as its gradient)
+    x_i^{k+1}   = the order's update with d_i = base(x_i, m_i) - x_i = -lr (m_i + weight_decay x_i)
+    m_hat_i    <- mu m_hat_i + (1 - mu) (x_i^k - x_i^{k+1}) / lr
+
+The base must be torch.optim.SGD with momentum=0 (QGM is its momentum); its weight decay is added
+to m_i, as in the authors' code. The paper mixes after the local step (order "atc"); "cta"
+applies the same buffer rule to the cta update.
 """
 
 from __future__ import annotations
@@ -27,13 +41,25 @@ def check_topology(topology, comm, algorithm: str) -> None:
 
 
 class DPSGD(DistributedOptimizer):
-    def __init__(self, base: torch.optim.Optimizer, topology, comm, order: str = "cta"):
+    def __init__(self, base: torch.optim.Optimizer, topology, comm, order: str = "cta", qgm: bool = False,
+                 qgm_beta: float = 0.9, qgm_mu: float | None = None):
         super().__init__(base, comm)
         check_topology(topology, comm, "DPSGD")
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
         self.topology, self.order = topology, order
         self._in_flight = None  # (x^k, handle) when the exchange was started early
+        self.qgm = bool(qgm)
+        self.qgm_buffer: list[torch.Tensor] | None = None  # m_hat, the quasi-global momentum buffer
+        if self.qgm:
+            if not isinstance(base, torch.optim.SGD) or any(g.get("momentum", 0) for g in base.param_groups):
+                raise ValueError("DPSGD(qgm=True) supplies its own momentum (qgm_beta): wrap "
+                                 "torch.optim.SGD(..., momentum=0), not a base with momentum or state of its own")
+            mu = qgm_beta if qgm_mu is None else qgm_mu
+            for label, value in (("qgm_beta", qgm_beta), ("qgm_mu", mu)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                    raise ValueError(f"DPSGD {label} must be in [0, 1), got {value!r}")
+            self.qgm_beta, self.qgm_mu = float(qgm_beta), float(mu)
 
     def neighbors(self):
         return self.topology.neighbors(self.comm.rank, self.step_count)
@@ -51,6 +77,9 @@ class DPSGD(DistributedOptimizer):
     def step(self, closure=None):
         loss = self._closure_loss(closure)
         params = self.params()
+        if self.qgm:
+            x_before = snapshot(params)
+            self._qgm_gradient(params)
         if self.order == "cta":
             self.start_communication()
             x_k, handle = self._in_flight
@@ -63,10 +92,46 @@ class DPSGD(DistributedOptimizer):
             self.base.step()
             for p, m in zip(params, self.comm.neighbor_average(params, self.neighbors())):
                 p.copy_(m)
+        if self.qgm:
+            self._qgm_update(params, x_before)
         self.step_count += 1
         return loss
+
+    def _qgm_gradient(self, params) -> None:
+        """p.grad <- g + beta m_hat: the heavy-ball direction with the quasi-global buffer."""
+        if self.qgm_buffer is None:
+            self.qgm_buffer = [torch.zeros_like(p) for p in params]
+        for p, m in zip(params, self.qgm_buffer):
+            if p.grad is not None:
+                p.grad.add_(m, alpha=self.qgm_beta)
+
+    def _qgm_update(self, params, x_before) -> None:
+        """m_hat <- mu m_hat + (1 - mu) (x^k - x^{k+1}) / lr, with each parameter's group lr."""
+        lr_of = {id(p): group["lr"] for group in self.param_groups for p in group["params"]}
+        for p, x, m in zip(params, x_before, self.qgm_buffer):
+            m.mul_(self.qgm_mu)
+            if lr_of[id(p)] > 0:  # with lr 0 (frozen group) the movement is gossip alone: no direction to learn
+                m.add_(x.sub_(p), alpha=(1 - self.qgm_mu) / lr_of[id(p)])
 
     def algorithm_state(self):
         if self._in_flight is not None:
             raise RuntimeError("state_dict() between start_communication() and step(): finish the step first")
-        return {**super().algorithm_state(), "order": self.order}
+        state = {**super().algorithm_state(), "order": self.order}
+        if self.qgm:
+            state["qgm_buffer"] = None if self.qgm_buffer is None else [t.clone() for t in self.qgm_buffer]
+        return state
+
+    def load_algorithm_state(self, state):
+        super().load_algorithm_state(state)
+        if self.qgm:
+            saved = state.get("qgm_buffer")
+            self.qgm_buffer = None if saved is None else [
+                t.detach().clone().to(p.device, p.dtype) for t, p in zip(saved, self.params())]
+
+
+class QGM(DPSGD):
+    """DPSGD(qgm=True) under its own name, so configs and reports tell it apart from D-PSGD."""
+
+    def __init__(self, base: torch.optim.Optimizer, topology, comm, order: str = "atc", beta: float = 0.9,
+                 mu: float | None = None):
+        super().__init__(base, topology, comm, order=order, qgm=True, qgm_beta=beta, qgm_mu=mu)

@@ -1,0 +1,103 @@
+"""Choco-SGD (Koloskova, Stich, Jaggi, ICML 2019, "Decentralized Stochastic Optimization and Gossip
+Algorithms with Compressed Communication"): gossip on compressed differences to public copies.
+
+Every peer i keeps x_i (its model), x_hat_i (its public copy: what its neighbours know of x_i,
+updated identically on both sides) and s_i = sum_j W[i,j] x_hat_j (the memory-efficient variant
+of the paper's appendix: i never stores its neighbours' copies). W = topology.mixing_matrix()
+is static and doubly stochastic, Q a compressor of `dpsgd.compress`, gamma the consensus step.
+At step t (Algorithm 1, with the base optimizer's increment d_i = base(x_i, g_i) - x_i in place
+of -eta grad F_i(x_i)):
+
+    x_i^{t+1/2} = x_i^t + d_i
+    q_i         = Q(x_i^{t+1/2} - x_hat_i^t)                 sent to every neighbour, as bytes
+    x_hat_i    += q_i,   s_i += sum_j W[i,j] q_j              (j over i and its neighbours)
+    x_i^{t+1}   = x_i^{t+1/2} + gamma (s_i - x_hat_i)         (= + gamma sum_j W[i,j] (x_hat_j - x_hat_i))
+
+x_hat and s start at 0. The compressed message is the exact byte buffer of `Q.encode` (values plus
+indices or bits), sent with `neighbor_exchange`, so the bytes counted are the bytes a real
+network would carry; each peer decodes its own message too, so its x_hat_i is bit-for-bit the
+copy its neighbours hold. Random compressors draw from (seed, sender rank, step). The model is
+compressed as one flat vector (top-k is global over all parameters).
+
+Since W is column stochastic, sum_i (s_i - x_hat_i) = 0: the consensus step never moves the
+average model, which moves only by the average increment (with lr = 0 it stays put).
+The paper's guarantees need a contractive Q (top-k, random-k, scaled sign, rescaled QSGD) and a
+gamma small enough for its delta; too large a gamma diverges.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import compress
+from ..comm.base import flatten
+from .base import DistributedOptimizer
+from .dpsgd import check_topology
+from .gradient_tracking import check_doubly_stochastic
+
+
+class Choco(DistributedOptimizer):
+    def __init__(self, base: torch.optim.Optimizer, topology, comm, compressor: str | compress.Compressor | None = None,
+                 gamma: float = 0.5, ratio: float | None = None, levels: int | None = None, rescale: bool = True,
+                 seed: int = 0):
+        super().__init__(base, comm)
+        check_topology(topology, comm, "Choco")
+        if compressor is None:
+            raise ValueError("Choco needs a compressor (compressor=top_k, random_k, sign or qsgd); without "
+                             "compression use algorithm=dpsgd")
+        if isinstance(compressor, str):
+            if compressor in ("top_k", "random_k") and not (
+                    isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
+                raise ValueError(f"Choco with compressor={compressor} needs ratio, the fraction of entries sent, "
+                                 f"in (0, 1]; got {ratio!r}")
+            compressor = compress.make(compressor, ratio=ratio, levels=levels, seed=seed, rescale=rescale)
+        elif not isinstance(compressor, compress.Compressor):
+            raise TypeError(f"Choco compressor must be a name ({', '.join(compress.COMPRESSORS)}) or a "
+                            f"dpsgd.compress.Compressor; got {type(compressor).__name__}")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
+            raise ValueError(f"Choco gamma (the consensus step size) must be in (0, 1], got {gamma!r}")
+        if getattr(topology, "period", 1) != 1:
+            raise ValueError(f"Choco keeps s_i = sum_j W[i,j] x_hat_j incrementally, which needs a static W; "
+                             f"topology {getattr(topology, 'name', '?')!r} changes over time (period "
+                             f"{topology.period}) - use a static topology")
+        check_doubly_stochastic(topology, "Choco", why=" (the consensus step must keep the average model)")
+        self.topology, self.compressor, self.gamma = topology, compressor, float(gamma)
+        self.x_hat: torch.Tensor | None = None  # public copy of this peer's model (flat)
+        self.s: torch.Tensor | None = None  # sum_j W[i,j] x_hat_j (flat)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._closure_loss(closure)
+        params = self.params()
+        self.base.step()  # p = x^{t+1/2}
+        x = flatten(params)
+        if self.x_hat is None:
+            self.x_hat, self.s = torch.zeros_like(x), torch.zeros_like(x)
+        rank, step = self.comm.rank, self.step_count
+        nb = self.topology.neighbors(rank, 0)
+        msg = self.compressor.encode(x - self.x_hat, (rank, step))
+        recv_from = sorted(nb.recv)
+        received = self.comm.neighbor_exchange(msg, sorted(nb.send), recv_from)
+        q = self.compressor.decode(msg, x.numel(), x.dtype, (rank, step))
+        self.x_hat.add_(q)
+        self.s.add_(q, alpha=nb.self_weight)
+        for peer, buf in zip(recv_from, received):  # rank order: the same sum on every backend
+            self.s.add_(self.compressor.decode(buf, x.numel(), x.dtype, (peer, step)), alpha=nb.recv[peer])
+        x.add_(self.s - self.x_hat, alpha=self.gamma)
+        offset = 0
+        for p in params:
+            p.copy_(x[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.step_count += 1
+        return loss
+
+    def algorithm_state(self):
+        return {**super().algorithm_state(),
+                "x_hat": None if self.x_hat is None else self.x_hat.clone(),
+                "s": None if self.s is None else self.s.clone()}
+
+    def load_algorithm_state(self, state):
+        super().load_algorithm_state(state)
+        p = self.params()[0]
+        self.x_hat = None if state.get("x_hat") is None else state["x_hat"].detach().clone().to(p.device, p.dtype)
+        self.s = None if state.get("s") is None else state["s"].detach().clone().to(p.device, p.dtype)

@@ -1,0 +1,98 @@
+"""Gradient tracking (DIGing / Pu & Nedic 2021 "Distributed stochastic gradient tracking methods";
+analysis of Koloskova, Lin, Stich, NeurIPS 2021 "An improved analysis of gradient tracking for
+decentralized machine learning"): each peer follows a tracker y_i of the average gradient instead
+of its own gradient, which removes the effect of heterogeneous data on the fixed point.
+
+Peer i at step k, W = topology.mixing_matrix(k) doubly stochastic, g_i^k taken at x_i^k:
+
+    y_i^0     = g_i^0
+    y_i^k     = sum_j W(k-1)[i,j] y_j^{k-1} + g_i^k - g_i^{k-1}          (k >= 1)
+    x_i^{k+1} = sum_j W(k)[i,j] (x_j^k - lr y_j^k)
+              = sum_j W(k)[i,j] base(x_j^k, y_j^k)                     (any base optimizer)
+
+With a base optimizer, y_i^k is handed to it as the gradient (it replaces p.grad), so its
+increment base(x, y) - x replaces -lr y: momentum is taken on the tracked direction, and weight
+decay is added by the base on top of y (untracked, it is the same function on every peer).
+x^{k+1/2} = base(x^k, y^k) and y^k travel in one message per step; the mixed y, W y^k, is kept
+(as c_i = W y^k - g^k, one vector) for the next step. Since W is column stochastic,
+mean_i y_i^k = mean_i g_i^k, so the average model moves by the average increment
+(mean x^{k+1} = mean x^k - lr mean g^k for SGD).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from topologies.analysis import is_doubly_stochastic
+
+from .base import DistributedOptimizer
+from .dpsgd import check_topology
+
+
+def check_doubly_stochastic(topology, algorithm: str, step: int | None = None, why: str = "") -> None:
+    """Raise a one-line ValueError unless W(t) is doubly stochastic for every t of one period (or
+    at `step`, for random schedules, which are checked as they are used)."""
+    if step is None:
+        period = getattr(topology, "period", 1)
+        if period is None:
+            return
+        steps = range(period)
+    else:
+        steps = [step]
+    for t in steps:
+        w = topology.mixing_matrix(t)
+        if not is_doubly_stochastic(w):
+            rows = w.sum(axis=1)
+            i = int(abs(rows - 1).argmax())
+            raise ValueError(
+                f"{algorithm} needs doubly stochastic mixing matrices{why}; topology "
+                f"{getattr(topology, 'name', '?')!r} at step {t} has row {i} summing to {rows[i]:.6g} "
+                f"(a directed push-sum matrix?) - use an undirected topology, or SGP for directed ones"
+            )
+
+
+class GradientTracking(DistributedOptimizer):
+    def __init__(self, base: torch.optim.Optimizer, topology, comm):
+        super().__init__(base, comm)
+        check_topology(topology, comm, "GradientTracking")
+        check_doubly_stochastic(topology, "GradientTracking",
+                                why=" (W must keep the average of the trackers equal to the average gradient)")
+        self.topology = topology
+        self.correction: list[torch.Tensor] | None = None  # c_i = W y^{k-1} - g^{k-1} (0 before step 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._closure_loss(closure)
+        params = self.params()
+        if getattr(self.topology, "period", 1) is None:
+            check_doubly_stochastic(self.topology, "GradientTracking", self.step_count)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+        if self.correction is None:
+            self.correction = [torch.zeros_like(p) for p in params]
+        for p, g, c in zip(params, grads, self.correction):
+            y = g + c  # y^k = W y^{k-1} + g^k - g^{k-1}
+            if p.grad is None:
+                p.grad = y
+            else:
+                p.grad.copy_(y)
+        trackers = [p.grad.detach().clone() for p in params]
+        self.base.step()  # p = base(x^k, y^k)
+        n = len(params)
+        mixed = self.comm.neighbor_average([*params, *trackers],
+                                           self.topology.neighbors(self.comm.rank, self.step_count))
+        for p, m in zip(params, mixed[:n]):
+            p.copy_(m)
+        for c, wy, g in zip(self.correction, mixed[n:], grads):
+            torch.sub(wy, g, out=c)
+        self.step_count += 1
+        return loss
+
+    def algorithm_state(self):
+        return {**super().algorithm_state(),
+                "correction": None if self.correction is None else [t.clone() for t in self.correction]}
+
+    def load_algorithm_state(self, state):
+        super().load_algorithm_state(state)
+        saved = state.get("correction")
+        self.correction = None if saved is None else [
+            t.detach().clone().to(p.device, p.dtype) for t, p in zip(saved, self.params())]

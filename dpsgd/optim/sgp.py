@@ -1,0 +1,99 @@
+"""SGP, Stochastic Gradient Push (Assran, Loizou, Ballas, Rabbat, ICML 2019): push-sum gossip,
+which needs only column stochastic mixing (directed or time-varying graphs).
+
+Peer i keeps a numerator x_i and a push-sum weight w_i (x_i^0 = the initial model, w_i^0 = 1).
+At step k, with W = topology.mixing_matrix(k) column stochastic (sum_i W[i,j] = 1):
+
+    z_i^k       = x_i^k / w_i^k                  (the de-biased model; g_i is taken here)
+    d_i         = base(z_i^k, g_i) - z_i^k       (the local optimizer's increment; -lr g_i for SGD)
+    x_i^{k+1/2} = x_i^k + d_i                    (Algorithm 1: x - gamma grad F(z))
+    x_i^{k+1}   = sum_j W[i,j] x_j^{k+1/2}       (push: i sends W[j,i] x_i, w_i to each out-neighbour j;
+    w_i^{k+1}   = sum_j W[i,j] w_j^k              here the receiver applies the weights, same sum)
+    z_i^{k+1}   = x_i^{k+1} / w_i^{k+1}
+
+x and w travel in one message (w appended to the flat buffer). Column stochasticity keeps
+sum_i x_i (up to the increments) and sum_i w_i = n exactly, so the z_i agree on the average.
+
+The model's parameters always hold z (what evaluation, consensus metrics and checkpoints of
+the model see); x and w are this optimizer's state (`state_dict()`), created at the first step
+from the parameters then. Momentum and other base state act on the increments of z.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from topologies.analysis import is_column_stochastic
+
+from .base import DistributedOptimizer
+from .dpsgd import check_topology
+
+
+def check_column_stochastic(topology, algorithm: str, step: int | None = None) -> None:
+    """Raise a one-line ValueError unless W(t) is column stochastic for every t of one period
+    (or at `step`, for random schedules, which are checked as they are used)."""
+    if step is None:
+        period = getattr(topology, "period", 1)
+        if period is None:
+            return
+        steps = range(period)
+    else:
+        steps = [step]
+    for t in steps:
+        w = topology.mixing_matrix(t)
+        if not is_column_stochastic(w):
+            cols = w.sum(axis=0)
+            j = int(abs(cols - 1).argmax())
+            raise ValueError(
+                f"{algorithm} needs column stochastic mixing matrices (push-sum conserves mass only if each "
+                f"peer shares out all of its value); topology {getattr(topology, 'name', '?')!r} at step {t} "
+                f"has column {j} summing to {cols[j]:.6g} - use a directed (push-sum) or undirected topology"
+            )
+
+
+class SGP(DistributedOptimizer):
+    def __init__(self, base: torch.optim.Optimizer, topology, comm):
+        super().__init__(base, comm)
+        check_topology(topology, comm, "SGP")
+        check_column_stochastic(topology, "SGP")
+        self.topology = topology
+        self.x: list[torch.Tensor] | None = None  # push-sum numerators, shaped like the parameters
+        self.w: torch.Tensor | None = None  # push-sum weight (a 1-element tensor of the parameters' dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._closure_loss(closure)
+        params = self.params()
+        if self.x is None:
+            self.x = [p.detach().clone() for p in params]
+            self.w = torch.ones(1, dtype=params[0].dtype, device=params[0].device)
+        if getattr(self.topology, "period", 1) is None:
+            check_column_stochastic(self.topology, "SGP", self.step_count)
+        z = [p.detach().clone() for p in params]
+        self.base.step()  # p = z + d
+        for x, p, zk in zip(self.x, params, z):
+            x.add_(p).sub_(zk)  # x^{k+1/2} = x^k + d
+        mixed = self.comm.neighbor_average([*self.x, self.w],
+                                           self.topology.neighbors(self.comm.rank, self.step_count))
+        for x, m in zip(self.x, mixed):
+            x.copy_(m)
+        self.w.copy_(mixed[-1])
+        for p, x in zip(params, self.x):
+            torch.div(x, self.w, out=p)  # z^{k+1}
+        self.step_count += 1
+        return loss
+
+    def algorithm_state(self):
+        return {**super().algorithm_state(),
+                "x": None if self.x is None else [t.clone() for t in self.x],
+                "w": None if self.w is None else self.w.clone()}
+
+    def load_algorithm_state(self, state):
+        super().load_algorithm_state(state)
+        params = self.params()
+        if state.get("x") is None:
+            self.x = self.w = None
+            return
+        self.x = [t.detach().clone().to(p.device, p.dtype) for t, p in zip(state["x"], params)]
+        self.w = state["w"].detach().clone().to(params[0].device, params[0].dtype)
+
