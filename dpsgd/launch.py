@@ -88,8 +88,14 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float | None) -> int:
 
 
 def spawn_mpi(n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None) -> int:
-    """Run `argv` (a python command line without the interpreter) on n MPI ranks."""
-    cmd = [mpiexec(), "-n", str(n), sys.executable, *argv]
+    """Run `argv` (a python command line without the interpreter) on n MPI ranks of this machine."""
+    launcher = mpiexec()
+    cmd = [launcher, "-n", str(n)]
+    if "SLURM_JOB_ID" in os.environ and (Path(launcher).parent / "hydra_pmi_proxy").exists():
+        # MPICH's mpiexec would start its proxy with srun, which waits forever for CPUs the
+        # running job step already holds: start the ranks on this node directly
+        cmd += ["-launcher", "fork"]
+    cmd += [sys.executable, *argv]
     proc = subprocess.Popen(cmd, env=peer_env(env), start_new_session=True)
     return _supervise([proc], timeout_s)
 
