@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,10 @@ def test_preset_composes_and_validates(preset):
     params = cfg.hydra.sweeper.params
     assert params, f"{preset} sweeps nothing"
     assert preset in cfg.hydra.sweep.dir
-    # every swept value is a valid choice: compose and validate each one
-    for key, values in params.items():
-        for value in str(values).split(","):
-            with initialize_config_dir(str(CONF), version_base="1.3"):
-                job = compose("config", overrides=[f"experiment={preset}", f"{key}={value}"])
-            resolved = OmegaConf.to_container(job, resolve=True)
-            validate(resolved)
+    # every job of the sweep is a valid run: compose and validate each one
+    keys = list(params)
+    for values in itertools.product(*(str(params[k]).split(",") for k in keys)):
+        overrides = [f"experiment={preset}"] + [f"{k}={v}" for k, v in zip(keys, values)]
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            job = compose("config", overrides=overrides)
+        validate(OmegaConf.to_container(job, resolve=True))
