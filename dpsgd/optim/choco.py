@@ -32,8 +32,8 @@ import torch
 from .. import compress
 from ..comm.base import flatten
 from .base import DistributedOptimizer
+from .checks import check_stochastic
 from .dpsgd import check_topology
-from .gradient_tracking import check_doubly_stochastic
 
 
 class Choco(DistributedOptimizer):
@@ -60,7 +60,7 @@ class Choco(DistributedOptimizer):
             raise ValueError(f"Choco keeps s_i = sum_j W[i,j] x_hat_j incrementally, which needs a static W; "
                              f"topology {getattr(topology, 'name', '?')!r} changes over time (period "
                              f"{topology.period}) - use a static topology")
-        check_doubly_stochastic(topology, "Choco", why=" (the consensus step must keep the average model)")
+        check_stochastic(topology, "Choco", "doubly", why=" (the consensus step must keep the average model)")
         self.topology, self.compressor, self.gamma = topology, compressor, float(gamma)
         self.x_hat: torch.Tensor | None = None  # public copy of this peer's model (flat)
         self.s: torch.Tensor | None = None  # sum_j W[i,j] x_hat_j (flat)

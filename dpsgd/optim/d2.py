@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from .base import DistributedOptimizer
+from .checks import check_stochastic
 from .dpsgd import check_topology
-from .gradient_tracking import check_doubly_stochastic
 
 LAMBDA_MIN = -1.0 / 3.0
 LAZY_CHOICES = (False, True, "auto")
@@ -66,7 +66,7 @@ class D2(DistributedOptimizer):
         key = step % self.topology.period if getattr(self.topology, "period", 1) else step
         if key in self._lazy:
             return self._lazy[key]
-        check_doubly_stochastic(self.topology, "D2", step)
+        check_stochastic(self.topology, "D2", "doubly", step)
         w = self.topology.mixing_matrix(step)
         if not np.allclose(w, w.T, rtol=0, atol=1e-12):
             raise ValueError(

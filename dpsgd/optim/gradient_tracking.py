@@ -23,40 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from topologies.analysis import is_doubly_stochastic
-
 from .base import DistributedOptimizer
+from .checks import check_stochastic
 from .dpsgd import check_topology
-
-
-def check_doubly_stochastic(topology, algorithm: str, step: int | None = None, why: str = "") -> None:
-    """Raise a one-line ValueError unless W(t) is doubly stochastic for every t of one period (or
-    at `step`, for random schedules, which are checked as they are used)."""
-    if step is None:
-        period = getattr(topology, "period", 1)
-        if period is None:
-            return
-        steps = range(period)
-    else:
-        steps = [step]
-    for t in steps:
-        w = topology.mixing_matrix(t)
-        if not is_doubly_stochastic(w):
-            rows = w.sum(axis=1)
-            i = int(abs(rows - 1).argmax())
-            raise ValueError(
-                f"{algorithm} needs doubly stochastic mixing matrices{why}; topology "
-                f"{getattr(topology, 'name', '?')!r} at step {t} has row {i} summing to {rows[i]:.6g} "
-                f"(a directed push-sum matrix?) - use an undirected topology, or SGP for directed ones"
-            )
 
 
 class GradientTracking(DistributedOptimizer):
     def __init__(self, base: torch.optim.Optimizer, topology, comm):
         super().__init__(base, comm)
         check_topology(topology, comm, "GradientTracking")
-        check_doubly_stochastic(topology, "GradientTracking",
-                                why=" (W must keep the average of the trackers equal to the average gradient)")
+        check_stochastic(topology, "GradientTracking", "doubly",
+                         why=" (W must keep the average of the trackers equal to the average gradient)")
         self.topology = topology
         self.correction: list[torch.Tensor] | None = None  # c_i = W y^{k-1} - g^{k-1} (0 before step 0)
 
@@ -65,7 +42,7 @@ class GradientTracking(DistributedOptimizer):
         loss = self._closure_loss(closure)
         params = self.params()
         if getattr(self.topology, "period", 1) is None:
-            check_doubly_stochastic(self.topology, "GradientTracking", self.step_count)
+            check_stochastic(self.topology, "GradientTracking", "doubly", self.step_count)
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
         if self.correction is None:
             self.correction = [torch.zeros_like(p) for p in params]

@@ -23,39 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from topologies.analysis import is_column_stochastic
-
 from .base import DistributedOptimizer
+from .checks import check_stochastic
 from .dpsgd import check_topology
-
-
-def check_column_stochastic(topology, algorithm: str, step: int | None = None) -> None:
-    """Raise a one-line ValueError unless W(t) is column stochastic for every t of one period
-    (or at `step`, for random schedules, which are checked as they are used)."""
-    if step is None:
-        period = getattr(topology, "period", 1)
-        if period is None:
-            return
-        steps = range(period)
-    else:
-        steps = [step]
-    for t in steps:
-        w = topology.mixing_matrix(t)
-        if not is_column_stochastic(w):
-            cols = w.sum(axis=0)
-            j = int(abs(cols - 1).argmax())
-            raise ValueError(
-                f"{algorithm} needs column stochastic mixing matrices (push-sum conserves mass only if each "
-                f"peer shares out all of its value); topology {getattr(topology, 'name', '?')!r} at step {t} "
-                f"has column {j} summing to {cols[j]:.6g} - use a directed (push-sum) or undirected topology"
-            )
 
 
 class SGP(DistributedOptimizer):
     def __init__(self, base: torch.optim.Optimizer, topology, comm):
         super().__init__(base, comm)
         check_topology(topology, comm, "SGP")
-        check_column_stochastic(topology, "SGP")
+        check_stochastic(topology, "SGP", "column",
+                         why=" (push-sum conserves mass only if each peer shares out all of its value)")
         self.topology = topology
         self.x: list[torch.Tensor] | None = None  # push-sum numerators, shaped like the parameters
         self.w: torch.Tensor | None = None  # push-sum weight (a 1-element tensor of the parameters' dtype)
@@ -68,7 +46,7 @@ class SGP(DistributedOptimizer):
             self.x = [p.detach().clone() for p in params]
             self.w = torch.ones(1, dtype=params[0].dtype, device=params[0].device)
         if getattr(self.topology, "period", 1) is None:
-            check_column_stochastic(self.topology, "SGP", self.step_count)
+            check_stochastic(self.topology, "SGP", "column", self.step_count)
         z = [p.detach().clone() for p in params]
         self.base.step()  # p = z + d
         for x, p, zk in zip(self.x, params, z):

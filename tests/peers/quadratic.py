@@ -6,10 +6,6 @@ Imported by the tests (local backend) and run as a script under real launchers:
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -68,11 +64,6 @@ def all_trajectories(comm) -> list:
 
 
 if __name__ == "__main__":
-    import dpsgd.comm
+    from runner import main
 
-    torch.set_num_threads(1)
-    backend, out_dir = sys.argv[1], Path(sys.argv[2])
-    comm = dpsgd.comm.init(backend, timeout_s=60)
-    result = all_trajectories(comm)
-    (out_dir / f"rank{comm.rank}.json").write_text(json.dumps(result))
-    comm.close()
+    main(all_trajectories)
