@@ -43,3 +43,16 @@ def test_slurm_runs_a_two_run_sweep(tmp_path):
     proc = sweep("slurm", tmp_path, "peers=2", timeout=880)
     assert proc.returncode == 0, proc.stderr
     assert len(list(tmp_path.glob("*/summary.json"))) == 2
+
+
+@pytest.mark.timeout(300)
+def test_srun_starts_the_ranks_of_one_run(tmp_path):
+    reason = _slurm_up()
+    if reason:
+        pytest.skip(reason)
+    cmd = ["srun", "-n", "2", "--mpi=pmi2", sys.executable, "-m", "experiments.train", "backend=mpi", "peers=2",
+           "epochs=2", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "summary.json").exists()
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == ["train_rank0.log", "train_rank1.log"]
