@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from topologies.analysis import is_column_stochastic, is_doubly_stochastic
 
+
+def check_topology(topology, comm, algorithm: str) -> None:
+    if topology is None:
+        raise TypeError(f"{algorithm} needs topology=topologies.make(NAME, comm.size)")
+    if topology.n != comm.size:
+        raise ValueError(
+            f"{algorithm}: the topology has {topology.n} peers but the communicator has {comm.size}; "
+            f"build it with topologies.make(name, comm.size)"
+        )
+
+
 _ADVICE = {
     "doubly": ("doubly stochastic", 1, "row", "(a directed push-sum matrix?) - use an undirected topology, "
                "or SGP for directed ones"),

@@ -32,8 +32,7 @@ import torch
 from .. import compress
 from ..comm.base import flatten
 from .base import DistributedOptimizer
-from .checks import check_stochastic
-from .dpsgd import check_topology
+from .checks import check_stochastic, check_topology
 
 
 class Choco(DistributedOptimizer):

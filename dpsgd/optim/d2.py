@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from .base import DistributedOptimizer
-from .checks import check_stochastic
-from .dpsgd import check_topology
+from .checks import check_stochastic, check_topology
 
 LAMBDA_MIN = -1.0 / 3.0
 LAZY_CHOICES = (False, True, "auto")

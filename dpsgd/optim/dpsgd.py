@@ -26,18 +26,9 @@ from __future__ import annotations
 import torch
 
 from .base import DistributedOptimizer, snapshot
+from .checks import check_stochastic, check_topology
 
 ORDERS = ("cta", "atc")
-
-
-def check_topology(topology, comm, algorithm: str) -> None:
-    if topology is None:
-        raise TypeError(f"{algorithm} needs topology=topologies.make(NAME, comm.size)")
-    if topology.n != comm.size:
-        raise ValueError(
-            f"{algorithm}: the topology has {topology.n} peers but the communicator has {comm.size}; "
-            f"build it with topologies.make(name, comm.size)"
-        )
 
 
 class DPSGD(DistributedOptimizer):
@@ -45,6 +36,8 @@ class DPSGD(DistributedOptimizer):
                  qgm_beta: float = 0.9, qgm_mu: float | None = None):
         super().__init__(base, comm)
         check_topology(topology, comm, "DPSGD")
+        check_stochastic(topology, "DPSGD", "doubly",
+                         why=" (the average model must move only by the average increment)")
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
         self.topology, self.order = topology, order

@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from .base import DistributedOptimizer
-from .checks import check_stochastic
-from .dpsgd import check_topology
+from .checks import check_stochastic, check_topology
 
 
 class SGP(DistributedOptimizer):
