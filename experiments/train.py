@@ -8,6 +8,7 @@ and joins the launcher's world; the ranks agree on one output folder before Hydr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,8 @@ def fail(message: str, run_dir: Path | None = None, code: int = 2):
         ours = all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
         if ours:
             shutil.rmtree(run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the date folder Hydra made for it, if now empty
+                run_dir.parent.rmdir()
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
