@@ -108,8 +108,12 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
                     ax.plot(*zip(*pts), marker=".", label=label(run, keys))
             ax.set_xlabel(x_label)
             ax.set_ylabel(y_label)
-            if y_key == "consensus_distance" and any(y > 0 for r in runs for y in _values(r, y_key)):
-                ax.set_yscale("symlog", linthresh=1e-6)
+            if y_key == "consensus_distance":
+                ys = [y for r in runs for y in _values(r, y_key)]
+                if ys and min(ys) > 0:
+                    ax.set_yscale("log")
+                elif any(y > 0 for y in ys):  # all-reduce runs sit at exactly 0
+                    ax.set_yscale("symlog", linthresh=min(y for y in ys if y > 0))
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.suptitle(f"{len(runs)} run(s)" + (f", swept: {', '.join(keys)}" if keys else ""))
