@@ -6,7 +6,7 @@ config.yaml), so a sweep made elsewhere can be reported here. The parameters tha
 between runs are the swept ones: they become the table's first columns and the plots' legend.
 
 Writes into the output folder (default DIR): report.md, report.csv, and PNG plots
-vs_steps.png (test accuracy, test loss, consensus distance), vs_wall_time.png and
+vs_steps.png (test accuracy of the averaged model and of the peers, test loss, consensus distance), vs_wall_time.png and
 vs_mb_sent.png (test accuracy and loss).
 """
 
@@ -91,6 +91,7 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
 
     figures = {
         "vs_steps": ("step", "step", [("test_accuracy", "test accuracy (averaged model)"),
+                                      ("peer_test_accuracy_mean", "test accuracy (mean of peers' models)"),
                                       ("test_loss", "test loss"), ("consensus_distance", "consensus distance")]),
         "vs_wall_time": ("wall_time_s", "wall time (s)", [("test_accuracy", "test accuracy (averaged model)"),
                                                            ("test_loss", "test loss")]),
