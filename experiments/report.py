@@ -107,6 +107,9 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
                        if m.get(x_key) is not None and m.get(y_key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), marker=".", label=label(run, keys))
+            xs = [x for r in runs for x in _values(r, x_key) if x > 0]
+            if x_key == "mb_sent_per_peer" and xs and max(xs) / min(xs) > 100:
+                ax.set_xscale("log", nonpositive="mask")  # e.g. averaging periods spanning 1 to 64
             ax.set_xlabel(x_label)
             ax.set_ylabel(y_label)
             if y_key == "consensus_distance":
