@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean soak bench
 
 setup: $(STAMP)
 
@@ -29,3 +29,9 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs multirun
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m experiments.bench.stragglers $(ARGS)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import topologies
-from dpsgd import checkpoint, data, metrics, models
+from dpsgd import checkpoint, data, metrics, models, netem
 from dpsgd.comm import Communicator
 from dpsgd.optim import build, build_base
 
@@ -66,6 +66,10 @@ def _progress(enabled: bool, total: int):
 
 
 def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:
+    if cfg["algorithm"]["name"] == "adpsgd":  # no global step: its own loop
+        from dpsgd.training_async import train_async
+
+        return train_async(comm, cfg, out_dir)
     seed, algo = int(cfg["seed"]), cfg["algorithm"]
     device = torch.device(cfg.get("device", "cpu"))
     split = load_data(cfg)
@@ -83,6 +87,7 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
     options = {k: v for k, v in algo.items() if k not in BASE_KEYS}
     opt = build(algo["name"], base, comm, topology, **options)
     loss_fn = metrics.loss_function(split.y_train)
+    slowdown = netem.ComputeSlowdown.from_config(cfg.get("network"), comm.rank, comm.size)  # stragglers
 
     # every peer takes the same number of steps; an epoch is one pass over the whole training set
     steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
@@ -124,9 +129,11 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
             step += 1
             comm.context = f"step {step}"
             x, y = batches.next()
+            slowdown.start()
             opt.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
+            slowdown.finish()
             opt.step()
             running, seen = running + loss.item(), seen + 1
             if step % log_every == 0 or step == total_steps:

@@ -58,7 +58,9 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"comm.timeout_s must be a number of seconds > 0, got {timeout!r}")
     try:
-        build_topology(cfg, peers)
+        topology = build_topology(cfg, peers)
+        if cfg["algorithm"]["name"] == "adpsgd" and peers > 1:
+            topology.bipartite()  # AD-PSGD pairs active with passive peers: every edge must cross
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
     _check_choice("data.partition", cfg["data"].get("partition", "iid"), data.PARTITIONS)

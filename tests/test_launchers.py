@@ -29,7 +29,10 @@ def test_submitit_local_runs_a_sweep(tmp_path):
 def _slurm_up() -> str | None:
     if not shutil.which("sbatch") or not shutil.which("sinfo"):
         return "slurm is not installed (no sbatch/sinfo on PATH)"
-    probe = subprocess.run(["sinfo", "-h", "-o", "%P %a"], capture_output=True, text=True, timeout=20)
+    try:
+        probe = subprocess.run(["sinfo", "-h", "-o", "%P %a"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer in 20 s: no Slurm controller is running"
     if probe.returncode != 0 or " up" not in probe.stdout:
         return f"no Slurm partition is up: {probe.stderr.strip() or probe.stdout.strip()}"
     return None

@@ -81,6 +81,24 @@ class Exchange(Pending):
     received: dict[int, torch.Tensor]
 
 
+class Request(Pending):
+    """One started message of an asynchronous protocol (`start_send` / `start_recv`): unlike the
+    symmetric operations above, it can be tested without blocking, and a receive may accept any
+    sender (`source` then tells who sent it, once complete)."""
+
+    source: int | None = None
+
+    @abstractmethod
+    def test(self) -> bool:
+        """True once the message has been sent (the buffer may be reused) or received."""
+
+    def wait(self, deadline: float) -> None:
+        poll_until(self.test, deadline, self.peers_outstanding)
+
+
+MAX_TAG = 32767  # the smallest MPI_TAG_UB the standard allows
+
+
 class Handle:
     """A started public operation; `wait()` returns its result as a list of tensors shaped
     like the input list."""
@@ -152,6 +170,20 @@ class Communicator(ABC):
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release backend resources; the communicator cannot be used afterwards."""
 
+    # --- for asynchronous protocols (AD-PSGD): optional per backend ---------------------
+    def duplicate(self) -> Communicator:
+        """A communicator over the same peers with its own message context (MPI `Dup`, a new
+        gloo group, a separate local namespace), so that a second thread (a communication
+        thread) can use it and its messages never match this one's. Collective: every peer calls
+        it, in the same order. Close it when done."""
+        raise NotImplementedError(f"the {self.backend} backend has no duplicate()")
+
+    def _start_send(self, buf: torch.Tensor, peer: int, tag: int) -> Request:
+        raise NotImplementedError(f"the {self.backend} backend has no point-to-point send")
+
+    def _start_recv(self, buf: torch.Tensor, source: int | None, tag: int) -> Request:
+        raise NotImplementedError(f"the {self.backend} backend has no point-to-point receive")
+
     # --- public operations --------------------------------------------------------------
     def start_allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> Handle:
         """Start averaging `tensors` over all peers; `.wait()` returns the averages."""
@@ -217,6 +249,34 @@ class Communicator(ABC):
 
     def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
         return self.start_exchange(tensors, peer).wait()
+
+    def start_send(self, buf: torch.Tensor, peer: int, tag: int) -> Request:
+        """Send one contiguous buffer to `peer` with `tag` (0..32767) without blocking. Unlike the
+        operations above, the caller chooses the tag: asynchronous protocols match messages by
+        tag, not by a common sequence of operations. Keep `buf` unchanged until the request is done."""
+        self._check_peers("send", [peer])
+        self._check_tag(tag)
+        self._count("send", sent=buf.nbytes, received=0, messages=1)
+        return self._start_send(buf.contiguous(), peer, tag)
+
+    def start_recv(self, buf: torch.Tensor, source: int | None = None, tag: int = 0) -> Request:
+        """Receive into the contiguous `buf` from `source` (None: any peer; the request's
+        `source` then names the sender) with `tag`, without blocking."""
+        if not buf.is_contiguous():
+            raise ValueError("start_recv needs a contiguous buffer to receive into")
+        if source is not None:
+            self._check_peers("recv", [source])
+        self._check_tag(tag)
+        self._count("recv", sent=0, received=buf.nbytes, messages=0)
+        return self._start_recv(buf, source, tag)
+
+    def wait_request(self, op: str, request: Request, peers: Sequence[int]) -> None:
+        """Wait for `request` with the communicator's deadline; a timeout names `op` and `peers`."""
+        self._wait(op, request, peers)
+
+    def _check_tag(self, tag: int) -> None:
+        if not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"rank {self.rank}: message tags must be in [0, {MAX_TAG}], got {tag}")
 
     @contextlib.contextmanager
     def uncounted(self):

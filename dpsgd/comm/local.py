@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, PeerTimeoutError, Pending
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, PeerTimeoutError, Pending, Request
 
 _POLL_S = 0.05  # how often a blocked receive looks whether another peer failed
 
@@ -98,15 +98,69 @@ class _LocalAllreduce(Pending):
         return self._ex.peers_outstanding()
 
 
+class _LocalSend(Request):
+    def test(self) -> bool:
+        return True  # the message was copied into the receiver's queue
+
+
+class _LocalRecv(Request):
+    """A receive from one peer, or from any (polling every sender's queue, round robin)."""
+
+    def __init__(self, comm: LocalCommunicator, buf: torch.Tensor, source: int | None, tag):
+        self._comm, self._buf, self._tag = comm, buf, tag
+        self._sources = [source] if source is not None else [r for r in range(comm.size) if r != comm.rank]
+        self._next = 0
+        self.source = None
+
+    def test(self) -> bool:
+        if self.source is not None:
+            return True
+        world, rank = self._comm.world, self._comm.rank
+        world.check(rank, "receive")
+        for k in range(len(self._sources)):
+            peer = self._sources[(self._next + k) % len(self._sources)]
+            try:
+                msg = world.channel(peer, rank, self._tag).get_nowait()
+            except queue.Empty:
+                continue
+            self._buf.copy_(msg.view_as(self._buf))
+            self.source, self._next = peer, (self._next + k + 1) % len(self._sources)
+            return True
+        return False
+
+    def peers_outstanding(self) -> list[int]:
+        return [] if self.source is not None else list(self._sources)
+
+
 class LocalCommunicator(Communicator):
     backend = "local"
 
-    def __init__(self, world: LocalWorld, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, world: LocalWorld, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 namespace: tuple = ()):
         super().__init__(rank, world.n, timeout_s)
         self.world = world
+        self.namespace = namespace  # () for the world's own context; duplicates get their own
+        self._duplicates = 0
+
+    def _key(self, tag: int):
+        return (self.namespace, tag) if self.namespace else tag
+
+    def duplicate(self) -> LocalCommunicator:
+        # every peer duplicates in the same order, so the n copies agree on the namespace
+        self._duplicates += 1
+        return LocalCommunicator(self.world, self.rank, self.timeout_s, self.namespace + (self._duplicates,))
+
+    def _start_send(self, buf, peer, tag) -> Request:
+        self.world.check(self.rank, "send")
+        self.world.channel(self.rank, peer, self._key(tag)).put(buf.clone())
+        return _LocalSend()
+
+    def _start_recv(self, buf, source, tag) -> Request:
+        return _LocalRecv(self, buf, source, self._key(tag))
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         self.world.check(self.rank, "send")
+        tag = self._key(tag)
         for peer in send_to:
             self.world.channel(self.rank, peer, tag).put(buf.clone())
         return _LocalExchange(self.world, self.rank, recv_from, tag)

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, Pending, poll_until
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, Pending, Request, poll_until
 
 
 def load_mpi():
@@ -66,6 +66,26 @@ class _MPIExchange(_Requests, Exchange):
         self.received = received
 
 
+class _MPIRequest(Request):
+    def __init__(self, MPI, request, peer: int | None):
+        self._MPI, self._request, self._peer = MPI, request, peer
+        self._status = MPI.Status()
+        self._done = False
+        self.source = peer
+
+    def test(self) -> bool:
+        if not self._done and self._request.Test(self._status):
+            self._done = True
+            if self.source is None:
+                self.source = self._status.Get_source()
+        return self._done
+
+    def peers_outstanding(self) -> list[int]:
+        if self._done:
+            return []
+        return [self._peer] if self._peer is not None else []
+
+
 class MPICommunicator(Communicator):
     backend = "mpi"
 
@@ -86,6 +106,28 @@ class MPICommunicator(Communicator):
             reqs.append(self._comm.Isend(_as_buffer(buf), dest=p, tag=tag))
             peers.append(p)
         return _MPIExchange(self._MPI, reqs, peers, received)
+
+    def duplicate(self) -> MPICommunicator:
+        return MPICommunicator(self._comm, self.timeout_s)  # __init__ Dup()s it: a new context
+
+    def require_thread_multiple(self, why: str) -> None:
+        """Raise unless MPI runs with MPI_THREAD_MULTIPLE (several threads calling MPI at once)."""
+        level = self._MPI.Query_thread()
+        if level != self._MPI.THREAD_MULTIPLE:
+            names = {self._MPI.THREAD_SINGLE: "THREAD_SINGLE", self._MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+                     self._MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+            raise RuntimeError(
+                f"{why} needs MPI_THREAD_MULTIPLE, but MPI was initialized with {names.get(level, level)}; "
+                f"let mpi4py initialize MPI (its default asks for THREAD_MULTIPLE, `mpi4py.rc.thread_level`), "
+                f"use an MPI library built with thread support, or choose backend=torch or backend=local"
+            )
+
+    def _start_send(self, buf, peer, tag) -> Request:
+        return _MPIRequest(self._MPI, self._comm.Isend(_as_buffer(buf), dest=peer, tag=tag), peer)
+
+    def _start_recv(self, buf, source, tag) -> Request:
+        src = self._MPI.ANY_SOURCE if source is None else source
+        return _MPIRequest(self._MPI, self._comm.Irecv(_as_buffer(buf), source=src, tag=tag), source)
 
     def _start_allreduce_sum(self, buf) -> Pending:
         req = self._comm.Iallreduce(self._MPI.IN_PLACE, _mpi_op_buffer(buf), op=self._MPI.SUM)

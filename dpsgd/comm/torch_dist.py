@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, Pending
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, Pending, Request
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -51,11 +52,64 @@ class _TorchExchange(_Works, Exchange):
         self.received = received
 
 
+class _TorchRequest(Request):
+    """gloo's point-to-point works report completion only through `wait()` (and a `wait` that
+    times out breaks the connection), so `test()` hands the wait to a helper thread that sleeps
+    in the library; the request is done when that thread returns."""
+
+    def __init__(self, work, peer: int | None, timeout_s: float):
+        self._work, self._peer, self._timeout_s = work, peer, timeout_s
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._waiter: threading.Thread | None = None
+        self.source = peer
+
+    def _wait_in_library(self) -> None:
+        try:
+            self._work.wait(timeout=timedelta(seconds=self._timeout_s))
+            if self.source is None:
+                self.source = int(self._work._source_rank())
+        except BaseException as exc:  # noqa: BLE001 - re-raised by test() in the caller's thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def test(self) -> bool:
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_in_library, name="dpsgd-torch-wait", daemon=True)
+            self._waiter.start()
+        if not self._done.is_set():
+            return False
+        if self._error is not None:
+            raise PeerTimeoutError(str(self._error)) from self._error
+        return True
+
+    def wait(self, deadline: float) -> None:
+        if self._waiter is None:  # nobody tested it yet: wait here, in the library
+            self._waiter = threading.current_thread()
+            self._wait_in_library()
+        elif not self._done.wait(timeout=max(0.0, deadline - time.monotonic())):
+            raise PeerTimeoutError("deadline passed")
+        if self._error is not None:
+            raise PeerTimeoutError(str(self._error)) from self._error
+
+    def peers_outstanding(self) -> list[int]:
+        if self._done.is_set():
+            return []
+        return [self._peer] if self._peer is not None else []
+
+
 class TorchCommunicator(Communicator):
     backend = "torch"
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, dist_backend: str | None = None,
-                 init_method: str | None = None):
+                 init_method: str | None = None, group=None):
+        self._group = group  # None: the default group; duplicate() makes others
+        self._is_duplicate = group is not None
+        if group is not None:
+            super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
+            self.dist_backend = dist.get_backend(group)
+            return
         if not dist.is_available():
             raise RuntimeError("this torch build has no torch.distributed; choose backend=local or backend=mpi")
         if not dist.is_initialized():
@@ -79,18 +133,33 @@ class TorchCommunicator(Communicator):
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
         received = {p: torch.empty_like(buf) for p in recv_from}
-        ops = [dist.P2POp(dist.irecv, received[p], p, tag=tag) for p in recv_from]
-        ops += [dist.P2POp(dist.isend, buf, p, tag=tag) for p in send_to]
+        ops = [dist.P2POp(dist.irecv, received[p], p, group=self._group, tag=tag) for p in recv_from]
+        ops += [dist.P2POp(dist.isend, buf, p, group=self._group, tag=tag) for p in send_to]
         works = dist.batch_isend_irecv(ops) if ops else []
         return _TorchExchange(works, list(recv_from) + list(send_to), received)
 
+    def duplicate(self) -> TorchCommunicator:
+        # a new group of all ranks (gloo: the CPU tensors of asynchronous protocols) is its own context
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        return TorchCommunicator(self.timeout_s, group=group)
+
+    def _start_send(self, buf, peer, tag) -> Request:
+        return _TorchRequest(dist.isend(buf, peer, group=self._group, tag=tag), peer, self.timeout_s)
+
+    def _start_recv(self, buf, source, tag) -> Request:
+        return _TorchRequest(dist.irecv(buf, source, group=self._group, tag=tag), source, self.timeout_s)
+
     def _start_allreduce_sum(self, buf) -> Pending:
-        return _Works([dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)], [-1])
+        return _Works([dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._group, async_op=True)], [-1])
 
     def barrier(self) -> None:
         buf = torch.zeros(1, device="cuda" if self.dist_backend == "nccl" else "cpu")
-        self._wait("barrier", _Works([dist.all_reduce(buf, async_op=True)], [-1]), range(self.size))
+        self._wait("barrier", _Works([dist.all_reduce(buf, group=self._group, async_op=True)], [-1]), range(self.size))
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self._is_duplicate:
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
+        elif dist.is_initialized():
             dist.destroy_process_group()

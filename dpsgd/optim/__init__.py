@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .adpsgd import ADPSGD
 from .allreduce import AllReduce
 from .base import DistributedOptimizer
 from .choco import Choco
@@ -14,10 +15,11 @@ from .local_sgd import BMUF, DiLoCo, LocalSGD, SlowMo
 from .sgp import SGP
 
 ALGORITHMS = {"allreduce": AllReduce, "dpsgd": DPSGD, "local_sgd": LocalSGD, "slowmo": SlowMo, "diloco": DiLoCo,
-              "bmuf": BMUF, "sgp": SGP, "choco": Choco, "d2": D2, "gradient_tracking": GradientTracking, "qgm": QGM}
+              "bmuf": BMUF, "sgp": SGP, "choco": Choco, "d2": D2, "gradient_tracking": GradientTracking, "qgm": QGM,
+              "adpsgd": ADPSGD}
 BASE_OPTIMIZERS = ("sgd", "adam", "adamw")
 
-__all__ = ["ALGORITHMS", "BMUF", "D2", "DPSGD", "QGM", "SGP", "AllReduce", "Choco", "DiLoCo",
+__all__ = ["ADPSGD", "ALGORITHMS", "BMUF", "D2", "DPSGD", "QGM", "SGP", "AllReduce", "Choco", "DiLoCo",
            "DistributedOptimizer", "GradientTracking", "LocalSGD", "SlowMo", "build", "build_base"]
 
 
