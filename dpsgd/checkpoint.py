@@ -32,6 +32,12 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def write_json_atomic(path: Path, obj) -> None:
+    """A JSON file written to a temporary name and renamed: a reader never sees half of it."""
+    data = (json.dumps(obj, indent=2) + "\n").encode()
+    _write_atomic(Path(path), lambda fh: fh.write(data))
+
+
 def save(comm, run_dir: Path, step: int, state: dict) -> None:
     """Every peer calls this at the same step with its own state."""
     folder = _step_dir(run_dir, step)

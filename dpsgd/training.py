@@ -1,7 +1,7 @@
 """The training loop every backend runs: one peer's side of an experiment.
 
-`train(comm, cfg, out_dir)` builds data share, model, topology and optimizer from a resolved
-config (a plain dict), takes `epochs` passes over the training set, logs uniform metrics every
+`train(comm, cfg, out_dir)` builds the peer's parts from a resolved config (dpsgd.build), takes
+`epochs` passes over the training set, logs uniform metrics every
 `log_every` steps, checkpoints every `checkpoint.every` steps, and returns the summary. Rank 0
 writes `metrics.jsonl` and `summary.json`. With `resume: true` it continues from the newest
 complete checkpoint in `out_dir` and ends with the numbers of an uninterrupted run.
@@ -16,44 +16,10 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-
 import topologies
-from dpsgd import checkpoint, data, metrics, models, netem
+from dpsgd import checkpoint, data, metrics
+from dpsgd.build import build_peer
 from dpsgd.comm import Communicator
-from dpsgd.optim import build, build_base
-
-BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov")
-
-
-def topology_options(cfg_topology: dict) -> dict:
-    """The options of `topologies.make` a topology config sets (unset ones are left to defaults)."""
-    return {k: v for k, v in cfg_topology.items() if k != "name" and v is not None}
-
-
-def build_topology(cfg: dict, n: int):
-    return topologies.make(cfg["topology"]["name"], n, **topology_options(cfg["topology"]))
-
-
-def load_data(cfg: dict) -> data.Split:
-    d = cfg["data"]
-    options = {k: d[k] for k in ("root", "num_samples", "num_features", "num_classes", "seq_len")
-               if d.get(k) is not None}
-    return data.load(d["name"], d.get("test_fraction", 0.2), int(cfg["seed"]), **options)
-
-
-def partition(cfg: dict, split: data.Split, peers: int) -> list:
-    d = cfg["data"]
-    return data.partition(split.y_train.numpy(), peers, int(cfg["seed"]), d.get("partition", "iid"),
-                          alpha=float(d.get("alpha", 0.5)), shards_per_peer=int(d.get("shards_per_peer", 2)),
-                          min_size=int(cfg["batch_size"]))
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write-then-rename: a reader never sees a half-written file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _progress(enabled: bool, total: int):
@@ -71,27 +37,10 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
 
         return train_async(comm, cfg, out_dir)
     seed, algo = int(cfg["seed"]), cfg["algorithm"]
-    device = torch.device(cfg.get("device", "cpu"))
-    split = load_data(cfg)
-    shares = partition(cfg, split, comm.size)
-    share = shares[comm.rank]
-    x_test, y_test = split.x_test.to(device), split.y_test.to(device)
-    batches = data.Batches(split.x_train[share].to(device), split.y_train[share].to(device),
-                           int(cfg["batch_size"]), seed=seed * 1000 + comm.rank + 1)
-    model_cfg = {k: v for k, v in cfg["model"].items() if k != "name" and v is not None}
-    model = models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **model_cfg).to(device)
-    topology = build_topology(cfg, comm.size)
-    base = build_base(model.parameters(), name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
-                      momentum=float(algo.get("momentum", 0.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
-                      nesterov=bool(algo.get("nesterov", False)))
-    options = {k: v for k, v in algo.items() if k not in BASE_KEYS}
-    opt = build(algo["name"], base, comm, topology, **options)
-    loss_fn = metrics.loss_function(split.y_train)
-    slowdown = netem.ComputeSlowdown.from_config(cfg.get("network"), comm.rank, comm.size)  # stragglers
-
-    # every peer takes the same number of steps; an epoch is one pass over the whole training set
-    steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
-    total_steps = int(cfg["epochs"]) * steps_per_epoch
+    peer = build_peer(comm, cfg)
+    split, batches, model, opt = peer.split, peer.batches, peer.model, peer.optimizer
+    x_test, y_test, loss_fn, slowdown = peer.x_test, peer.y_test, peer.loss_fn, peer.slowdown
+    steps_per_epoch, total_steps = peer.steps_per_epoch, peer.total_steps
     log_every = int(cfg.get("log_every") or steps_per_epoch)
     ckpt_every = int((cfg.get("checkpoint") or {}).get("every") or 0)
     writer = out_dir is not None and comm.rank == 0
@@ -175,15 +124,15 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
         "model": cfg["model"]["name"],
         "seed": seed,
         "steps": total_steps,
-        "spectral_gap": float(topologies.analysis.spectral_gap(topology)),
+        "spectral_gap": float(topologies.analysis.spectral_gap(peer.topology)),
         **{k: v for k, v in record.items() if k not in ("step", "emulated_time_s")},
         "wall_time_s": wall,
         "samples_per_s": total_steps * batches.batch_size * comm.size / wall,
         **({"target_accuracy": target, **(reached or {"steps_to_target": None, "time_to_target_s": None})}
            if target is not None else {}),
-        "class_histograms": [data.class_histogram(split.y_train[s], split.num_classes) for s in shares],
+        "class_histograms": [data.class_histogram(split.y_train[s], split.num_classes) for s in peer.shares],
     }
     if writer:
         log_file.close()
-        write_json_atomic(out_dir / "summary.json", summary)
+        checkpoint.write_json_atomic(out_dir / "summary.json", summary)
     return summary

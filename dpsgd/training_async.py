@@ -20,38 +20,22 @@ from pathlib import Path
 import torch
 
 import topologies
-from dpsgd import data, metrics, models, netem
+from dpsgd import checkpoint, data, metrics
+from dpsgd.build import build_peer
 from dpsgd.comm import Communicator
-from dpsgd.optim import build, build_base
 
 HISTOGRAM_BINS = 16  # staleness 0..15, the last bin holding 15 and more
 
 
 def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:
-    from dpsgd.training import BASE_KEYS, build_topology, load_data, partition, write_json_atomic
-
     seed, algo = int(cfg["seed"]), cfg["algorithm"]
-    device = torch.device(cfg.get("device", "cpu"))
-    split = load_data(cfg)
-    shares = partition(cfg, split, comm.size)
-    share = shares[comm.rank]
-    x_test, y_test = split.x_test.to(device), split.y_test.to(device)
-    batches = data.Batches(split.x_train[share].to(device), split.y_train[share].to(device),
-                           int(cfg["batch_size"]), seed=seed * 1000 + comm.rank + 1)
-    model_cfg = {k: v for k, v in cfg["model"].items() if k != "name" and v is not None}
-    model = models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **model_cfg).to(device)
-    topology = build_topology(cfg, comm.size)
-    base = build_base(model.parameters(), name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
-                      momentum=float(algo.get("momentum", 0.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
-                      nesterov=bool(algo.get("nesterov", False)))
-    options = {k: v for k, v in algo.items() if k not in BASE_KEYS}
-    opt = build(algo["name"], base, comm, topology, **options)
-    loss_fn = metrics.loss_function(split.y_train)
-    slowdown = netem.ComputeSlowdown.from_config(cfg.get("network"), comm.rank, comm.size)
+    peer = build_peer(comm, cfg)
+    split, batches, model, opt = peer.split, peer.batches, peer.model, peer.optimizer
+    x_test, y_test, loss_fn, slowdown = peer.x_test, peer.y_test, peer.loss_fn, peer.slowdown
+    topology, shares = peer.topology, peer.shares
 
     # the synchronous loop's budget, in the unit the algorithm asks for
-    steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
-    total_steps = int(cfg["epochs"]) * steps_per_epoch
+    steps_per_epoch, total_steps = peer.steps_per_epoch, peer.total_steps
     opt.set_budget(steps=total_steps, samples=total_steps * batches.batch_size * comm.size,
                    samples_per_step=batches.batch_size)
     log_every = int(cfg.get("log_every") or steps_per_epoch)
@@ -158,7 +142,7 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
         totals = {k: v for k, v in adpsgd.items() if not k.endswith("_per_peer")}
         log_file.write(json.dumps({**record, "adpsgd": totals}) + "\n")
         log_file.close()
-        write_json_atomic(out_dir / "summary.json", summary)
+        checkpoint.write_json_atomic(out_dir / "summary.json", summary)
     return summary
 
 

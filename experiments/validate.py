@@ -32,9 +32,9 @@ def check_group_overrides(argv: list[str]) -> None:
 def validate(cfg: dict, world_size: int | None = None) -> None:
     """Everything that would otherwise fail inside the peers, checked in the driver."""
     from dpsgd import data, models
+    from dpsgd.build import build_model, build_topology, check_algorithm, load_data, partition
     from dpsgd.comm import BACKENDS
-    from dpsgd.optim import ALGORITHMS, BASE_OPTIMIZERS
-    from dpsgd.training import build_topology, load_data, partition
+    from dpsgd.optim import BASE_OPTIMIZERS
 
     peers = cfg.get("peers")
     if not isinstance(peers, int) or isinstance(peers, bool) or peers < 1:
@@ -42,13 +42,17 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
     if world_size is not None and world_size != peers:
         raise ConfigError(f"the launcher started {world_size} processes but peers={peers}; "
                           f"pass peers={world_size} or start {peers} processes")
-    _check_choice("algorithm", cfg["algorithm"].get("name"), ALGORITHMS)
+    try:
+        check_algorithm(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _check_choice("algorithm.optimizer", cfg["algorithm"].get("optimizer", "sgd"), BASE_OPTIMIZERS)
     lr = cfg["algorithm"].get("lr")
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
         raise ConfigError(f"algorithm.lr must be a number > 0, got {lr!r}")
     _check_choice("backend", cfg["backend"].get("name"), BACKENDS)
-    _check_choice("model", cfg["model"].get("name"), models.MODELS)
+    if not cfg["model"].get("_target_"):
+        _check_choice("model", cfg["model"].get("name"), models.MODELS)
     _check_choice("dataset", cfg["data"].get("name"), data.DATASETS)
     for key in ("epochs", "batch_size", "log_every"):
         value = cfg.get(key)
@@ -68,9 +72,10 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
     try:
         split = load_data(cfg)
         partition(cfg, split, peers)
-        model_options = {k: v for k, v in cfg["model"].items() if k != "name" and v is not None}
-        models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, 0, **model_options)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+        if not any(True for _ in build_model(cfg, split).parameters()):
+            raise ValueError(f"the model {cfg['model'].get('_target_') or cfg['model'].get('name')!r} "
+                             f"has no parameters to train")
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
 
 

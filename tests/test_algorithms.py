@@ -20,10 +20,10 @@ from peers import suite_peer as s
 from reference import grads
 
 import topologies
+from dpsgd.build import BASE_KEYS
 from dpsgd.comm import run_local
 from dpsgd.launch import spawn
 from dpsgd.optim import ALGORITHMS, D2, DPSGD, SGP, Choco, GradientTracking, build
-from dpsgd.training import BASE_KEYS
 
 N = 4
 PEER_SCRIPT = str(Path(__file__).parent / "peers" / "suite_peer.py")

@@ -1,0 +1,132 @@
+"""One peer's parts, built from a resolved experiment config (a plain dict): data split and share,
+batches, model, topology, base and distributed optimizer, loss, straggler emulation.
+
+Both training loops (synchronous and asynchronous) and the config validator build through here,
+so a config means the same thing everywhere. A model or algorithm config may name its own class
+with Hydra's `_target_` (e.g. `model._target_=mypkg.MyNet`): the class is imported and called with
+the config's other keys (a model also gets no positional arguments; a distributed optimizer gets
+the base optimizer, `comm=` and `topology=`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+import topologies
+from dpsgd import data, metrics, models, netem
+from dpsgd.optim import build as build_algorithm
+from dpsgd.optim import build_base
+
+BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov", "_target_")
+_TARGET_INIT_LOCK = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
+
+
+def import_target(target: str, what: str):
+    """The class a `_target_` names ('package.module.Class'), or a one-line error."""
+    module, _, name = str(target).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{what}._target_={target!r} cannot be imported ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0]}); give 'package.module.Class' importable here") from None
+
+
+def topology_options(cfg_topology: dict) -> dict:
+    """The options of `topologies.make` a topology config sets (unset ones are left to defaults)."""
+    return {k: v for k, v in cfg_topology.items() if k != "name" and v is not None}
+
+
+def build_topology(cfg: dict, n: int):
+    return topologies.make(cfg["topology"]["name"], n, **topology_options(cfg["topology"]))
+
+
+def load_data(cfg: dict) -> data.Split:
+    d = cfg["data"]
+    options = {k: d[k] for k in ("root", "num_samples", "num_features", "num_classes", "seq_len")
+               if d.get(k) is not None}
+    return data.load(d["name"], d.get("test_fraction", 0.2), int(cfg["seed"]), **options)
+
+
+def partition(cfg: dict, split: data.Split, peers: int) -> list:
+    d = cfg["data"]
+    return data.partition(split.y_train.numpy(), peers, int(cfg["seed"]), d.get("partition", "iid"),
+                          alpha=float(d.get("alpha", 0.5)), shards_per_peer=int(d.get("shards_per_peer", 2)),
+                          min_size=int(cfg["batch_size"]))
+
+
+def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
+    """The config's model, the same initial parameters on every peer (one seed)."""
+    options = {k: v for k, v in cfg["model"].items() if k not in ("name", "_target_") and v is not None}
+    seed = int(cfg["seed"])
+    target = cfg["model"].get("_target_")
+    if target:
+        cls = import_target(target, "model")
+        with _TARGET_INIT_LOCK:
+            state = torch.random.get_rng_state()
+            torch.manual_seed(seed)
+            try:
+                return cls(**options)
+            finally:
+                torch.random.set_rng_state(state)
+    return models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **options)
+
+
+def check_algorithm(cfg: dict):
+    """The algorithm class a config names (its `_target_` or a registered name)."""
+    from dpsgd.optim import ALGORITHMS
+
+    algo = cfg["algorithm"]
+    if algo.get("_target_"):
+        return import_target(algo["_target_"], "algorithm")
+    if algo.get("name") not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algo.get('name')!r}; valid algorithms: {', '.join(ALGORITHMS)} "
+                         f"(or set algorithm._target_ to your own class)")
+    return ALGORITHMS[algo["name"]]
+
+
+@dataclass
+class Peer:
+    """Everything one peer trains with."""
+
+    split: data.Split
+    shares: list
+    batches: data.Batches
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    model: torch.nn.Module
+    topology: object
+    optimizer: object
+    loss_fn: object
+    slowdown: netem.ComputeSlowdown
+    steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set
+    total_steps: int
+
+
+def build_peer(comm, cfg: dict) -> Peer:
+    seed, algo = int(cfg["seed"]), cfg["algorithm"]
+    device = torch.device(cfg.get("device", "cpu"))
+    split = load_data(cfg)
+    shares = partition(cfg, split, comm.size)
+    share = shares[comm.rank]
+    batches = data.Batches(split.x_train[share].to(device), split.y_train[share].to(device),
+                           int(cfg["batch_size"]), seed=seed * 1000 + comm.rank + 1)
+    model = build_model(cfg, split).to(device)
+    topology = build_topology(cfg, comm.size)
+    base = build_base(model.parameters(), name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
+                      momentum=float(algo.get("momentum", 0.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
+                      nesterov=bool(algo.get("nesterov", False)))
+    options = {k: v for k, v in algo.items() if k not in BASE_KEYS}
+    if algo.get("_target_"):
+        optimizer = check_algorithm(cfg)(base, comm=comm, topology=topology, **options)
+    else:
+        optimizer = build_algorithm(algo["name"], base, comm, topology, **options)
+    steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
+    return Peer(split=split, shares=shares, batches=batches, x_test=split.x_test.to(device),
+                y_test=split.y_test.to(device), model=model, topology=topology, optimizer=optimizer,
+                loss_fn=metrics.loss_function(split.y_train),
+                slowdown=netem.ComputeSlowdown.from_config(cfg.get("network"), comm.rank, comm.size),
+                steps_per_epoch=steps_per_epoch, total_steps=int(cfg["epochs"]) * steps_per_epoch)
