@@ -105,6 +105,32 @@ class Peer:
     steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set
     total_steps: int
 
+    def train_step(self) -> float:
+        """One minibatch: forward, backward (under the straggler emulation), the optimizer's step;
+        returns the minibatch loss."""
+        x, y = self.batches.next()
+        self.slowdown.start()
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.slowdown.finish()
+        self.optimizer.step()
+        return loss.item()
+
+    def describe(self, cfg: dict, comm) -> dict:
+        """What the run was: the first keys of every summary.json."""
+        return {
+            "algorithm": cfg["algorithm"]["name"],
+            "topology": cfg["topology"]["name"],
+            "peers": comm.size,
+            "backend": comm.backend,
+            "dataset": cfg["data"]["name"],
+            "partition": cfg["data"].get("partition", "iid"),
+            "model": cfg["model"]["name"],
+            "seed": int(cfg["seed"]),
+            "spectral_gap": float(topologies.analysis.spectral_gap(self.topology)),
+        }
+
 
 def build_peer(comm, cfg: dict) -> Peer:
     seed, algo = int(cfg["seed"]), cfg["algorithm"]

@@ -16,7 +16,6 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import topologies
 from dpsgd import checkpoint, data, metrics
 from dpsgd.build import build_peer
 from dpsgd.comm import Communicator
@@ -36,10 +35,9 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
         from dpsgd.training_async import train_async
 
         return train_async(comm, cfg, out_dir)
-    seed, algo = int(cfg["seed"]), cfg["algorithm"]
     peer = build_peer(comm, cfg)
     split, batches, model, opt = peer.split, peer.batches, peer.model, peer.optimizer
-    x_test, y_test, loss_fn, slowdown = peer.x_test, peer.y_test, peer.loss_fn, peer.slowdown
+    x_test, y_test = peer.x_test, peer.y_test
     steps_per_epoch, total_steps = peer.steps_per_epoch, peer.total_steps
     log_every = int(cfg.get("log_every") or steps_per_epoch)
     ckpt_every = int((cfg.get("checkpoint") or {}).get("every") or 0)
@@ -77,14 +75,7 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
         while step < total_steps:
             step += 1
             comm.context = f"step {step}"
-            x, y = batches.next()
-            slowdown.start()
-            opt.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            slowdown.finish()
-            opt.step()
-            running, seen = running + loss.item(), seen + 1
+            running, seen = running + peer.train_step(), seen + 1
             if step % log_every == 0 or step == total_steps:
                 comm.context = f"metrics at step {step}"
                 record = {
@@ -115,16 +106,8 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
                     "reached": reached})
     wall = time.perf_counter() - start
     summary = {
-        "algorithm": algo["name"],
-        "topology": cfg["topology"]["name"],
-        "peers": comm.size,
-        "backend": comm.backend,
-        "dataset": cfg["data"]["name"],
-        "partition": cfg["data"].get("partition", "iid"),
-        "model": cfg["model"]["name"],
-        "seed": seed,
+        **peer.describe(cfg, comm),
         "steps": total_steps,
-        "spectral_gap": float(topologies.analysis.spectral_gap(peer.topology)),
         **{k: v for k, v in record.items() if k not in ("step", "emulated_time_s")},
         "wall_time_s": wall,
         "samples_per_s": total_steps * batches.batch_size * comm.size / wall,

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-import topologies
 from dpsgd import checkpoint, data, metrics
 from dpsgd.build import build_peer
 from dpsgd.comm import Communicator
@@ -28,11 +27,9 @@ HISTOGRAM_BINS = 16  # staleness 0..15, the last bin holding 15 and more
 
 
 def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:
-    seed, algo = int(cfg["seed"]), cfg["algorithm"]
     peer = build_peer(comm, cfg)
     split, batches, model, opt = peer.split, peer.batches, peer.model, peer.optimizer
-    x_test, y_test, loss_fn, slowdown = peer.x_test, peer.y_test, peer.loss_fn, peer.slowdown
-    topology, shares = peer.topology, peer.shares
+    x_test, y_test, slowdown, shares = peer.x_test, peer.y_test, peer.slowdown, peer.shares
 
     # the synchronous loop's budget, in the unit the algorithm asks for
     steps_per_epoch, total_steps = peer.steps_per_epoch, peer.total_steps
@@ -53,14 +50,7 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
     try:
         while not opt.should_stop():
             comm.context = f"step {opt.step_count + 1}"
-            x, y = batches.next()
-            slowdown.start()
-            opt.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            slowdown.finish()
-            opt.step()
-            running, seen = running + loss.item(), seen + 1
+            running, seen = running + peer.train_step(), seen + 1
             if log_file is not None and opt.step_count % log_every == 0:
                 log_file.write(json.dumps(_local_record(opt, model, x_test, y_test, running / seen, start,
                                                         steps_per_epoch, comm.size)) + "\n")
@@ -120,16 +110,8 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
         **per_peer,
     }
     summary = {
-        "algorithm": algo["name"],
-        "topology": cfg["topology"]["name"],
-        "peers": comm.size,
-        "backend": comm.backend,
-        "dataset": cfg["data"]["name"],
-        "partition": cfg["data"].get("partition", "iid"),
-        "model": cfg["model"]["name"],
-        "seed": seed,
+        **peer.describe(cfg, comm),
         "steps": record["step"],
-        "spectral_gap": float(topologies.analysis.spectral_gap(topology)),
         **{k: v for k, v in record.items() if k not in ("step", "emulated_time_s", "scope")},
         "wall_time_s": wall,
         "samples_per_s": samples / wall,
