@@ -109,6 +109,8 @@ class Peer:
         """One minibatch: forward, backward (under the straggler emulation), the optimizer's step;
         returns the minibatch loss."""
         x, y = self.batches.next()
+        if getattr(self.optimizer, "overlap", False):
+            self.optimizer.start_communication()  # x^k travels while the gradient is computed
         self.slowdown.start()
         self.optimizer.zero_grad()
         loss = self.loss_fn(self.model(x), y)

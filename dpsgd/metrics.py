@@ -75,11 +75,13 @@ def snapshot_metrics(comm: Communicator, model: nn.Module, x_test: torch.Tensor,
 
 
 def traffic(comm: Communicator) -> dict:
-    """Mean over peers of the algorithm's bytes sent and time blocked in communication."""
+    """Mean over peers of the algorithm's bytes sent, time blocked in communication, and time its
+    non-blocking exchanges ran behind computation (e.g. D-PSGD with overlap)."""
     s = comm.stats
-    table = gather_scalars(comm, [s.bytes_sent, s.bytes_received, s.comm_time_s])
+    table = gather_scalars(comm, [s.bytes_sent, s.bytes_received, s.comm_time_s, s.overlap_s])
     return {
         "mb_sent_per_peer": float(table[:, 0].mean()) / 1e6,
         "mb_received_per_peer": float(table[:, 1].mean()) / 1e6,
         "comm_time_s": float(table[:, 2].mean()),
+        "comm_overlap_s": float(table[:, 3].mean()),
     }

@@ -51,6 +51,9 @@ class CommStats:
     bytes_received: int = 0
     messages_sent: int = 0
     comm_time_s: float = 0.0  # time spent blocked waiting for peers
+    # time between starting a non-blocking operation and waiting for it: the computation that
+    # communication could hide behind (an upper bound of the communication time hidden)
+    overlap_s: float = 0.0
     calls: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -59,6 +62,7 @@ class CommStats:
             "bytes_received": self.bytes_received,
             "messages_sent": self.messages_sent,
             "comm_time_s": self.comm_time_s,
+            "overlap_s": self.overlap_s,
             "calls": dict(self.calls),
         }
 
@@ -107,9 +111,13 @@ class Handle:
         self._comm, self._op, self._pending, self._finish = comm, op, pending, finish
         self._peers = list(peers)
         self._result: list[torch.Tensor] | None = None
+        self._started = time.monotonic()
+        self._counting = comm._counting
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
+            if self._counting:
+                self._comm.stats.overlap_s += time.monotonic() - self._started
             self._comm._wait(self._op, self._pending, self._peers)
             self._result = self._finish()
         return self._result

@@ -33,14 +33,18 @@ ORDERS = ("cta", "atc")
 
 class DPSGD(DistributedOptimizer):
     def __init__(self, base: torch.optim.Optimizer, topology, comm, order: str = "cta", qgm: bool = False,
-                 qgm_beta: float = 0.9, qgm_mu: float | None = None):
+                 qgm_beta: float = 0.9, qgm_mu: float | None = None, overlap: bool = False):
         super().__init__(base, comm)
         check_topology(topology, comm, "DPSGD")
         check_stochastic(topology, "DPSGD", "doubly",
                          why=" (the average model must move only by the average increment)")
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
+        if overlap and order != "cta":
+            raise ValueError("DPSGD overlap=true needs order='cta': only x^k is known before the backward pass")
         self.topology, self.order = topology, order
+        # overlap: the training loop calls start_communication() before the forward pass
+        self.overlap = bool(overlap)
         self._in_flight = None  # (x^k, handle) when the exchange was started early
         self.qgm = bool(qgm)
         self.qgm_buffer: list[torch.Tensor] | None = None  # m_hat, the quasi-global momentum buffer
