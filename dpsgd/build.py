@@ -101,21 +101,21 @@ class Peer:
     topology: object
     optimizer: object
     loss_fn: object
-    slowdown: netem.ComputeSlowdown
+    network: netem.NetworkEmulator  # attached to the communicator: link costs, clock, compute slowdown
     steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set
     total_steps: int
 
     def train_step(self) -> float:
-        """One minibatch: forward, backward (under the straggler emulation), the optimizer's step;
+        """One minibatch: forward, backward (under the compute emulation), the optimizer's step;
         returns the minibatch loss."""
         x, y = self.batches.next()
         if getattr(self.optimizer, "overlap", False):
             self.optimizer.start_communication()  # x^k travels while the gradient is computed
-        self.slowdown.start()
+        self.network.start_compute()
         self.optimizer.zero_grad()
         loss = self.loss_fn(self.model(x), y)
         loss.backward()
-        self.slowdown.finish()
+        self.network.finish_compute()
         self.optimizer.step()
         return loss.item()
 
@@ -136,6 +136,8 @@ class Peer:
 
 def build_peer(comm, cfg: dict) -> Peer:
     seed, algo = int(cfg["seed"]), cfg["algorithm"]
+    network = netem.NetworkEmulator.from_config(cfg.get("network"), comm.rank, comm.size, seed)
+    comm.attach_network(network)  # before the optimizer: some exchange at construction
     device = torch.device(cfg.get("device", "cpu"))
     split = load_data(cfg)
     shares = partition(cfg, split, comm.size)
@@ -156,5 +158,5 @@ def build_peer(comm, cfg: dict) -> Peer:
     return Peer(split=split, shares=shares, batches=batches, x_test=split.x_test.to(device),
                 y_test=split.y_test.to(device), model=model, topology=topology, optimizer=optimizer,
                 loss_fn=metrics.loss_function(split.y_train),
-                slowdown=netem.ComputeSlowdown.from_config(cfg.get("network"), comm.rank, comm.size),
+                network=network,
                 steps_per_epoch=steps_per_epoch, total_steps=int(cfg["epochs"]) * steps_per_epoch)

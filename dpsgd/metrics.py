@@ -76,10 +76,15 @@ def snapshot_metrics(comm: Communicator, model: nn.Module, x_test: torch.Tensor,
 
 def traffic(comm: Communicator) -> dict:
     """Mean over peers of the algorithm's bytes sent, time blocked in communication, and time its
-    non-blocking exchanges ran behind computation (e.g. D-PSGD with overlap)."""
-    s = comm.stats
-    table = gather_scalars(comm, [s.bytes_sent, s.bytes_received, s.comm_time_s, s.overlap_s])
+    non-blocking exchanges ran behind computation (e.g. D-PSGD with overlap); with an emulated network
+    (dpsgd.netem), the emulated time (the latest peer's clock) and the emulated time spent waiting."""
+    s, net = comm.stats, comm.network
+    emulating = net is not None and net.active
+    table = gather_scalars(comm, [s.bytes_sent, s.bytes_received, s.comm_time_s, s.overlap_s,
+                                  net.clock.elapsed() if emulating else 0.0, s.emulated_wait_s])
     return {
+        "emulated_time_s": float(table[:, 4].max()) if emulating else None,
+        "emulated_wait_s": float(table[:, 5].mean()) if emulating else None,
         "mb_sent_per_peer": float(table[:, 0].mean()) / 1e6,
         "mb_received_per_peer": float(table[:, 1].mean()) / 1e6,
         "comm_time_s": float(table[:, 2].mean()),

@@ -1,36 +1,120 @@
-"""Network and straggler emulation. For now: the per-peer compute slowdown (stragglers).
+"""Network and straggler emulation, applied inside a communicator: per-link latency and bandwidth,
+jitter, per-peer compute slowdown, and an emulated clock per peer.
 
-Configured by the `network` config group (`network=loopback`, `network=straggler`):
-- `slow_peers`: ranks that compute slower than the others,
-- `compute_scale`: how much slower (4.0: a slow peer takes 4x as long per step),
-- `compute_time`: a per-step compute floor in seconds: after its real compute a peer waits until
-  `compute_time` (times its slowdown) has passed since the step began, so that many peers sharing a
-  few cores keep honest relative timing (the floor, not the contention for cores, sets the pace).
+Configured by the `network` config group (`network=ethernet_1g`, ...):
+- `latency_s` (alpha) and `bandwidth_bytes_per_s` (beta; 0 or null: unlimited): one message of M bytes
+  costs alpha + M / beta; a peer sending k messages in one operation serialises them on its link,
+  alpha + k M / beta; a ring all-reduce of M bytes among n peers costs 2 (n-1) alpha + 2 (n-1)/n M / beta.
+- `jitter_s`: each message takes an extra uniform [0, jitter_s) seconds (seeded per peer).
+- `slow_peers`, `compute_scale`, `compute_time`: the compute slowdown (stragglers) and the per-step
+  compute floor: a peer's step computes for max(real compute, compute_time) x its slowdown, so that many
+  peers sharing a few cores keep honest relative timing.
+- `mode`: `model` adds every cost to the peer's emulated clock only (runs stay fast; the compute floor and
+  slowdown are not slept either); `sleep` really waits (the clock is the real one), so overlap and
+  asynchrony are exercised for real.
 
-The delay is real (`time.sleep` in the computing thread), so its effect on an algorithm is measured on
-real processes, not assumed: a slow peer under all-reduce slows every peer, under AD-PSGD only itself.
-Per-link latency and bandwidth emulation and the emulated clock come with issue 7 and will live here,
-in the same `network` group.
+The clock is honest about waiting: each message carries the sender's time at which it arrives, and an
+operation completes at the latest arrival it needs, so a peer that starts late delays its neighbours
+(and, through an all-reduce, everyone), and communication started before computation (D-PSGD's
+overlap) is hidden behind it.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
-NETWORK_KEYS = ("name", "slow_peers", "compute_scale", "compute_time")
+NETWORK_KEYS = ("name", "mode", "latency_s", "bandwidth_bytes_per_s", "jitter_s", "slow_peers", "compute_scale",
+                "compute_time")
+MODES = ("model", "sleep")
+
+
+@dataclass(frozen=True)
+class Link:
+    """The cost model of one link: latency alpha (seconds) and bandwidth beta (bytes/s; None: unlimited)."""
+
+    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float | None = None
+
+    def __post_init__(self):
+        if not self.latency_s >= 0:
+            raise ValueError(f"network.latency_s must be >= 0 seconds, got {self.latency_s}")
+        if self.bandwidth_bytes_per_s is not None and not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(f"network.bandwidth_bytes_per_s must be > 0 bytes/s (or null for unlimited), "
+                             f"got {self.bandwidth_bytes_per_s}")
+
+    @property
+    def free(self) -> bool:
+        return self.latency_s == 0 and self.bandwidth_bytes_per_s is None
+
+    def transfer_time(self, nbytes: float) -> float:
+        return 0.0 if self.bandwidth_bytes_per_s is None else nbytes / self.bandwidth_bytes_per_s
+
+    def message_time(self, nbytes: float, count: int = 1) -> float:
+        """`count` messages of `nbytes` sent back to back from one peer: alpha + count M / beta."""
+        return 0.0 if count <= 0 else self.latency_s + self.transfer_time(count * nbytes)
+
+    def allreduce_time(self, nbytes: float, n: int) -> float:
+        """A bandwidth-optimal ring all-reduce: 2 (n-1) alpha + 2 (n-1)/n M / beta."""
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) * self.latency_s + self.transfer_time(2 * (n - 1) / n * nbytes)
+
+
+class EmulatedClock:
+    """One peer's time. `model`: a number advanced by compute and by modelled waits. `sleep`: the real
+    clock (seconds since the epoch, so peers on several hosts agree to NTP precision); waits sleep."""
+
+    def __init__(self, mode: str = "model"):
+        if mode not in MODES:
+            raise ValueError(f"network.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self._now = 0.0
+        self._origin = 0.0
+        self.reset()
+
+    def now(self) -> float:
+        return self._now if self.mode == "model" else time.time()
+
+    def reset(self, elapsed: float = 0.0) -> None:
+        """Start counting (after the peers' common barrier); `elapsed` continues a resumed run."""
+        if self.mode == "model":
+            self._now, self._origin = elapsed, 0.0
+        else:
+            self._origin = time.time() - elapsed
+
+    def elapsed(self) -> float:
+        return self.now() - self._origin
+
+    def advance(self, seconds: float) -> None:
+        """Computation took `seconds` (in `sleep` mode it really did: nothing to add)."""
+        if self.mode == "model":
+            self._now += seconds
+
+    def wait_until(self, t: float) -> float:
+        """Block until time `t` (an arrival); returns the time waited."""
+        if self.mode == "model":
+            waited = max(0.0, t - self._now)
+            self._now += waited
+            return waited
+        waited = t - time.time()
+        if waited > 0:
+            time.sleep(waited)
+            return waited
+        return 0.0
 
 
 @dataclass
 class ComputeSlowdown:
     """One peer's compute emulation: call `start()` before the forward pass and `finish()` after the
-    backward pass; `finish()` sleeps until max(real compute, compute_time) x scale has passed."""
+    backward pass; the step then counts as max(real compute, compute_time) x scale seconds."""
 
     rank: int = 0
     slow_peers: tuple[int, ...] = ()
     compute_scale: float = 1.0
     compute_time: float = 0.0
-    slept_s: float = field(default=0.0, init=False)  # total injected delay
+    slept_s: float = field(default=0.0, init=False)  # total injected delay (sleep mode)
     _t0: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -40,22 +124,6 @@ class ComputeSlowdown:
         if not self.compute_time >= 0.0:
             raise ValueError(f"network.compute_time must be >= 0 seconds, got {self.compute_time}")
         self.slow_peers = tuple(int(p) for p in self.slow_peers)
-
-    @classmethod
-    def from_config(cls, network: dict | None, rank: int, size: int | None = None) -> ComputeSlowdown:
-        network = dict(network or {})
-        unknown = sorted(set(network) - set(NETWORK_KEYS) - {"latency_s", "bandwidth_bps", "jitter_s", "mode"})
-        if unknown:
-            raise ValueError(f"unknown network option(s) {unknown}; valid: {', '.join(NETWORK_KEYS)}")
-        slow = network.get("slow_peers") or ()
-        if isinstance(slow, int):
-            slow = (slow,)
-        if size is not None:
-            bad = [p for p in slow if not 0 <= int(p) < size]
-            if bad:
-                raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
-        return cls(rank, tuple(slow), float(network.get("compute_scale") or 1.0),
-                   float(network.get("compute_time") or 0.0))
 
     @property
     def scale(self) -> float:
@@ -68,15 +136,77 @@ class ComputeSlowdown:
     def start(self) -> None:
         self._t0 = time.perf_counter()
 
-    def finish(self) -> float:
-        """Sleep until this step's emulated compute time has passed; returns the seconds slept."""
-        if self._t0 is None or not self.active:
+    def finish(self, sleep: bool = True) -> float:
+        """The step's emulated compute time; with `sleep`, the process sleeps out the difference to its
+        real compute time (the step then really took that long)."""
+        if self._t0 is None:
             return 0.0
         elapsed = time.perf_counter() - self._t0
         self._t0 = None
-        delay = max(elapsed, self.compute_time) * self.scale - elapsed
-        if delay > 0:
-            time.sleep(delay)
-            self.slept_s += delay
-            return delay
-        return 0.0
+        step = max(elapsed, self.compute_time) * self.scale
+        if sleep and step > elapsed:
+            time.sleep(step - elapsed)
+            self.slept_s += step - elapsed
+        return step
+
+
+class NetworkEmulator:
+    """Everything one peer emulates: its link model, clock, compute slowdown and jitter. A communicator
+    with one attached (`comm.attach_network`) stamps its messages and applies the costs."""
+
+    def __init__(self, rank: int = 0, size: int = 1, link: Link | None = None, mode: str = "model",
+                 jitter_s: float = 0.0, slowdown: ComputeSlowdown | None = None, seed: int = 0):
+        if not jitter_s >= 0:
+            raise ValueError(f"network.jitter_s must be >= 0 seconds, got {jitter_s}")
+        self.rank, self.size = rank, size
+        self.link = link or Link()
+        self.clock = EmulatedClock(mode)
+        self.jitter_s = float(jitter_s)
+        self.slowdown = slowdown or ComputeSlowdown(rank)
+        self._rng = random.Random(seed * 7919 + rank)
+
+    @classmethod
+    def from_config(cls, network: dict | None, rank: int = 0, size: int | None = None,
+                    seed: int = 0) -> NetworkEmulator:
+        network = dict(network or {})
+        unknown = sorted(set(network) - set(NETWORK_KEYS))
+        if unknown:
+            raise ValueError(f"unknown network option(s) {unknown}; valid: {', '.join(NETWORK_KEYS)}")
+        slow = network.get("slow_peers") or ()
+        if isinstance(slow, int):
+            slow = (slow,)
+        if size is not None:
+            bad = [p for p in slow if not 0 <= int(p) < size]
+            if bad:
+                raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
+        bandwidth = network.get("bandwidth_bytes_per_s") or None
+        link = Link(float(network.get("latency_s") or 0.0), None if bandwidth is None else float(bandwidth))
+        slowdown = ComputeSlowdown(rank, tuple(slow), float(network.get("compute_scale") or 1.0),
+                                   float(network.get("compute_time") or 0.0))
+        return cls(rank, size or 1, link, network.get("mode") or "model", float(network.get("jitter_s") or 0.0),
+                   slowdown, seed)
+
+    @property
+    def emulates_links(self) -> bool:
+        """Whether messages cost anything beyond the real transport (else the communicator skips stamping)."""
+        return not self.link.free or self.jitter_s > 0
+
+    @property
+    def active(self) -> bool:
+        return self.emulates_links or self.slowdown.active
+
+    def jitter(self) -> float:
+        return self._rng.uniform(0.0, self.jitter_s) if self.jitter_s > 0 else 0.0
+
+    def start_compute(self) -> None:
+        self.slowdown.start()
+
+    def finish_compute(self) -> float:
+        """End a step's computation: advance the clock by its emulated duration (sleeping it in sleep mode)."""
+        seconds = self.slowdown.finish(sleep=self.clock.mode == "sleep" and self.slowdown.active)
+        self.clock.advance(seconds)
+        return seconds
+
+    def send_stamp(self, nbytes: float, count: int) -> float:
+        """When the `count` messages of `nbytes` this peer starts sending now have all arrived."""
+        return self.clock.now() + self.link.message_time(nbytes, count) + (self.jitter() if count else 0.0)

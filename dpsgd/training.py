@@ -44,7 +44,7 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
     writer = out_dir is not None and comm.rank == 0
     out_dir = Path(out_dir) if out_dir is not None else None
 
-    step, running, seen, elapsed = 0, 0.0, 0, 0.0
+    step, running, seen, elapsed, emulated = 0, 0.0, 0, 0.0, 0.0
     target = cfg.get("target_accuracy")
     reached: dict = {}  # the first record at or above the target accuracy
     if cfg.get("resume") and out_dir is not None:
@@ -55,6 +55,7 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
             batches.load_state_dict(state["batches"])
             step, running, seen, elapsed = state["step"], state["running"], state["seen"], state["elapsed"]
             reached = state["reached"]
+            emulated = state.get("emulated_time_s", 0.0)
             for key, value in state["comm_stats"].items():
                 setattr(comm.stats, key, value)
     if writer:
@@ -69,6 +70,7 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
         and not os.environ.get("CI")
     comm.barrier()  # start the clock together
     start = time.perf_counter() - elapsed
+    peer.network.clock.reset(emulated)
     record: dict = {}
     with _progress(show, total_steps) as bar:
         task = bar.add_task("train", total=total_steps, completed=step, status="") if bar else None
@@ -83,13 +85,13 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
                     "epoch": step / steps_per_epoch,
                     "samples": step * batches.batch_size * comm.size,
                     "wall_time_s": time.perf_counter() - start,
-                    "emulated_time_s": None,  # set once a network is emulated (dpsgd.netem)
                     **metrics.snapshot_metrics(comm, model, x_test, y_test, running / seen),
                     **metrics.traffic(comm),
                 }
                 running, seen = 0.0, 0
                 if target is not None and not reached and record["test_accuracy"] >= target:
                     reached = {"steps_to_target": step, "time_to_target_s": record["wall_time_s"],
+                               "emulated_time_to_target_s": record["emulated_time_s"],
                                "samples_to_target": record["samples"], "mb_sent_to_target": record["mb_sent_per_peer"]}
                 if writer:
                     log_file.write(json.dumps(record) + "\n")
@@ -103,13 +105,15 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
                     "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "batches": batches.state_dict(), "running": running, "seen": seen,
                     "elapsed": time.perf_counter() - start, "comm_stats": comm.stats.as_dict(),
+                    "emulated_time_s": peer.network.clock.elapsed(),
                     "reached": reached})
     wall = time.perf_counter() - start
     summary = {
         **peer.describe(cfg, comm),
         "steps": total_steps,
-        **{k: v for k, v in record.items() if k not in ("step", "emulated_time_s")},
+        **{k: v for k, v in record.items() if k != "step"},
         "wall_time_s": wall,
+        "emulated_s_per_step": record["emulated_time_s"] / total_steps if record.get("emulated_time_s") else None,
         "samples_per_s": total_steps * batches.batch_size * comm.size / wall,
         **({"target_accuracy": target, **(reached or {"steps_to_target": None, "time_to_target_s": None})}
            if target is not None else {}),

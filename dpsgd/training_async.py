@@ -29,7 +29,7 @@ HISTOGRAM_BINS = 16  # staleness 0..15, the last bin holding 15 and more
 def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:
     peer = build_peer(comm, cfg)
     split, batches, model, opt = peer.split, peer.batches, peer.model, peer.optimizer
-    x_test, y_test, slowdown, shares = peer.x_test, peer.y_test, peer.slowdown, peer.shares
+    x_test, y_test, network, shares = peer.x_test, peer.y_test, peer.network, peer.shares
 
     # the synchronous loop's budget, in the unit the algorithm asks for
     steps_per_epoch, total_steps = peer.steps_per_epoch, peer.total_steps
@@ -45,6 +45,7 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
 
     comm.barrier()  # start the clock together
     start = time.perf_counter()
+    network.clock.reset()
     opt.start()
     running, seen = 0.0, 0
     try:
@@ -53,7 +54,7 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
             running, seen = running + peer.train_step(), seen + 1
             if log_file is not None and opt.step_count % log_every == 0:
                 log_file.write(json.dumps(_local_record(opt, model, x_test, y_test, running / seen, start,
-                                                        steps_per_epoch, comm.size)) + "\n")
+                                                        steps_per_epoch, comm.size, network)) + "\n")
                 log_file.flush()
                 running, seen = 0.0, 0
         opt.finish()
@@ -67,7 +68,7 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
     mine = opt.measurements()
     table = metrics.gather_scalars(comm, [mine["steps"], mine["samples"], mine["averagings_initiated"],
                                           mine["averagings_served"], mine["staleness_mean"], mine["staleness_max"],
-                                          mine["wait_s"], mine["samples_per_s"], wall_own, slowdown.slept_s])
+                                          mine["wait_s"], mine["samples_per_s"], wall_own, network.slowdown.slept_s])
     hist = mine["staleness_histogram"]
     bins = hist[: HISTOGRAM_BINS - 1] + [0] * (HISTOGRAM_BINS - 1 - len(hist[: HISTOGRAM_BINS - 1]))
     bins.append(sum(hist[HISTOGRAM_BINS - 1 :]))
@@ -80,7 +81,6 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
         "epoch": samples / len(split.x_train),
         "samples": samples,
         "wall_time_s": wall,
-        "emulated_time_s": None,  # set once a network is emulated (dpsgd.netem, issue 7)
         **metrics.snapshot_metrics(comm, model, x_test, y_test, running / seen if seen else float("nan")),
         **metrics.traffic(comm),
         "scope": "all peers",
@@ -112,7 +112,7 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
     summary = {
         **peer.describe(cfg, comm),
         "steps": record["step"],
-        **{k: v for k, v in record.items() if k not in ("step", "emulated_time_s", "scope")},
+        **{k: v for k, v in record.items() if k not in ("step", "scope")},
         "wall_time_s": wall,
         "samples_per_s": samples / wall,
         **({"target_accuracy": cfg["target_accuracy"], "steps_to_target": None, "time_to_target_s": None}
@@ -136,7 +136,7 @@ def _gather_roles(comm: Communicator, role: str) -> list[str]:
 
 @torch.no_grad()
 def _local_record(opt, model, x_test, y_test, train_loss: float, start: float, steps_per_epoch: int,
-                  peers: int) -> dict:
+                  peers: int, network) -> dict:
     """Rank 0's view while peers train (no collective can run): its steps, its loss, its model."""
     names = [n for n, _ in model.named_parameters()]
     loss, correct, count = metrics.evaluate(model, dict(zip(names, (p.detach() for p in model.parameters()))),
@@ -146,7 +146,7 @@ def _local_record(opt, model, x_test, y_test, train_loss: float, start: float, s
         "epoch": opt.step_count / steps_per_epoch,
         "samples": opt.step_count * opt.samples_per_step * peers,  # estimated: peers run at their own pace
         "wall_time_s": time.perf_counter() - start,
-        "emulated_time_s": None,
+        "emulated_time_s": network.clock.elapsed() if network.active else None,
         "test_loss": loss / count,
         "test_accuracy": correct / count,  # rank 0's own model (the averaged one needs a collective)
         "peer_test_accuracy_mean": None,

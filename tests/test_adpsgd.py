@@ -19,7 +19,7 @@ from peers import adpsgd_peer as ap
 import topologies
 from dpsgd.comm import PeerTimeoutError, run_local
 from dpsgd.launch import peer_env, spawn
-from dpsgd.netem import ComputeSlowdown
+from dpsgd.netem import ComputeSlowdown, NetworkEmulator
 from dpsgd.optim import ADPSGD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def test_compute_slowdown_waits_for_the_floor():
     s.start()
     s.finish()
     assert 0.028 <= time.perf_counter() - t0 < 0.2
-    assert ComputeSlowdown.from_config({"name": "loopback", "slow_peers": [], "compute_scale": 1.0,
+    assert NetworkEmulator.from_config({"name": "loopback", "slow_peers": [], "compute_scale": 1.0,
                                         "compute_time": 0.0}, 0).active is False
     with pytest.raises(ValueError, match="compute_scale"):
         ComputeSlowdown(0, compute_scale=0.5)

@@ -54,6 +54,8 @@ class CommStats:
     # time between starting a non-blocking operation and waiting for it: the computation that
     # communication could hide behind (an upper bound of the communication time hidden)
     overlap_s: float = 0.0
+    # with an emulated network (dpsgd.netem): emulated time spent waiting for modelled messages
+    emulated_wait_s: float = 0.0
     calls: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -63,6 +65,7 @@ class CommStats:
             "messages_sent": self.messages_sent,
             "comm_time_s": self.comm_time_s,
             "overlap_s": self.overlap_s,
+            "emulated_wait_s": self.emulated_wait_s,
             "calls": dict(self.calls),
         }
 
@@ -107,8 +110,9 @@ class Handle:
     """A started public operation; `wait()` returns its result as a list of tensors shaped
     like the input list."""
 
-    def __init__(self, comm: Communicator, op: str, pending: Pending, finish, peers: Sequence[int]):
+    def __init__(self, comm: Communicator, op: str, pending: Pending, finish, peers: Sequence[int], arrival=None):
         self._comm, self._op, self._pending, self._finish = comm, op, pending, finish
+        self._arrival = arrival  # emulated network: when the last message this operation needs arrives
         self._peers = list(peers)
         self._result: list[torch.Tensor] | None = None
         self._started = time.monotonic()
@@ -120,6 +124,8 @@ class Handle:
                 self._comm.stats.overlap_s += time.monotonic() - self._started
             self._comm._wait(self._op, self._pending, self._peers)
             self._result = self._finish()
+            if self._arrival is not None:
+                self._comm._wait_for_arrival(self._arrival())
         return self._result
 
 
@@ -160,6 +166,12 @@ class Communicator(ABC):
         self.context = ""  # e.g. "step 12": the training loop sets it so errors say when
         self._counting = True
         self._tag = 0
+        self.network = None  # a dpsgd.netem.NetworkEmulator: see attach_network
+
+    def attach_network(self, network) -> None:
+        """Emulate `network` (a `dpsgd.netem.NetworkEmulator`) in every counted operation: messages carry
+        their emulated arrival time and waits advance (or, in sleep mode, really wait for) the clock."""
+        self.network = network
 
     # --- backend primitives -------------------------------------------------------------
     @abstractmethod
@@ -199,11 +211,21 @@ class Communicator(ABC):
         self._count("allreduce_mean", sent=self._ring_bytes(buf), received=self._ring_bytes(buf),
                     messages=2 * (self.size - 1))
         pending = self._start_allreduce_sum(buf) if self.size > 1 else _Done()
+        arrival = None
+        if self._emulating() and self.size > 1:
+            # every peer's start time, summed into its own slot: the reduction completes at the latest
+            net = self.network
+            started = torch.zeros(self.size, dtype=torch.float64, device=buf.device)
+            started[self.rank] = net.clock.now() + net.jitter()
+            pending = _All([pending, self._start_allreduce_sum(started)])
+
+            def arrival():
+                return float(started.max()) + net.link.allreduce_time(buf.nbytes, self.size)
 
         def finish():
             return unflatten(buf.div_(self.size), tensors)
 
-        return Handle(self, "allreduce_mean", pending, finish, range(self.size))
+        return Handle(self, "allreduce_mean", pending, finish, range(self.size), arrival)
 
     def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self.start_allreduce_mean(tensors).wait()
@@ -217,15 +239,15 @@ class Communicator(ABC):
         self._check_peers("neighbor_average", send_to + recv_from)
         self._count("neighbor_average", sent=buf.nbytes * len(send_to),
                     received=buf.nbytes * len(recv_from), messages=len(send_to))
-        ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
+        ex, received, arrival = self._start_stamped_exchange(buf, send_to, recv_from)
 
         def finish():
             out = buf * weights.self_weight
             for peer in recv_from:  # rank order: the same sum on every backend
-                out.add_(ex.received[peer], alpha=weights.recv[peer])
+                out.add_(received(peer), alpha=weights.recv[peer])
             return unflatten(out, tensors)
 
-        return Handle(self, "neighbor_average", ex, finish, recv_from)
+        return Handle(self, "neighbor_average", ex, finish, recv_from, arrival)
 
     def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: NeighborWeights) -> list[torch.Tensor]:
         return self.start_neighbor_average(tensors, weights).wait()
@@ -239,8 +261,8 @@ class Communicator(ABC):
         self._check_peers("neighbor_exchange", send_to + recv_from)
         self._count("neighbor_exchange", sent=buf.nbytes * len(send_to), received=buf.nbytes * len(recv_from),
                     messages=len(send_to))
-        ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
-        return Handle(self, "neighbor_exchange", ex, lambda: [ex.received[p] for p in recv_from], recv_from)
+        ex, received, arrival = self._start_stamped_exchange(buf, send_to, recv_from)
+        return Handle(self, "neighbor_exchange", ex, lambda: [received(p) for p in recv_from], recv_from, arrival)
 
     def neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int],
                           recv_from: Sequence[int]) -> list[torch.Tensor]:
@@ -252,8 +274,8 @@ class Communicator(ABC):
         buf = flatten(tensors)
         self._check_peers("exchange", [peer])
         self._count("exchange", sent=buf.nbytes, received=buf.nbytes, messages=1)
-        ex = self._start_exchange(buf, [peer], [peer], self._next_tag())
-        return Handle(self, "exchange", ex, lambda: unflatten(ex.received[peer], tensors), [peer])
+        ex, received, arrival = self._start_stamped_exchange(buf, [peer], [peer])
+        return Handle(self, "exchange", ex, lambda: unflatten(received(peer), tensors), [peer], arrival)
 
     def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
         return self.start_exchange(tensors, peer).wait()
@@ -297,6 +319,33 @@ class Communicator(ABC):
             self._counting = saved
 
     # --- shared machinery ---------------------------------------------------------------
+    def _emulating(self) -> bool:
+        return self.network is not None and self._counting and self.network.active
+
+    def _start_stamped_exchange(self, buf: torch.Tensor, send_to: list[int], recv_from: list[int]):
+        """Start an exchange of `buf`; returns (pending, received(peer) -> tensor, arrival or None). With an
+        emulated network each message carries 8 more bytes: when, on the sender's clock, it arrives."""
+        if not self._emulating():
+            ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
+            return ex, lambda peer: ex.received[peer], None
+        sent_at = self.network.send_stamp(buf.nbytes, len(send_to))
+        stamp = torch.tensor([sent_at], dtype=torch.float64, device=buf.device).view(torch.uint8)
+        ex = self._start_exchange(torch.cat([buf.view(torch.uint8), stamp]), send_to, recv_from, self._next_tag())
+
+        def received(peer):
+            return ex.received[peer][:-8].view(buf.dtype)
+
+        def arrival():
+            return max([sent_at] + [float(ex.received[p][-8:].clone().view(torch.float64)) for p in recv_from])
+
+        return ex, received, arrival
+
+    def _wait_for_arrival(self, t: float) -> None:
+        start = time.monotonic()
+        waited = self.network.clock.wait_until(t)
+        if self._counting:
+            self.stats.emulated_wait_s += waited
+            self.stats.comm_time_s += time.monotonic() - start  # sleep mode: really blocked
     def _wait(self, op: str, pending: Pending, peers: Sequence[int]) -> None:
         start = time.monotonic()
         try:
@@ -345,6 +394,18 @@ class Communicator(ABC):
 class _Done(Pending):
     def wait(self, deadline: float) -> None:
         return None
+
+
+class _All(Pending):
+    def __init__(self, parts: list[Pending]):
+        self._parts = parts
+
+    def wait(self, deadline: float) -> None:
+        for part in self._parts:
+            part.wait(deadline)
+
+    def peers_outstanding(self) -> list[int]:
+        return sorted({p for part in self._parts for p in part.peers_outstanding()})
 
 
 def poll_until(test, deadline: float, outstanding=list) -> None:

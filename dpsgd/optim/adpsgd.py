@@ -125,6 +125,9 @@ class ADPSGD(DistributedOptimizer):
         self._answer = None  # (request, buffer) of the coordinator's answer to our last report
         self._finished = False
         self._link_stats_merged = False
+        # emulated network (dpsgd.netem): an averaging started at t completes at t + request + reply
+        self.network = getattr(comm, "network", None)
+        self._averaging_done_at: float | None = None
 
     # --- set-up -----------------------------------------------------------------------------
     @staticmethod
@@ -210,6 +213,10 @@ class ADPSGD(DistributedOptimizer):
         self.base.step()
         after = flatten(params)
         self._jitter()
+        net = self.network
+        if net is not None and net.active and net.clock.mode == "model" and self._averaging_done_at is not None:
+            # x_i is locked until the averaging in flight completes (in sleep mode the averager really waits)
+            self.comm.stats.emulated_wait_s += net.clock.wait_until(self._averaging_done_at)
         t0 = time.monotonic()
         with self.lock:
             self.wait_s += time.monotonic() - t0
@@ -245,6 +252,10 @@ class ADPSGD(DistributedOptimizer):
             raise PeerTimeoutError(f"rank {self.comm.rank}: AD-PSGD's averaging did not finish within "
                                    f"{self.comm.timeout_s:g} s (neighbours {sorted(self.partners)})")
         self.wait_s += time.monotonic() - t0
+        net = self.network
+        if net is not None and net.active and self.partners:
+            message = net.link.message_time(self.live.nbytes)
+            self._averaging_done_at = net.clock.now() + 2 * message + net.jitter()
         self._idle.clear()
         self._go.put("average")
 
@@ -364,6 +375,8 @@ class ADPSGD(DistributedOptimizer):
                     send = link.start_send(request, partner, TAG_REQUEST)
                     link.wait_request("AD-PSGD averaging (request sent)", send, [partner])
                     link.wait_request("AD-PSGD averaging (awaiting the reply)", recv, [partner])
+                    if self._averaging_done_at is not None and self.network.clock.mode == "sleep":
+                        self.network.clock.wait_until(self._averaging_done_at)
                     self.live.add_(reply).mul_(0.5)
                     self.version += 1
                     if self.record_events:

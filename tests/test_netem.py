@@ -1,0 +1,172 @@
+"""Network emulation: the emulated clock against the closed-form costs, sleep mode's real delays, and
+stragglers under all-reduce and AD-PSGD."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import topologies
+from dpsgd.comm import run_local
+from dpsgd.netem import ComputeSlowdown, Link, NetworkEmulator
+from dpsgd.optim import ADPSGD, DPSGD, AllReduce
+
+ALPHA, BETA = 1e-3, 1e7  # 1 ms per message, 10 MB/s
+FLOOR = 0.02  # compute floor per step: far above the real compute (< 1 ms) of the quadratics below
+STEPS = 6
+
+
+def test_link_closed_forms():
+    link = Link(ALPHA, BETA)
+    assert link.message_time(1e6) == pytest.approx(ALPHA + 1e6 / BETA)
+    assert link.message_time(1e6, count=2) == pytest.approx(ALPHA + 2e6 / BETA)
+    assert link.allreduce_time(1e6, 8) == pytest.approx(14 * ALPHA + 2 * 7 / 8 * 1e6 / BETA)
+    assert link.allreduce_time(1e6, 1) == 0.0
+    assert Link().free and Link().message_time(1e9) == 0.0
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
+        Link(0.0, 0.0)
+    with pytest.raises(ValueError, match="unknown network option"):
+        NetworkEmulator.from_config({"bandwidth": 1e9})
+    with pytest.raises(ValueError, match="mode"):
+        NetworkEmulator.from_config({"mode": "fast"})
+
+
+def _train(comm, algorithm, numel, network: dict, steps=STEPS, **options):
+    """`steps` steps of `algorithm` on a quadratic with `numel` parameters under `network`;
+    returns (emulated elapsed per step on this peer, comm stats)."""
+    torch.manual_seed(comm.rank)
+    net = NetworkEmulator.from_config({"compute_time": FLOOR, **network}, comm.rank, comm.size)
+    comm.attach_network(net)
+    w = torch.nn.Parameter(torch.randn(numel))
+    opt = algorithm(torch.optim.SGD([w], lr=0.1), comm=comm, **options)
+    comm.barrier()
+    net.clock.reset()
+    for _ in range(steps):
+        if getattr(opt, "overlap", False):
+            opt.start_communication()
+        net.start_compute()
+        opt.zero_grad()
+        w.pow(2).sum().backward()
+        net.finish_compute()
+        opt.step()
+    return net.clock.elapsed() / steps, comm.stats.emulated_wait_s
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_allreduce_step_equals_closed_form(n):
+    numel = 25_000  # 100 kB of float32
+    per_step = run_local(n, _train, AllReduce, numel, {"latency_s": ALPHA, "bandwidth_bytes_per_s": BETA})
+    want = FLOOR + Link(ALPHA, BETA).allreduce_time(4 * numel, n)
+    for got, _ in per_step:
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_one_peer_dpsgd_step_equals_closed_form():
+    n, numel = 8, 25_000
+    topo = topologies.make("one_peer_exponential", n)
+    per_step = run_local(n, _train, DPSGD, numel, {"latency_s": ALPHA, "bandwidth_bytes_per_s": BETA}, topology=topo)
+    want = FLOOR + ALPHA + 4 * numel / BETA  # one message each way, full duplex
+    for got, _ in per_step:
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_ring_sends_two_messages_per_step():
+    n, numel = 4, 25_000
+    per_step = run_local(n, _train, DPSGD, numel, {"latency_s": ALPHA, "bandwidth_bytes_per_s": BETA},
+                         topology=topologies.make("ring", n))
+    want = FLOOR + Link(ALPHA, BETA).message_time(4 * numel, count=2)
+    assert [round(t, 12) for t, _ in per_step] == [round(want, 12)] * n
+
+
+def test_overlap_hides_communication_behind_compute():
+    """DPSGD's overlap starts the exchange before the backward pass: with compute (20 ms) longer than
+    the message (1 ms + 10 ms), the step costs the compute alone and nobody waits."""
+    n, numel = 4, 25_000
+    topo = topologies.make("one_peer_exponential", n)
+    network = {"latency_s": ALPHA, "bandwidth_bytes_per_s": BETA}
+    hidden = run_local(n, _train, DPSGD, numel, network, topology=topo, overlap=True)
+    exposed = run_local(n, _train, DPSGD, numel, network, topology=topo)
+    for (t_on, wait_on), (t_off, wait_off) in zip(hidden, exposed):
+        assert t_on == pytest.approx(FLOOR, rel=1e-9) and wait_on == 0.0
+        assert t_off == pytest.approx(FLOOR + ALPHA + 4 * numel / BETA, rel=1e-9)
+        assert wait_off == pytest.approx(STEPS * (ALPHA + 4 * numel / BETA), rel=1e-9)
+
+
+def test_straggler_paces_every_peer_under_allreduce():
+    per_step = run_local(4, _train, AllReduce, 1000, {"slow_peers": [2], "compute_scale": 4.0})
+    for got, _ in per_step:  # free links: every step waits for the 4x slower peer
+        assert got == pytest.approx(4 * FLOOR, rel=1e-9)
+
+
+def test_straggler_slows_only_itself_under_adpsgd_in_model_mode():
+    def peer(comm):
+        net = NetworkEmulator.from_config({"compute_time": FLOOR, "slow_peers": [1], "compute_scale": 4.0,
+                                           "latency_s": ALPHA}, comm.rank, comm.size)
+        comm.attach_network(net)
+        w = torch.nn.Parameter(torch.zeros(8))
+        opt = ADPSGD(torch.optim.SGD([w], lr=0.1), comm=comm, topology=topologies.make("ring", comm.size))
+        opt.set_budget(steps=10)
+        comm.barrier()
+        net.clock.reset()
+        while not opt.should_stop():
+            net.start_compute()
+            opt.zero_grad()
+            w.pow(2).sum().backward()
+            net.finish_compute()
+            opt.step()
+        opt.finish()
+        return net.clock.elapsed()
+
+    elapsed = run_local(4, peer)
+    assert elapsed[1] == pytest.approx(10 * 4 * FLOOR, rel=0.01), elapsed
+    for r in (0, 2, 3):  # their own compute: each averaging (2 ms) hides behind the next gradient (20 ms)
+        assert elapsed[r] == pytest.approx(10 * FLOOR, rel=1e-9), elapsed
+
+
+def test_jitter_is_seeded_and_bounded():
+    a = NetworkEmulator.from_config({"jitter_s": 0.002}, rank=1, seed=3)
+    b = NetworkEmulator.from_config({"jitter_s": 0.002}, rank=1, seed=3)
+    draws = [a.jitter() for _ in range(100)]
+    assert draws == [b.jitter() for _ in range(100)]
+    assert all(0 <= d < 0.002 for d in draws) and len(set(draws)) == 100
+
+
+def test_sleep_mode_really_waits():
+    """In sleep mode a 60 ms message really takes 60 ms of wall time; in model mode it costs nothing."""
+    def peer(comm, mode):
+        net = NetworkEmulator.from_config({"mode": mode, "latency_s": 0.06}, comm.rank, comm.size)
+        comm.attach_network(net)
+        x = torch.ones(10)
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            comm.exchange([x], 1 - comm.rank)
+        return (time.perf_counter() - t0) / 3, net.clock.elapsed()
+
+    slept = run_local(2, peer, "sleep")
+    modelled = run_local(2, peer, "model")
+    for wall, _ in slept:
+        assert 0.06 <= wall < 0.12, slept
+    for wall, emulated in modelled:
+        assert wall < 0.03 and emulated == pytest.approx(0.18), modelled
+
+
+def test_compute_floor_in_model_mode_does_not_sleep():
+    s = ComputeSlowdown(0, slow_peers=(0,), compute_scale=3.0, compute_time=0.05)
+    t0 = time.perf_counter()
+    s.start()
+    assert s.finish(sleep=False) == pytest.approx(0.15)
+    assert time.perf_counter() - t0 < 0.02
+
+
+def test_uncounted_traffic_costs_nothing():
+    def peer(comm):
+        net = NetworkEmulator.from_config({"latency_s": 1.0}, comm.rank, comm.size)
+        comm.attach_network(net)
+        with comm.uncounted():
+            comm.allreduce_mean([torch.ones(3)])
+        return net.clock.elapsed()
+
+    assert run_local(2, peer) == [0.0, 0.0]
