@@ -117,7 +117,7 @@ class Fleet:
         out = [t.mean(0, keepdim=True).expand_as(t) for t in tensors]
         if count:
             nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
-            ring = 2 * (self.n - 1) / self.n * nbytes
+            ring = int(2 * (self.n - 1) / self.n * nbytes)  # as CommStats counts it
             self.bytes_sent += ring
             self.bytes_received += ring
             self.comm_time_s += time.perf_counter() - t0

@@ -13,17 +13,17 @@ SPARSE_BELOW = 0.25  # density of W under which the product is taken with a spar
 
 @dataclass(frozen=True)
 class Mixing:
-    """W(k) ready to apply: `matrix` (dense or sparse CSR, the tensors' dtype), and per peer the number of
+    """W(k) ready to apply: `matrix` (in the tensors' dtype), and per peer the number of
     peers it sends to (`sends`, off-diagonal nonzeros of its column) and receives from (`recvs`, of its row)."""
 
-    matrix: torch.Tensor
+    matrix: torch.Tensor  # dense, or sparse (COO) when W has few nonzeros
     sends: torch.Tensor
     recvs: torch.Tensor
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """sum_j W[i, j] x_j for every peer i, x with a leading peer axis."""
         flat = x.reshape(x.shape[0], -1)
-        out = torch.sparse.mm(self.matrix, flat) if self.matrix.layout == torch.sparse_csr else self.matrix @ flat
+        out = torch.sparse.mm(self.matrix, flat) if self.matrix.is_sparse else self.matrix @ flat
         return out.reshape(x.shape)
 
 
@@ -34,7 +34,7 @@ def mixing(w: np.ndarray, dtype: torch.dtype, device) -> Mixing:
     recvs = torch.as_tensor(off.sum(1), dtype=torch.float64)
     dense = torch.as_tensor(w, dtype=dtype, device=device)
     if np.count_nonzero(w) < SPARSE_BELOW * w.size and device.type == "cpu":
-        return Mixing(dense.to_sparse_csr(), sends, recvs)
+        return Mixing(dense.to_sparse().coalesce(), sends, recvs)
     return Mixing(dense, sends, recvs)
 
 
