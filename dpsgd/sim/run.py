@@ -42,8 +42,8 @@ def evaluate_peers(model, names: list[str], params: list[torch.Tensor], x: torch
     for a in range(0, n, PEER_CHUNK):
         chunk = tuple(p[a : a + PEER_CHUNK] for p in params)
         for i in range(0, len(x), batch_size):
-            l, c = batched(chunk, x[i : i + batch_size], y[i : i + batch_size])
-            loss[a : a + PEER_CHUNK] += l.double().cpu()
+            part_loss, c = batched(chunk, x[i : i + batch_size], y[i : i + batch_size])
+            loss[a : a + PEER_CHUNK] += part_loss.double().cpu()
             correct[a : a + PEER_CHUNK] += c.double().cpu()
     return loss, correct, y.numel()
 
