@@ -122,3 +122,48 @@ def test_unsupported_algorithm_is_refused_with_the_choices():
 def test_invalid_options_fail_as_in_real_runs():
     with pytest.raises(ValueError, match="Choco keeps s_i"):
         Fleet(config("choco", "one_peer_exponential"))
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "adpsgd"])
+def test_files_have_the_keys_of_a_real_run(algorithm, tmp_path):
+    import json
+
+    from dpsgd.sim.run import train_fleet
+    from dpsgd.training import train
+
+    cfg = config(algorithm, "ring", 4)
+    cfg["epochs"], cfg["log_every"] = 2, 5
+    (tmp_path / "local").mkdir()
+    (tmp_path / "fleet").mkdir()
+    local_cfg = copy.deepcopy(cfg)
+    local_cfg["backend"] = {"name": "local"}
+    run_local(4, train, local_cfg, tmp_path / "local", timeout_s=60)
+    train_fleet(copy.deepcopy(cfg), tmp_path / "fleet")
+    records = {k: [json.loads(r) for r in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+               for k in ("local", "fleet")}
+    summaries = {k: json.loads((tmp_path / k / "summary.json").read_text()) for k in ("local", "fleet")}
+    assert {frozenset(r) for r in records["fleet"]} == {frozenset(r) for r in records["local"]}
+    assert set(summaries["fleet"]) == set(summaries["local"])
+    if algorithm == "adpsgd":
+        assert set(summaries["fleet"]["adpsgd"]) == set(summaries["local"]["adpsgd"])
+    assert summaries["fleet"]["backend"] == "fleet" and summaries["fleet"]["test_accuracy"] > 0.5
+    if algorithm == "dpsgd":  # the same numbers: same steps, bytes, and (to float tolerance) accuracy
+        for key in ("steps", "samples", "mb_sent_per_peer", "test_accuracy", "peer_test_accuracy_mean"):
+            assert summaries["fleet"][key] == pytest.approx(summaries["local"][key], rel=1e-4), key
+
+
+def test_hydra_app_runs_backend_fleet(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", "backend=fleet", "peers=32", "batch_size=8",
+                           "epochs=3", "topology=one_peer_exponential", f"hydra.run.dir={run_dir}"],
+                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
+    assert "fleet" in (run_dir / "summary.json").read_text()
+    bad = subprocess.run([sys.executable, "-m", "experiments.train", "backend=fleet", "checkpoint.every=5",
+                          f"hydra.run.dir={tmp_path / 'bad'}"], cwd=Path(__file__).parent.parent,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "backend=fleet keeps no checkpoints" in bad.stderr

@@ -26,13 +26,18 @@ class FleetBatches:
         self.batches_per_pass = self.sizes // batch_size
         self._gens = [torch.Generator().manual_seed(seed * 1000 + r + 1) for r in range(n)]
         self._order = torch.zeros(n, width, dtype=torch.long)
+        self._equal, self._width = min(sizes) == width, width  # equal shares (iid): all peers reshuffle together
         self._cols = torch.arange(batch_size)
         self.position = 0  # batches drawn so far (by every peer)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.position % self.batches_per_pass
-        for r in torch.nonzero(i == 0).reshape(-1).tolist():  # peers starting a pass reshuffle
-            self._order[r, : self.sizes[r]] = torch.randperm(int(self.sizes[r]), generator=self._gens[r])
+        starting = torch.nonzero(i == 0).reshape(-1).tolist()  # peers starting a pass reshuffle
+        if len(starting) == len(self._gens) and self._equal:
+            self._order[:] = torch.stack([torch.randperm(self._width, generator=g) for g in self._gens])
+        else:
+            for r in starting:
+                self._order[r, : self.sizes[r]] = torch.randperm(int(self.sizes[r]), generator=self._gens[r])
         local = self._order.gather(1, i[:, None] * self.batch_size + self._cols)
         idx = self.shares.gather(1, local)
         self.position += 1

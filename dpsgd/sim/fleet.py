@@ -2,7 +2,8 @@
 
 Every model parameter is one tensor with a leading peer axis (n, *shape). Each step draws every
 peer's minibatch from its own share (`FleetBatches`, the real run's order), computes all peers'
-gradients in one call (torch.func: vmap over functional_call of the one model), takes the base
+losses in one call (torch.func.vmap over functional_call of the one model) and their gradients in one
+backward pass, takes the base
 optimizer's step on the stacked tensors (torch.optim's rules are elementwise, so one SGD/Adam/AdamW
 over stacked tensors is n independent ones, with a step count shared by peers that step together),
 and communicates as one matrix product with the topology's W(k) (`dpsgd.sim.gossip`).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 from dpsgd import metrics
 from dpsgd.build import BASE_KEYS, build_model, build_topology, load_data, partition
@@ -65,7 +66,8 @@ class Fleet:
                                     self.shares, int(cfg["batch_size"]), seed)
         self.model = build_model(cfg, self.split).to(self.device)
         self.names = [name for name, _ in self.model.named_parameters()]
-        self.params = [p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())) for p in self.model.parameters()]
+        self.params = [p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_()
+                       for p in self.model.parameters()]
         self.topology = build_topology(cfg, n)
         self.base = build_base(self.params, name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
                                momentum=float(algo.get("momentum", 0.0)),
@@ -81,7 +83,7 @@ class Fleet:
         self.bytes_received = torch.zeros(n, dtype=torch.float64)
         self.comm_time_s = 0.0  # time the fleet spent in its communication operations (all peers at once)
         self.rule = _RULES[algo["name"]](self)
-        self._grad = vmap(grad_and_value(self._loss))
+        self._losses = vmap(self._loss)
 
     # --- one step of every peer -------------------------------------------------------------
     def _loss(self, params: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,8 @@ class Fleet:
     def train_step(self) -> torch.Tensor:
         """Every peer's forward, backward and step; returns the (n,) minibatch losses."""
         x, y = self.batches.next()
-        grads, losses = self._grad(tuple(self.params), x, y)
+        losses = self._losses(tuple(self.params), x, y)  # (n,): peer i's loss depends on its own slice only,
+        grads = torch.autograd.grad(losses.sum(), self.params)  # so the gradient of the sum is each peer's own
         for p, g in zip(self.params, grads):
             p.grad = g
         with torch.no_grad():
