@@ -89,6 +89,10 @@ def run(cfg: dict, run_dir: Path, world: str | None) -> dict | None:
         return summary if comm.rank == 0 else None
     OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
     backend = cfg["backend"]["name"]
+    if backend == "fleet":  # every peer simulated in this process (dpsgd.sim)
+        from dpsgd.sim.run import train_fleet
+
+        return train_fleet(cfg, run_dir)
     if backend == "local":
         from dpsgd.comm import run_local
         from dpsgd.training import train

@@ -50,7 +50,9 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
     lr = cfg["algorithm"].get("lr")
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
         raise ConfigError(f"algorithm.lr must be a number > 0, got {lr!r}")
-    _check_choice("backend", cfg["backend"].get("name"), BACKENDS)
+    _check_choice("backend", cfg["backend"].get("name"), (*BACKENDS, "fleet"))
+    if cfg["backend"]["name"] == "fleet":
+        _check_fleet(cfg)
     if not cfg["model"].get("_target_"):
         _check_choice("model", cfg["model"].get("name"), models.MODELS)
     _check_choice("dataset", cfg["data"].get("name"), data.DATASETS)
@@ -77,6 +79,19 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
                              f"has no parameters to train")
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def _check_fleet(cfg: dict) -> None:
+    """What the fleet (dpsgd.sim) cannot do: other algorithms, checkpoints."""
+    from dpsgd.sim import ALGORITHMS
+
+    supported = (*ALGORITHMS, "adpsgd")
+    if cfg["algorithm"].get("_target_") or cfg["algorithm"].get("name") not in supported:
+        raise ConfigError(f"backend=fleet runs the algorithms {', '.join(supported)}, not "
+                          f"{cfg['algorithm'].get('_target_') or cfg['algorithm'].get('name')!r}; use backend=local")
+    if (cfg.get("checkpoint") or {}).get("every") or cfg.get("resume"):
+        raise ConfigError("backend=fleet keeps no checkpoints (a fleet run is minutes); set checkpoint.every=0 "
+                          "and resume=false, or use backend=local")
 
 
 def _check_choice(what: str, value, valid) -> None:

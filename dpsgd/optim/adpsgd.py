@@ -68,6 +68,41 @@ def _poll(test, deadline: float, abort: threading.Event | None = None) -> bool:
     return True
 
 
+def partner_rng(seed: int, rank: int) -> random.Random:
+    """The generator an active peer draws its partners from."""
+    return random.Random(seed * 7919 + rank)
+
+
+def roles(topology, rank: int, size: int) -> tuple[str, frozenset[int]]:
+    """Peer `rank`'s role ("active", "passive" or "alone") and the peers it may average with."""
+    if size == 1:
+        return "alone", frozenset()
+    active, passive = topology.bipartite()  # raises a clear ValueError for non-bipartite graphs
+    me_active = rank in active
+    other = passive if me_active else active
+    if topology.period is None:  # random schedules: any peer of the other side may be drawn
+        partners = set(other)
+    else:
+        partners = set()
+        for t in range(topology.period):
+            nb = topology.neighbors(rank, t)
+            partners |= set(nb.recv) | set(nb.send)
+    partners.discard(rank)
+    if not partners:
+        return "alone", frozenset()
+    return ("active" if me_active else "passive"), frozenset(partners)
+
+
+def choose_partner(topology, rank: int, partners: frozenset[int], rng: random.Random, step: int) -> int | None:
+    """The partner of an active peer's `step`-th averaging (None: no neighbour at that step)."""
+    if topology.period is None:
+        candidates = sorted(partners)
+    else:
+        nb = topology.neighbors(rank, step)
+        candidates = sorted((set(nb.recv) | set(nb.send)) & partners)
+    return rng.choice(candidates) if candidates else None
+
+
 class ADPSGD(DistributedOptimizer):
     """AD-PSGD. `budget` names what ends the run ('steps' per peer, total 'samples' across peers, or
     wall-clock 'seconds'); the training loop fills in the amounts with `set_budget`. `seed` drives
@@ -98,7 +133,7 @@ class ADPSGD(DistributedOptimizer):
         self._snap_version = 0
 
         self.role, self.partners = self._roles(topology, comm)
-        self._rng = random.Random(seed * 7919 + comm.rank)
+        self._rng = partner_rng(seed, comm.rank)
         self._jitter_rng = random.Random(seed * 104729 + comm.rank + 1)
         # collective and in the same order on every peer: every peer makes the same duplicates
         self.link = comm.duplicate() if comm.size > 1 else None
@@ -132,22 +167,7 @@ class ADPSGD(DistributedOptimizer):
     # --- set-up -----------------------------------------------------------------------------
     @staticmethod
     def _roles(topology, comm) -> tuple[str, frozenset[int]]:
-        if comm.size == 1:
-            return "alone", frozenset()
-        active, passive = topology.bipartite()  # raises a clear ValueError for non-bipartite graphs
-        me_active = comm.rank in active
-        other = passive if me_active else active
-        if topology.period is None:  # random schedules: any peer of the other side may be drawn
-            partners = set(other)
-        else:
-            partners = set()
-            for t in range(topology.period):
-                nb = topology.neighbors(comm.rank, t)
-                partners |= set(nb.recv) | set(nb.send)
-        partners.discard(comm.rank)
-        if not partners:
-            return "alone", frozenset()
-        return ("active" if me_active else "passive"), frozenset(partners)
+        return roles(topology, comm.rank, comm.size)
 
     def set_budget(self, steps: int | None = None, samples: int | None = None, seconds: float | None = None,
                    samples_per_step: int | None = None) -> None:
@@ -344,12 +364,7 @@ class ADPSGD(DistributedOptimizer):
 
     # --- communication threads ----------------------------------------------------------------
     def _choose_partner(self, step: int) -> int | None:
-        if self.topology.period is None:
-            candidates = sorted(self.partners)
-        else:
-            nb = self.topology.neighbors(self.comm.rank, step)
-            candidates = sorted((set(nb.recv) | set(nb.send)) & self.partners)
-        return self._rng.choice(candidates) if candidates else None
+        return choose_partner(self.topology, self.comm.rank, self.partners, self._rng, step)
 
     def _averager(self) -> None:
         """Active peer: one averaging per request of the main thread; DONE to every partner at the end."""

@@ -65,6 +65,21 @@ OUTERS = ("average", "momentum", "nesterov")
 INNER_STATES = ("keep", "reset", "average")
 
 
+@torch.no_grad()
+def outer_update(outer: str, anchor: torch.Tensor, u: torch.Tensor, x_avg: torch.Tensor, alpha: float, beta: float,
+                 gamma: float) -> None:
+    """One outer step in place on the anchor and the outer momentum u (the module's equations):
+    "momentum" (SlowMo/BMUF, gamma the base lr) or "nesterov" (DiLoCo). Elementwise, so it serves one
+    peer's tensors and a fleet's stacked ones (dpsgd.sim) alike."""
+    outer_grad = anchor - x_avg
+    if outer == "momentum":
+        u.mul_(beta).add_(outer_grad, alpha=1.0 / gamma)
+        anchor.add_(u, alpha=-alpha * gamma)
+    else:  # nesterov
+        u.mul_(beta).add_(outer_grad)
+        anchor.add_(outer_grad.add_(u, alpha=beta), alpha=-alpha)
+
+
 def _positive_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"LocalSGD {name} must be an integer >= {minimum}, got {value!r}")
@@ -175,14 +190,8 @@ class LocalSGD(DistributedOptimizer):
             if self.outer == "momentum" and not gamma > 0:
                 raise ValueError(f"LocalSGD outer='momentum' divides by the base lr, which is {gamma}")
             for p in group["params"]:
-                anchor, u, outer_grad = self._anchor[i], self._outer_buffer[i], self._anchor[i] - x_avg[i]
-                if self.outer == "momentum":
-                    u.mul_(beta).add_(outer_grad, alpha=1.0 / gamma)
-                    anchor.add_(u, alpha=-alpha * gamma)
-                else:  # nesterov
-                    u.mul_(beta).add_(outer_grad)
-                    anchor.add_(outer_grad.add_(u, alpha=beta), alpha=-alpha)
-                p.copy_(anchor)
+                outer_update(self.outer, self._anchor[i], self._outer_buffer[i], x_avg[i], alpha, beta, gamma)
+                p.copy_(self._anchor[i])
                 i += 1
 
     # --- state ----------------------------------------------------------------------------

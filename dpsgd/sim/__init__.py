@@ -1,0 +1,6 @@
+"""Fast simulation of many peers in one process: `Fleet` runs synchronous algorithms vectorized
+(stacked parameters, one matrix product per gossip), `events` replays AD-PSGD in virtual time."""
+
+from .fleet import ALGORITHMS, Fleet
+
+__all__ = ["ALGORITHMS", "Fleet"]

@@ -1,0 +1,125 @@
+"""The event simulator of AD-PSGD (dpsgd.sim.events): its parameters equal a numpy replay of its own
+event log (gradients recomputed from the log's order of steps and averagings), one history per seed,
+stragglers and link costs acting as they should, compute-time distributions of the stated mean."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from dpsgd import data
+from dpsgd.sim.events import ComputeTimes, Link, Simulation
+
+torch.set_num_threads(1)
+CONF = Path(__file__).parent.parent / "conf"
+
+
+def config(peers=4, topology="ring", model="linear", **algo) -> dict:
+    def load(group, name):
+        return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+    return {"algorithm": {**load("algorithm", "adpsgd"), **algo}, "topology": load("topology", topology),
+            "model": load("model", model), "data": load("data", "digits"), "backend": {"name": "fleet"},
+            "network": load("network", "loopback"), "peers": peers, "seed": 5, "epochs": 2, "batch_size": 16,
+            "log_every": 10, "device": "cpu", "comm": {"timeout_s": 60}}
+
+
+def softmax_grad(w: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int) -> np.ndarray:
+    """Gradient of the mean cross-entropy of a linear model, parameters flat as torch orders them
+    (weight (classes, features) row-major, then bias)."""
+    features = x.shape[1]
+    weight, bias = w[: classes * features].reshape(classes, features), w[classes * features :]
+    logits = x @ weight.T + bias
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1
+    p /= len(y)
+    return np.concatenate([(p.T @ x).reshape(-1), p.sum(0)])
+
+
+def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
+    """Apply the event log in order, in float64: a step takes its peer's next batch, the gradient at
+    the peer's snapshot (its live value after its previous step), -lr g added to the live value; an
+    averaging sets both peers to their mean. Checks each logged staleness on the way."""
+    n, lr = cfg["peers"], cfg["algorithm"]["lr"]
+    live = np.tile(x0.astype(np.float64), (n, 1))
+    snap = live.copy()
+    version, snap_version = np.zeros(n, int), np.zeros(n, int)
+    seed, split = cfg["seed"], sim.split
+    batches = [data.Batches(split.x_train[s], split.y_train[s], cfg["batch_size"], seed=seed * 1000 + r + 1)
+               for r, s in enumerate(sim.shares)]
+    for event in sim.log:
+        if event[0] == "step":
+            _, _, i, _, stale = event
+            assert version[i] - snap_version[i] == stale
+            xb, yb = batches[i].next()
+            g = softmax_grad(snap[i], xb.reshape(len(xb), -1).double().numpy(), yb.numpy(), split.num_classes)
+            live[i] -= lr * g
+            snap_version[i] = version[i]
+            snap[i] = live[i]
+        else:
+            _, _, a, _, p = event
+            live[a] = live[p] = (live[a] + live[p]) / 2
+            version[a] += 1
+            version[p] += 1
+    return live
+
+
+@pytest.mark.parametrize("link", [Link(), Link(latency_s=0.004, bandwidth_bps=2e6)])
+@pytest.mark.parametrize("distribution", ["constant", "lognormal"])
+def test_parameters_equal_a_numpy_replay_of_the_event_log(link, distribution):
+    cfg = config(peers=6, momentum=0.0)
+    sim = Simulation(copy.deepcopy(cfg), link=link, compute=ComputeTimes(6, 0.01, distribution, seed=1,
+                                                                        scales={1: 3.0}))
+    x0 = sim.live[0].double().numpy().copy()
+    sim.run()
+    assert any(e[0] == "avg" for e in sim.log) and max(max(h) and len(h) - 1 for h in sim.staleness) >= 1
+    expected = replay(cfg, sim, x0)
+    np.testing.assert_allclose(sim.live.double().numpy(), expected, rtol=0, atol=2e-5)
+
+
+def test_protocol_invariants():
+    cfg = config(peers=8, topology="hypercube", model="mlp")
+    sim = Simulation(copy.deepcopy(cfg), link=Link(latency_s=0.02))  # slower links than compute: steps wait
+    sim.run()
+    active = {r for r in range(8) if sim.role[r] == "active"}
+    for e in sim.log:
+        if e[0] == "avg":
+            assert e[2] in active and e[4] not in active and e[4] in sim.partners[e[2]]
+    assert sum(sim.initiated) == sum(sim.served) == sum(e[0] == "avg" for e in sim.log)
+    assert sum(sim.steps) * cfg["batch_size"] >= sim.budget_samples
+    assert all(sim.wait_s[r] > 0 for r in active) and all(sim.wait_s[r] == 0 for r in range(8) if r not in active)
+    # a link 20 ms per message: every averaging costs an active peer two messages in flight
+    assert sim.end_time >= max(sim.initiated) * 2 * 0.02
+
+
+def test_one_history_per_seed():
+    cfg = config(peers=4, model="mlp")
+    runs = [Simulation(copy.deepcopy(cfg), compute=ComputeTimes(4, 0.01, "pareto", seed=3)).run() for _ in range(2)]
+    assert runs[0].log == runs[1].log
+    assert torch.equal(runs[0].live, runs[1].live)
+    other = Simulation(copy.deepcopy(cfg), compute=ComputeTimes(4, 0.01, "pareto", seed=4)).run()
+    assert other.log != runs[0].log
+
+
+def test_a_straggler_slows_only_itself():
+    cfg = config(peers=8, model="linear")
+    cfg["network"].update(slow_peers=[3], compute_scale=4.0)
+    sim = Simulation(copy.deepcopy(cfg)).run()
+    others = [s for r, s in enumerate(sim.steps) if r != 3]
+    assert sim.steps[3] <= min(others) / 3  # about a quarter of the others' steps
+    assert max(others) - min(others) <= 2
+
+
+@pytest.mark.parametrize("distribution", ["constant", "exponential", "lognormal", "pareto"])
+def test_compute_time_distributions_have_the_stated_mean(distribution):
+    times = ComputeTimes(2, 0.01, distribution, seed=0, scales={1: 4.0})
+    draws = np.array([[times.draw(r) for _ in range(20000)] for r in range(2)])
+    np.testing.assert_allclose(draws.mean(1), [0.01, 0.04], rtol=0.08)
+    with pytest.raises(ValueError, match="compute distribution must be one of"):
+        ComputeTimes(2, 0.01, "gauss")
