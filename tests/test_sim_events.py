@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from dpsgd import data
-from dpsgd.sim.events import ComputeTimes, Link, Simulation
+from dpsgd.netem import Link
+from dpsgd.sim.events import ComputeTimes, Simulation
 
 torch.set_num_threads(1)
 CONF = Path(__file__).parent.parent / "conf"
@@ -70,7 +71,7 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
     return live
 
 
-@pytest.mark.parametrize("link", [Link(), Link(latency_s=0.004, bandwidth_bps=2e6)])
+@pytest.mark.parametrize("link", [Link(), Link(latency_s=0.004, bandwidth_bytes_per_s=2.5e5)])
 @pytest.mark.parametrize("distribution", ["constant", "lognormal"])
 def test_parameters_equal_a_numpy_replay_of_the_event_log(link, distribution):
     cfg = config(peers=6, momentum=0.0)

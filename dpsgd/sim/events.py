@@ -1,6 +1,6 @@
 """AD-PSGD as an event-driven simulation in virtual time: the protocol of `dpsgd.optim.adpsgd`
 replayed exactly (roles, partner draws, locks, staleness), with compute times drawn per peer and step
-from a configurable distribution (stragglers, heavy tails) and message times from a link model.
+from a configurable distribution (stragglers, heavy tails) and message times from a `dpsgd.netem.Link`.
 
 Per peer i, as the real optimizer and its communication thread do:
 - compute: the gradient at the snapshot x_hat_i takes `compute.draw(i)` virtual seconds;
@@ -31,27 +31,11 @@ from torch.func import functional_call, grad_and_value
 
 from dpsgd import data
 from dpsgd.build import build_model, build_topology, load_data, partition
+from dpsgd.netem import NetworkEmulator
 from dpsgd.optim import build_base
 from dpsgd.optim.adpsgd import BUDGETS, HEADER, choose_partner, partner_rng, roles
 
 DISTRIBUTIONS = ("constant", "exponential", "lognormal", "pareto")
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link's cost: latency_s + 8 nbytes / bandwidth_bps (None or 0: infinite) seconds per message.
-    Anything with `message_time(nbytes)` can stand in for it."""
-
-    latency_s: float = 0.0
-    bandwidth_bps: float | None = None
-
-    def message_time(self, nbytes: int) -> float:
-        return self.latency_s + (8.0 * nbytes / self.bandwidth_bps if self.bandwidth_bps else 0.0)
-
-    @classmethod
-    def from_config(cls, network: dict | None) -> Link:
-        network = network or {}
-        return cls(float(network.get("latency_s") or 0.0), float(network.get("bandwidth_bps") or 0.0) or None)
 
 
 @dataclass
@@ -102,7 +86,7 @@ class Simulation:
         self.budget = budget or algo.get("budget", "samples")
         if self.budget not in BUDGETS:
             raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {self.budget!r}")
-        self.link = link if link is not None else Link.from_config(cfg.get("network"))
+        self.link = link if link is not None else NetworkEmulator.from_config(cfg.get("network")).link
         self.compute = compute if compute is not None else compute_times(cfg, n)
         self.split = load_data(cfg)
         self.shares = partition(cfg, self.split, n)

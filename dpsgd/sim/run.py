@@ -76,6 +76,7 @@ def traffic(bytes_sent: torch.Tensor, bytes_received: torch.Tensor, comm_time_s:
         "mb_received_per_peer": float(bytes_received.mean()) / 1e6,
         "comm_time_s": comm_time_s,
         "comm_overlap_s": 0.0,
+        "emulated_wait_s": None,  # the fleet does not emulate links (the AD-PSGD event simulator's time is virtual)
     }
 
 
@@ -127,8 +128,9 @@ def train_fleet(cfg: dict, out_dir: str | Path | None = None) -> dict:
     summary = {
         **describe(cfg, n, fleet.topology),
         "steps": total_steps,
-        **{k: v for k, v in record.items() if k not in ("step", "emulated_time_s")},
+        **{k: v for k, v in record.items() if k != "step"},
         "wall_time_s": wall,
+        "emulated_s_per_step": None,
         "samples_per_s": total_steps * batch_size * n / wall,
         **({"target_accuracy": target, **(reached or {"steps_to_target": None, "time_to_target_s": None})}
            if target is not None else {}),
@@ -173,7 +175,8 @@ def train_events(cfg: dict, out_dir: str | Path | None = None) -> dict:
         if log_file is not None and peer == 0 and sim.steps[0] % log_every == 0:
             recent = [sum(ls[-log_every:]) / len(ls[-log_every:]) for ls in sim.losses if ls]
             progress = record(sum(recent) / len(recent))
-            progress.pop("comm_overlap_s")  # the keys of training_async's records while peers train
+            for key in ("comm_overlap_s", "emulated_wait_s"):  # the keys of training_async's records while peers train
+                progress.pop(key)
             log_file.write(json.dumps(progress) + "\n")
             log_file.flush()
 
@@ -210,7 +213,7 @@ def train_events(cfg: dict, out_dir: str | Path | None = None) -> dict:
     summary = {
         **describe(cfg, n, sim.topology),
         "steps": final["step"],
-        **{k: v for k, v in final.items() if k not in ("step", "emulated_time_s", "scope")},
+        **{k: v for k, v in final.items() if k not in ("step", "scope")},
         "wall_time_s": wall,  # the virtual time is the last record's emulated_time_s
         "samples_per_s": final["samples"] / wall,
         **({"target_accuracy": cfg["target_accuracy"], "steps_to_target": None, "time_to_target_s": None}
