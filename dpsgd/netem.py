@@ -7,11 +7,12 @@ Configured by the `network` config group (`network=ethernet_1g`, ...):
   alpha + k M / beta; a ring all-reduce of M bytes among n peers costs 2 (n-1) alpha + 2 (n-1)/n M / beta.
 - `jitter_s`: each message takes an extra uniform [0, jitter_s) seconds (seeded per peer).
 - `slow_peers`, `compute_scale`, `compute_time`: the compute slowdown (stragglers) and the per-step
-  compute floor: a peer's step computes for max(real compute, compute_time) x its slowdown, so that many
-  peers sharing a few cores keep honest relative timing.
-- `mode`: `model` adds every cost to the peer's emulated clock only (runs stay fast; the compute floor and
-  slowdown are not slept either); `sleep` really waits (the clock is the real one), so overlap and
-  asynchrony are exercised for real.
+  compute time. In `sleep` mode `compute_time` is a floor: a peer's step takes max(real compute,
+  compute_time) x its slowdown, really. In `model` mode a given `compute_time` is the step's compute time
+  on the emulated clock (x slowdown), so the contention of many peers for a few cores does not enter the
+  figures; with `compute_time: 0` the clock takes the real compute time.
+- `mode`: `model` adds every cost to the peer's emulated clock only (runs stay fast: nothing is slept);
+  `sleep` really waits (the clock is the real one), so overlap and asynchrony are exercised for real.
 
 The clock is honest about waiting: each message carries the sender's time at which it arrives, and an
 operation completes at the latest arrival it needs, so a peer that starts late delays its neighbours
@@ -108,7 +109,8 @@ class EmulatedClock:
 @dataclass
 class ComputeSlowdown:
     """One peer's compute emulation: call `start()` before the forward pass and `finish()` after the
-    backward pass; the step then counts as max(real compute, compute_time) x scale seconds."""
+    backward pass. Sleeping, the step takes max(real compute, compute_time) x scale seconds; modelled,
+    it counts compute_time x scale (the real compute x scale when compute_time is 0)."""
 
     rank: int = 0
     slow_peers: tuple[int, ...] = ()
@@ -143,8 +145,10 @@ class ComputeSlowdown:
             return 0.0
         elapsed = time.perf_counter() - self._t0
         self._t0 = None
+        if not sleep:
+            return (self.compute_time or elapsed) * self.scale
         step = max(elapsed, self.compute_time) * self.scale
-        if sleep and step > elapsed:
+        if step > elapsed:
             time.sleep(step - elapsed)
             self.slept_s += step - elapsed
         return step
@@ -203,7 +207,7 @@ class NetworkEmulator:
 
     def finish_compute(self) -> float:
         """End a step's computation: advance the clock by its emulated duration (sleeping it in sleep mode)."""
-        seconds = self.slowdown.finish(sleep=self.clock.mode == "sleep" and self.slowdown.active)
+        seconds = self.slowdown.finish(sleep=self.clock.mode == "sleep")
         self.clock.advance(seconds)
         return seconds
 

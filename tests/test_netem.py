@@ -14,7 +14,7 @@ from dpsgd.netem import ComputeSlowdown, Link, NetworkEmulator
 from dpsgd.optim import ADPSGD, DPSGD, AllReduce
 
 ALPHA, BETA = 1e-3, 1e7  # 1 ms per message, 10 MB/s
-FLOOR = 0.02  # compute floor per step: far above the real compute (< 1 ms) of the quadratics below
+FLOOR = 0.02  # each step's compute on the emulated clock (model mode: the real compute does not enter)
 STEPS = 6
 
 
