@@ -33,5 +33,8 @@ clean:
 soak: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
+# every benchmark, one after the other (about 30 min on 2 cores); results in outputs/bench/
+BENCHMARKS := comm_overhead allreduce_vs_ddp local_sgd_vs_torch step_time_vs_network time_to_accuracy overlap \
+	stragglers fleet
 bench: $(STAMP)
-	$(PY) -m experiments.bench.stragglers $(ARGS)
+	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) -m experiments.bench.$$b; done

@@ -51,6 +51,22 @@ def load_data(cfg: dict) -> data.Split:
     return data.load(d["name"], d.get("test_fraction", 0.2), int(cfg["seed"]), **options)
 
 
+def fit_batch_size(cfg: dict) -> str | None:
+    """Many peers on a small dataset: with the iid partition, a `batch_size` larger than a peer's share
+    (e.g. digits' 1437 training samples over 256 peers: 5 each) becomes the share, so every peer takes one
+    step per epoch on all its samples. Changes `cfg` and returns a note saying so (None if unchanged)."""
+    if cfg["data"].get("partition", "iid") != "iid" or int(cfg["peers"]) < 1:
+        return None
+    samples = len(load_data(cfg).x_train)
+    share = samples // int(cfg["peers"])
+    if share < 1 or int(cfg["batch_size"]) <= share:
+        return None  # fits, or no data for every peer at all: the partition says so
+    note = (f"batch_size {cfg['batch_size']} is more than each peer's share of {cfg['data']['name']} "
+            f"({samples} training samples / {cfg['peers']} peers = {share}); using batch_size={share}")
+    cfg["batch_size"] = share
+    return note
+
+
 def partition(cfg: dict, split: data.Split, peers: int) -> list:
     d = cfg["data"]
     return data.partition(split.y_train.numpy(), peers, int(cfg["seed"]), d.get("partition", "iid"),

@@ -6,7 +6,8 @@ config.yaml), so a sweep made elsewhere can be reported here. The parameters tha
 between runs are the swept ones: they become the table's first columns and the plots' legend.
 
 Writes into the output folder (default DIR): report.md, report.csv, and PNG plots
-vs_steps.png (test accuracy of the averaged model and of the peers, test loss, consensus distance), vs_wall_time.png and
+vs_steps.png (test accuracy of the averaged model and of the peers, test loss, consensus distance), vs_wall_time.png,
+vs_emulated_time.png (with an emulated network) and
 vs_mb_sent.png (test accuracy and loss).
 """
 
@@ -97,9 +98,13 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
                                                            ("test_loss", "test loss")]),
         "vs_mb_sent": ("mb_sent_per_peer", "MB sent per peer", [("test_accuracy", "test accuracy (averaged model)"),
                                                                 ("test_loss", "test loss")]),
+        "vs_emulated_time": ("emulated_time_s", "emulated time (s, dpsgd.netem)",
+                             [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")]),
     }
     written = []
     for name, (x_key, x_label, panels) in figures.items():
+        if not any(m.get(x_key) is not None for r in runs for m in r["metrics"]):
+            continue  # e.g. no emulated network in these runs
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
         for ax, (y_key, y_label) in zip(axes[0], panels):
             for run in runs:

@@ -14,16 +14,20 @@ COLUMNS = [  # (header, summary key, format)
     ("consensus dist", "consensus_distance", "{:.3e}"),
     ("MB sent/peer", "mb_sent_per_peer", "{:.2f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
+    ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.netem)
 ]
+OPTIONAL = {"emulated_time_s"}  # columns left out when no run has them
 
 
 def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:
     """Header and formatted rows; `extra` keys (swept parameters) come first."""
-    header = list(extra) + [h for h, _, _ in COLUMNS if h not in extra]
+    columns = [(h, key, fmt) for h, key, fmt in COLUMNS if h not in extra
+               and (key not in OPTIONAL or any(s.get(key) is not None for s in summaries))]
+    header = list(extra) + [h for h, _, _ in columns]
     rows = []
     for s in summaries:
         row = [str(s.get(k, "-")) for k in extra]
-        row += [fmt.format(s[key]) if s.get(key) is not None else "-" for h, key, fmt in COLUMNS if h not in extra]
+        row += [fmt.format(s[key]) if s.get(key) is not None else "-" for h, key, fmt in columns]
         rows.append(row)
     return header, rows
 
