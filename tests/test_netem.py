@@ -3,13 +3,18 @@ stragglers under all-reduce and AD-PSGD."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import topologies
 from dpsgd.comm import run_local
+from dpsgd.launch import peer_env
 from dpsgd.netem import ComputeSlowdown, Link, NetworkEmulator
 from dpsgd.optim import ADPSGD, DPSGD, AllReduce
 
@@ -170,3 +175,45 @@ def test_uncounted_traffic_costs_nothing():
         return net.clock.elapsed()
 
     assert run_local(2, peer) == [0.0, 0.0]
+
+
+def test_sleep_mode_straggler_paces_every_peer_under_allreduce():
+    """The same straggler, for real: with sleep mode every all-reduce step waits out the slow peer's 40 ms."""
+    def peer(comm):
+        net = NetworkEmulator.from_config({"mode": "sleep", "compute_time": 0.01, "slow_peers": [2],
+                                           "compute_scale": 4.0}, comm.rank, comm.size)
+        comm.attach_network(net)
+        w = torch.nn.Parameter(torch.zeros(8))
+        opt = AllReduce(torch.optim.SGD([w], lr=0.1), comm=comm)
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            net.start_compute()
+            opt.zero_grad()
+            w.pow(2).sum().backward()
+            net.finish_compute()
+            opt.step()
+        return time.perf_counter() - t0
+
+    for wall in run_local(4, peer):
+        assert 5 * 0.04 <= wall < 5 * 0.04 + 0.3
+
+
+@pytest.mark.timeout(180)
+def test_emulated_step_time_of_real_mpi_peers(tmp_path):
+    """Real processes: 4 mpi peers of one-peer D-PSGD and of all-reduce under ethernet_1g report the
+    closed-form emulated step time (a given compute_time is each step's compute in model mode)."""
+    root = Path(__file__).resolve().parent.parent
+    link = Link(1e-4, 1.25e8)
+    params = 64 * 64 + 64 + 64 * 10 + 10  # the default MLP on digits
+    for algorithm, topology, comm_s in (("dpsgd", "one_peer_exponential", link.message_time(4 * params)),
+                                        ("allreduce", "ring", link.allreduce_time(4 * params, 4))):
+        run_dir = tmp_path / algorithm
+        cmd = [sys.executable, "-m", "experiments.train", f"algorithm={algorithm}", f"topology={topology}",
+               "network=ethernet_1g", "network.compute_time=0.002", "epochs=2", "peers=4", "backend=mpi",
+               f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(cmd, cwd=root, env=peer_env(), capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["emulated_s_per_step"] == pytest.approx(0.002 + comm_s, rel=1e-6)
+        assert summary["emulated_time_s"] == pytest.approx(summary["steps"] * (0.002 + comm_s), rel=1e-6)
