@@ -101,6 +101,7 @@ class Request(Pending):
 
 
 MAX_TAG = 32767  # the smallest MPI_TAG_UB the standard allows
+_KEPT_BUFFERS_PER_SHAPE = 8  # receive buffers kept for reuse, per shape/dtype/device
 
 
 class Handle:
@@ -160,6 +161,7 @@ class Communicator(ABC):
         self.context = ""  # e.g. "step 12": the training loop sets it so errors say when
         self._counting = True
         self._tag = 0
+        self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
 
     # --- backend primitives -------------------------------------------------------------
     @abstractmethod
@@ -220,9 +222,12 @@ class Communicator(ABC):
         ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
 
         def finish():
-            out = buf * weights.self_weight
+            # buf is our own copy and its sends are complete: the sum is built in it, and the
+            # receive buffers (never seen by the caller) are kept for the next exchange
+            out = buf.mul_(weights.self_weight)
             for peer in recv_from:  # rank order: the same sum on every backend
                 out.add_(ex.received[peer], alpha=weights.recv[peer])
+            self._release_buffers(ex.received.values())
             return unflatten(out, tensors)
 
         return Handle(self, "neighbor_average", ex, finish, recv_from)
@@ -331,6 +336,20 @@ class Communicator(ABC):
                     f"rank {self.rank}: {op} got peer {p}; peers must be other ranks in [0, {self.size}) "
                     f"- is the topology built for {self.size} peers?"
                 )
+
+    def _receive_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A buffer shaped like `like` for a backend to receive into: one kept from an earlier
+        operation if there is one. A fresh large buffer costs page faults on first write, which
+        on small or virtual machines cost several times the message itself."""
+        free = self._free_buffers.get((like.shape, like.dtype, like.device))
+        return free.pop() if free else torch.empty_like(like)
+
+    def _release_buffers(self, buffers) -> None:
+        """Keep receive buffers that no caller holds (a few per shape) for `_receive_buffer`."""
+        for b in buffers:
+            free = self._free_buffers.setdefault((b.shape, b.dtype, b.device), [])
+            if len(free) < _KEPT_BUFFERS_PER_SHAPE:
+                free.append(b)
 
     def _next_tag(self) -> int:
         # a fresh tag per operation keeps consecutive exchanges from matching each other's
