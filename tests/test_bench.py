@@ -58,9 +58,12 @@ def test_local_sgd_vs_torch(tmp_path):
                                     "--out", str(out)]) == 0
     res = load(out, "local_sgd_vs_torch")
     assert set(res["step_s"]) == {"warmup", "local"}
-    check = res["check"]
+    check = res["check"]  # the timed run, float32
     assert check["moved"] > 1e-3
     assert check["dpsgd_torch_vs_torch"] <= 1e-6 and check["dpsgd_mpi_vs_torch"] <= 1e-6, check
     assert check["dpsgd_torch_between_peers"] == 0.0  # the run ends with an averaging
+    check64 = res["check_float64"]
+    assert check64["moved"] > 1e-3 and check64["warmup_steps"] == 3
+    assert check64["dpsgd_torch_vs_torch"] <= 1e-12 and check64["dpsgd_mpi_vs_torch"] <= 1e-12, check64
     params = next(t for t in res["targets"] if t["name"].startswith("parameters"))
     assert params["holds"]

@@ -33,6 +33,7 @@ class Target:
     name: str
     ratio: float
     limit: float
+    unit: str = "x"  # "" for a figure that is not a ratio (e.g. a parameter difference)
 
     @property
     def holds(self) -> bool:
@@ -42,7 +43,8 @@ class Target:
         return {**asdict(self), "holds": self.holds}
 
     def line(self) -> str:
-        return f"{self.name:48s} {self.ratio:7.3f}x  (target <= {self.limit:g}x)  {'PASS' if self.holds else 'MISS'}"
+        figure = f"{self.ratio:7.3f}x" if self.unit == "x" else f"{self.ratio:8.2g}{self.unit}"
+        return f"{self.name:52s} {figure}  (target <= {self.limit:g}{self.unit})  {'PASS' if self.holds else 'MISS'}"
 
 
 def print_table(headers: list[str], rows: list[list], floatfmt: str = ".2f") -> None:
