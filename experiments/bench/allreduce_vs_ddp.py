@@ -129,23 +129,26 @@ def worker(args) -> None:
     floor = common.loopback_bandwidth(world, max(4 * nparams, 2**20), reps=args.floor_reps)
     data = batches(rank, args.batch, args.seed, torch.float32)
     times = {name: [] for name in VARIANTS}
+    faults = {name: [] for name in VARIANTS}
     for i in range(args.warmup + args.reps):
         x, y = data[i % POOL]
         shift = i % len(VARIANTS)
         for name in VARIANTS[shift:] + VARIANTS[:shift]:
             module, opt = variants[name]
             world.Barrier()
-            t0 = time.perf_counter()
+            f0, t0 = common.page_faults(), time.perf_counter()
             train_step(module, opt, x, y)
-            dt = time.perf_counter() - t0
+            dt, df = time.perf_counter() - t0, common.page_faults() - f0
             if i >= args.warmup:
                 times[name].append(dt)
+                faults[name].append(df)
     medians = {name: common.median(common.slowest(world, t)) for name, t in times.items()}
     comms["mpi"].close()
     sent = common.ring_allreduce_bytes(4 * nparams, world.Get_size())
     common.finish_ranks(world, args.worker, {
         "peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch,
         "reps": args.reps, "warmup": args.warmup, "step_s": medians, "floor": floor,
+        "page_faults_per_step": {name: common.median(common.slowest(world, f)) for name, f in faults.items()},
         "comm_bytes_sent_per_rank": sent, "comm_floor_s": common.floor_s(sent, floor), "check": check,
         "check_steps": args.check_steps})
 
@@ -199,8 +202,9 @@ def main(argv=None) -> int:
     notes = {"no_comm": "local step only", "allreduce_torch": "dpsgd AllReduce, torch backend",
              "allreduce_mpi": "dpsgd AllReduce, mpi backend", "ddp": "DDP, 25 MiB buckets overlapping backward",
              "ddp_one_bucket": "DDP, one bucket (no overlap)"}
-    common.print_table(["variant", "step ms", "/ DDP", "what"],
-                       [[name, s[name] * 1e3, s[name] / ddp, notes[name]] for name in VARIANTS])
+    pf = res["page_faults_per_step"]
+    common.print_table(["variant", "step ms", "/ DDP", "page faults", "what"],
+                       [[name, s[name] * 1e3, s[name] / ddp, f"{pf[name]:.0f}", notes[name]] for name in VARIANTS])
     mib = res["comm_bytes_sent_per_rank"] / 2**20
     print(f"\ncommunication floor: a ring all-reduce of the gradients sends {mib:.1f} MiB per rank: "
           f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth; step floor without "

@@ -125,6 +125,7 @@ def worker(args) -> None:
 
         reps, warmup = reps_for(mb, args.reps, largest), args.warmup
         times = {(b, op, impl): [] for b in BACKENDS for op in OPS for impl in ("toolkit", "raw")}
+        faults = {k: [] for k in times}
         for i in range(warmup + reps):
             for backend in BACKENDS:
                 for op in OPS:
@@ -132,11 +133,12 @@ def worker(args) -> None:
                     for impl in (("toolkit", "raw") if i % 2 == 0 else ("raw", "toolkit")):
                         fn = impls[(backend, impl)][op]
                         world.Barrier()
-                        t0 = time.perf_counter()
+                        f0, t0 = common.page_faults(), time.perf_counter()
                         fn()
-                        dt = time.perf_counter() - t0
+                        dt, df = time.perf_counter() - t0, common.page_faults() - f0
                         if i >= warmup:
                             times[(backend, op, impl)].append(dt)
+                            faults[(backend, op, impl)].append(df)
         diffs = {k: common.slowest(world, [v])[0] for k, v in agree.items()}
         for backend in BACKENDS:
             for op in OPS:
@@ -150,6 +152,8 @@ def worker(args) -> None:
                     "paired_ratio": common.median([a / b for a, b in zip(tk, raw)]),
                     "bytes_sent_per_rank": sent, "floor_s": common.floor_s(sent, floor),
                     "max_abs_diff_vs_raw": diffs[(backend, op)],
+                    "page_faults": {impl: common.median(common.slowest(world, faults[(backend, op, impl)]))
+                                    for impl in ("toolkit", "raw")},
                 })
         del impls
     for c in comms.values():
@@ -189,12 +193,15 @@ def main(argv=None) -> int:
     print(f"\nToolkit against raw, {args.peers} MPI ranks (gloo in the same processes), ring neighbours, "
           f"float32; slowest rank, median ms:\n")
     common.print_table(
-        ["backend", "op", "MiB", "reps", "toolkit ms", "raw ms", "ratio", "floor ms", "toolkit/floor", "target"],
+        ["backend", "op", "MiB", "reps", "toolkit ms", "raw ms", "ratio", "floor ms", "toolkit/floor", "faults tk/raw",
+         "target"],
         [[r["backend"], r["op"], f"{r['mb']:g}", r["reps"], r["toolkit_s"] * 1e3, r["raw_s"] * 1e3, r["ratio"],
-          r["floor_s"] * 1e3, r["toolkit_s"] / r["floor_s"], "PASS" if t.holds else "MISS"]
+          r["floor_s"] * 1e3, r["toolkit_s"] / r["floor_s"],
+          f"{r['page_faults']['toolkit']:.0f}/{r['page_faults']['raw']:.0f}", "PASS" if t.holds else "MISS"]
          for r, t in zip(rows, targets)])
     print(f"\n{common.floor_line(floor)}; floor = bytes one rank sends (ring exchange 2M, all-reduce "
-          f"2(n-1)/n M) / that bandwidth. Target: toolkit <= {LIMIT:g}x raw.")
+          f"2(n-1)/n M) / that bandwidth. Target: toolkit <= {LIMIT:g}x raw. faults: page faults per call "
+          f"(slowest rank, median); a fresh buffer faults once per 4 KiB page.")
     bad = [r for r in rows if r["max_abs_diff_vs_raw"] > 1e-5]
     if bad:
         print(f"WARNING: toolkit and raw results differ: {[(r['backend'], r['op'], r['mb']) for r in bad]}")

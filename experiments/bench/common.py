@@ -141,7 +141,7 @@ def finish_ranks(world, work: Path, result: dict) -> None:
 
 
 def slowest(world, seconds: list[float]) -> list[float]:
-    """Per repetition, the slowest rank's time (every rank gets the list)."""
+    """Per repetition, the largest value over the ranks: the slowest rank's time (every rank gets the list)."""
     import numpy as np
     from mpi4py import MPI
 
@@ -149,6 +149,14 @@ def slowest(world, seconds: list[float]) -> list[float]:
     out = np.empty_like(mine)
     world.Allreduce(mine, out, op=MPI.MAX)
     return out.tolist()
+
+
+def page_faults() -> int:
+    """Page faults of this process so far (minor + major): a fresh large buffer costs one per 4 KiB page."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def median(xs: list[float]) -> float:
