@@ -367,13 +367,18 @@ class _Done(Pending):
 
 
 def poll_until(test, deadline: float, outstanding=list) -> None:
-    """Wait for `test()` to be true without spinning a core: a few quick polls, then
-    sleeps growing to 1 ms (waiting ranks that spin halve the speed of computing ones on
-    small machines)."""
-    delay = 0.0
+    """Wait for `test()` to be true without spinning a core: sleep between polls for 1/20 of the
+    time waited so far, from 20 us up to 1 ms (waiting ranks that spin halve the speed of
+    computing ones on small machines). A wait thus notices completion at most about 5% late, and a
+    long wait costs about a hundred quick polls, then one per millisecond. Quick polls matter for
+    MPI's non-blocking collectives: their rounds progress only while each rank polls, so 1 ms
+    sleeps from the start made a 1 MiB all-reduce on 4 ranks 4x slower than a blocking one."""
+    start = time.monotonic()
     while not test():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise PeerTimeoutError(f"peers {outstanding()} did not answer")
-        if delay:
-            time.sleep(delay)
-        delay = min(0.001, delay * 2 if delay else 2e-5)
+        time.sleep(min(_POLL_MAX_S, max(_POLL_MIN_S, (now - start) / 20)))
+
+
+_POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
