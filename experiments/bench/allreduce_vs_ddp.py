@@ -163,7 +163,7 @@ def summarize(res: dict) -> tuple[list[common.Target], dict]:
     overlap = s["ddp_one_bucket"] - s["ddp"]
     derived = {"allreduce_torch_vs_ddp_one_bucket": s["allreduce_torch"] / s["ddp_one_bucket"],
                "ddp_overlap_gain_s": overlap, "allreduce_gap_s": gap,
-               "gap_explained_by_overlap": overlap / gap if gap > 0 else None}
+               "gap_explained_by_overlap": max(0.0, overlap) / gap if gap > 0 else None}
     return targets, derived
 
 
@@ -210,11 +210,12 @@ def main(argv=None) -> int:
           f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth; step floor without "
           f"overlap: no_comm + that = {(s['no_comm'] + res['comm_floor_s']) * 1e3:.1f} ms")
     print(common.floor_line(res["floor"]))
+    gain, gap = derived["ddp_overlap_gain_s"] * 1e3, derived["allreduce_gap_s"] * 1e3
     if derived["gap_explained_by_overlap"] is not None:
-        print(f"DDP's overlap (one bucket - default) gains {derived['ddp_overlap_gain_s'] * 1e3:.2f} ms of the "
-              f"{derived['allreduce_gap_s'] * 1e3:.2f} ms AllReduce (torch) is behind DDP: "
-              f"{100 * derived['gap_explained_by_overlap']:.0f}%; AllReduce / DDP one bucket = "
-              f"{derived['allreduce_torch_vs_ddp_one_bucket']:.3f}")
+        explained = (f"explains {100 * derived['gap_explained_by_overlap']:.0f}% of it" if gain > 0 else
+                     f"explains none of it (DDP with one bucket is {-gain:.2f} ms faster than with overlap)")
+        print(f"AllReduce (torch) is {gap:.2f} ms behind DDP; DDP's overlap (one bucket - default: {gain:.2f} ms) "
+              f"{explained}; AllReduce / DDP one bucket = {derived['allreduce_torch_vs_ddp_one_bucket']:.3f}")
     c = res["check"]
     print(f"\nparameters after {res['check_steps']} steps (float64), max |difference| against large-batch SGD: "
           + ", ".join(f"{k.removesuffix('_vs_large_batch')} {v:.1e}" for k, v in c.items() if k.endswith("large_batch"))
