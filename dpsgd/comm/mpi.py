@@ -97,7 +97,7 @@ class MPICommunicator(Communicator):
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
-        received = {p: torch.empty_like(buf) for p in recv_from}
+        received = {p: self._receive_buffer(buf) for p in recv_from}
         reqs, peers = [], []
         for p in recv_from:
             reqs.append(self._comm.Irecv(_as_buffer(received[p]), source=p, tag=tag))

@@ -1,0 +1,230 @@
+"""A training step of `dpsgd.optim.AllReduce` against torch's DistributedDataParallel.
+`python -m experiments.bench.allreduce_vs_ddp [--peers 4] [--hidden 2048 2048] [--reps 40] [--out FILE]`
+
+On `--peers` real MPI processes that also form one gloo world, side by side in one run, the same
+MLP (`dpsgd.models`, `--hidden` widths) on the same batches, one SGD step (momentum 0.9) each:
+`AllReduce` on the `torch` backend (the default gloo group) and on the `mpi` backend, DDP (gloo,
+default 25 MiB buckets whose all-reduces overlap the backward pass), DDP with one bucket (its
+all-reduce starts after the backward pass: no overlap, like AllReduce), and the same step with no
+communication at all. Each time is the slowest rank's, median over `--reps` repetitions after
+warm-up; the variants' steps alternate, in rotating order. Target: AllReduce at most 1.05x DDP.
+The gap that DDP's overlap explains is (DDP one bucket - DDP) / (AllReduce - DDP). Beside them:
+the communication floor, the bytes of a ring all-reduce of the gradients divided by the loopback
+bandwidth measured in the same run.
+
+Correctness (in float64, from a fresh model, `--check-steps` steps): AllReduce on both backends,
+DDP and one large-batch SGD on the union of the peers' batches give the same parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments.bench import common
+
+LIMIT = 1.05
+VARIANTS = ("no_comm", "allreduce_torch", "allreduce_mpi", "ddp", "ddp_one_bucket")
+INPUTS, CLASSES, POOL = 784, 10, 8
+
+
+# --- inside the ranks ---------------------------------------------------------------------
+
+def batches(rank: int, batch: int, seed: int, dtype, count: int = POOL):
+    """`count` (inputs, labels) batches of peer `rank`; any peer can make any peer's batches."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [(torch.randn(batch, INPUTS, generator=g, dtype=dtype), torch.randint(0, CLASSES, (batch,), generator=g))
+            for _ in range(count)]
+
+
+def make_model(args, dtype):
+    from dpsgd.models import build
+
+    return build("mlp", (INPUTS,), CLASSES, args.seed, hidden=args.hidden).to(dtype)
+
+
+def make_variant(name: str, args, comms: dict, dtype):
+    """(module to call, optimizer) for one variant, from the same initial model."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dpsgd.optim import AllReduce
+
+    model = make_model(args, dtype)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+
+    if name == "no_comm":
+        return model, sgd(model.parameters())
+    if name.startswith("allreduce_"):
+        return model, AllReduce(sgd(model.parameters()), comm=comms[name.removeprefix("allreduce_")])
+    ddp = DDP(model, bucket_cap_mb=100_000) if name == "ddp_one_bucket" else DDP(model)
+    return ddp, sgd(ddp.parameters())
+
+
+def train_step(module, opt, x, y) -> None:
+    import torch.nn.functional as F
+
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(module(x), y).backward()
+    opt.step()
+
+
+def flat_params(module):
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def check_parameters(args, comms, world) -> dict:
+    """Max |difference| of the parameters after `check_steps` steps (float64), slowest rank."""
+    import torch
+    import torch.nn.functional as F
+
+    rank, n = world.Get_rank(), world.Get_size()
+    dtype = torch.float64
+    mine = batches(rank, args.batch, args.seed + 1, dtype)
+    got = {}
+    for name in ("allreduce_torch", "allreduce_mpi", "ddp", "ddp_one_bucket"):
+        module, opt = make_variant(name, args, comms, dtype)
+        for k in range(args.check_steps):
+            train_step(module, opt, *mine[k % POOL])
+        got[name] = flat_params(module)
+    # large-batch SGD on the union of the peers' batches, on every rank
+    everyone = [batches(r, args.batch, args.seed + 1, dtype) for r in range(n)]
+    big = make_model(args, dtype)
+    opt = torch.optim.SGD(big.parameters(), lr=args.lr, momentum=0.9)
+    for k in range(args.check_steps):
+        x = torch.cat([b[k % POOL][0] for b in everyone])
+        y = torch.cat([b[k % POOL][1] for b in everyone])
+        opt.zero_grad()
+        F.cross_entropy(big(x), y).backward()
+        opt.step()
+    ref = flat_params(big)
+    diffs = {f"{name}_vs_large_batch": float((p - ref).abs().max()) for name, p in got.items()}
+    diffs["allreduce_torch_vs_ddp"] = float((got["allreduce_torch"] - got["ddp"]).abs().max())
+    diffs["moved"] = float((ref - flat_params(make_model(args, dtype))).abs().max())  # the check is not vacuous
+    return {k: common.slowest(world, [v])[0] for k, v in diffs.items()}
+
+
+def worker(args) -> None:
+    import torch
+
+    from dpsgd.comm.mpi import MPICommunicator
+    from dpsgd.comm.torch_dist import TorchCommunicator
+
+    world = common.init_ranks()
+    rank = world.Get_rank()
+    comms = {"mpi": MPICommunicator(), "torch": TorchCommunicator()}
+    check = check_parameters(args, comms, world)
+
+    variants = {name: make_variant(name, args, comms, torch.float32) for name in VARIANTS}
+    nparams = sum(p.numel() for p in variants["no_comm"][0].parameters())
+    floor = common.loopback_bandwidth(world, max(4 * nparams, 2**20), reps=args.floor_reps)
+    data = batches(rank, args.batch, args.seed, torch.float32)
+    times = {name: [] for name in VARIANTS}
+    faults = {name: [] for name in VARIANTS}
+    for i in range(args.warmup + args.reps):
+        x, y = data[i % POOL]
+        shift = i % len(VARIANTS)
+        for name in VARIANTS[shift:] + VARIANTS[:shift]:
+            module, opt = variants[name]
+            world.Barrier()
+            f0, t0 = common.page_faults(), time.perf_counter()
+            train_step(module, opt, x, y)
+            dt, df = time.perf_counter() - t0, common.page_faults() - f0
+            if i >= args.warmup:
+                times[name].append(dt)
+                faults[name].append(df)
+    medians = {name: common.median(common.slowest(world, t)) for name, t in times.items()}
+    comms["mpi"].close()
+    sent = common.ring_allreduce_bytes(4 * nparams, world.Get_size())
+    common.finish_ranks(world, args.worker, {
+        "peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch,
+        "reps": args.reps, "warmup": args.warmup, "step_s": medians, "floor": floor,
+        "page_faults_per_step": {name: common.median(common.slowest(world, f)) for name, f in faults.items()},
+        "comm_bytes_sent_per_rank": sent, "comm_floor_s": common.floor_s(sent, floor), "check": check,
+        "check_steps": args.check_steps})
+
+
+# --- the driver ---------------------------------------------------------------------------
+
+def summarize(res: dict) -> tuple[list[common.Target], dict]:
+    s = res["step_s"]
+    targets = [common.Target("AllReduce (torch backend) / DDP", s["allreduce_torch"] / s["ddp"], LIMIT),
+               common.Target("AllReduce (mpi backend) / DDP", s["allreduce_mpi"] / s["ddp"], LIMIT)]
+    gap = s["allreduce_torch"] - s["ddp"]
+    overlap = s["ddp_one_bucket"] - s["ddp"]
+    derived = {"allreduce_torch_vs_ddp_one_bucket": s["allreduce_torch"] / s["ddp_one_bucket"],
+               "ddp_overlap_gain_s": overlap, "allreduce_gap_s": gap,
+               "gap_explained_by_overlap": max(0.0, overlap) / gap if gap > 0 else None}
+    return targets, derived
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--hidden", type=int, nargs="+", default=[2048, 2048], help="MLP hidden widths (input 784)")
+    p.add_argument("--batch", type=int, default=32, help="per peer")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--check-steps", type=int, default=5)
+    p.add_argument("--floor-reps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    common.add_rank_options(p)
+    p.add_argument("--out", type=Path, default=common.ROOT / "outputs" / "bench" / "allreduce_vs_ddp.json")
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    wargs = ["--hidden", *map(str, args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
+             "--reps", str(args.reps), "--warmup", str(args.warmup), "--check-steps", str(args.check_steps),
+             "--floor-reps", str(args.floor_reps), "--seed", str(args.seed)]
+    with tempfile.TemporaryDirectory(prefix="bench_allreduce_vs_ddp_") as tmp:
+        res = common.spawn_ranks("allreduce_vs_ddp", args.peers, wargs, Path(tmp), args.timeout,
+                                 args.keep_freed_memory)
+    res["keep_freed_memory"] = args.keep_freed_memory
+    targets, derived = summarize(res)
+    res["derived"] = derived
+    s, ddp = res["step_s"], res["step_s"]["ddp"]
+    print(f"\nOne training step, MLP 784-{'-'.join(map(str, args.hidden))}-10 ({res['params'] / 1e6:.2f} M parameters, "
+          f"{4 * res['params'] / 2**20:.1f} MiB of gradients), batch {args.batch} per peer, {args.peers} MPI ranks "
+          f"(gloo in the same processes); slowest rank, median of {args.reps}:\n")
+    notes = {"no_comm": "local step only", "allreduce_torch": "dpsgd AllReduce, torch backend",
+             "allreduce_mpi": "dpsgd AllReduce, mpi backend", "ddp": "DDP, 25 MiB buckets overlapping backward",
+             "ddp_one_bucket": "DDP, one bucket (no overlap)"}
+    pf = res["page_faults_per_step"]
+    common.print_table(["variant", "step ms", "/ DDP", "page faults", "what"],
+                       [[name, s[name] * 1e3, s[name] / ddp, f"{pf[name]:.0f}", notes[name]] for name in VARIANTS])
+    mib = res["comm_bytes_sent_per_rank"] / 2**20
+    print(f"\ncommunication floor: a ring all-reduce of the gradients sends {mib:.1f} MiB per rank: "
+          f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth; step floor without "
+          f"overlap: no_comm + that = {(s['no_comm'] + res['comm_floor_s']) * 1e3:.1f} ms")
+    print(common.floor_line(res["floor"]))
+    gain, gap = derived["ddp_overlap_gain_s"] * 1e3, derived["allreduce_gap_s"] * 1e3
+    if derived["gap_explained_by_overlap"] is not None:
+        explained = (f"explains {100 * derived['gap_explained_by_overlap']:.0f}% of it" if gain > 0 else
+                     f"explains none of it (DDP with one bucket is {-gain:.2f} ms faster than with overlap)")
+        print(f"AllReduce (torch) is {gap:.2f} ms behind DDP; DDP's overlap (one bucket - default: {gain:.2f} ms) "
+              f"{explained}; AllReduce / DDP one bucket = {derived['allreduce_torch_vs_ddp_one_bucket']:.3f}")
+    c = res["check"]
+    print(f"\nparameters after {res['check_steps']} steps (float64), max |difference| against large-batch SGD: "
+          + ", ".join(f"{k.removesuffix('_vs_large_batch')} {v:.1e}" for k, v in c.items() if k.endswith("large_batch"))
+          + f"; AllReduce vs DDP {c['allreduce_torch_vs_ddp']:.1e} (the parameters moved {c['moved']:.1e})")
+    common.print_targets(targets)
+    common.write_result(args.out, "allreduce_vs_ddp", res, targets, argv)
+    print(f"written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""What does the toolkit's communicator cost over raw MPI / torch.distributed?
+`python -m experiments.bench.comm_overhead [--peers 4] [--sizes-mb 1 11 44] [--reps 30] [--out FILE]`
+
+On `--peers` real MPI processes that also form one gloo world, side by side in one run, for each
+size of float32 parameters: the toolkit's `neighbor_exchange` and `neighbor_average` on a ring
+(to both neighbours, weights 1/3) and `allreduce_mean`, on the `mpi` backend against the same
+result written by hand with raw mpi4py (two `Sendrecv`, `Allreduce` into a preallocated buffer,
+the same arithmetic) and on the `torch` backend (gloo) against raw torch.distributed
+(`batch_isend_irecv`, `all_reduce`). Each time is the slowest rank's, median over `--reps`
+repetitions (more for the smaller sizes) after warm-up; toolkit and raw repetitions alternate so
+that drift affects both. Target: the toolkit at most 1.10x raw. Beside each: the physical floor,
+the bytes one rank sends divided by the loopback bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments.bench import common
+
+LIMIT = 1.10
+OPS = ("neighbor_exchange", "neighbor_average", "allreduce_mean")
+BACKENDS = ("mpi", "torch")
+
+
+def reps_for(mb: float, reps: int, largest: float) -> int:
+    """`reps` at the largest size; smaller (faster) sizes get more, up to 5x."""
+    return int(min(5 * reps, max(reps, round(reps * largest / mb))))
+
+
+# --- inside the ranks ---------------------------------------------------------------------
+
+def _raw_ops(backend: str, raw, x, out, from_left, from_right, left, right, nb):
+    """The same results as the toolkit's operations, written by hand on preallocated buffers."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    n = raw.Get_size()
+    first, second = (from_left, from_right) if left < right else (from_right, from_left)
+    w_first, w_second = nb.recv[min(left, right)], nb.recv[max(left, right)]
+
+    if backend == "mpi":
+        xb, lb, rb, ob = x.numpy(), from_left.numpy(), from_right.numpy(), out.numpy()
+
+        def exchange():
+            raw.Sendrecv(xb, dest=right, recvbuf=lb, source=left)
+            raw.Sendrecv(xb, dest=left, recvbuf=rb, source=right)
+
+        def allreduce():
+            raw.Allreduce(xb, ob, op=MPI.SUM)
+            out.div_(n)
+    else:
+        def exchange():
+            ops = [dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right),
+                   dist.P2POp(dist.isend, x, left), dist.P2POp(dist.isend, x, right)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        def allreduce():
+            out.copy_(x)
+            dist.all_reduce(out)
+            out.div_(n)
+
+    def average():
+        exchange()
+        torch.mul(x, nb.self_weight, out=out)
+        out.add_(first, alpha=w_first)  # rank order, as the toolkit sums
+        out.add_(second, alpha=w_second)
+
+    return {"neighbor_exchange": exchange, "neighbor_average": average, "allreduce_mean": allreduce}
+
+
+def _toolkit_ops(comms, backend, x, left, right, nb):
+    peers = [left, right]
+    return {"neighbor_exchange": lambda: comms[(backend, "neighbor_exchange")].neighbor_exchange(x, peers, peers),
+            "neighbor_average": lambda: comms[(backend, "neighbor_average")].neighbor_average([x], nb),
+            "allreduce_mean": lambda: comms[(backend, "allreduce_mean")].allreduce_mean([x])}
+
+
+def worker(args) -> None:
+    import torch
+
+    import topologies
+    from dpsgd.comm.mpi import MPICommunicator
+    from dpsgd.comm.torch_dist import TorchCommunicator
+
+    world = common.init_ranks()
+    rank, n = world.Get_rank(), world.Get_size()
+    # one communicator per backend and operation, so that no operation reuses buffers another one left
+    comms = {(backend, op): MPICommunicator() if backend == "mpi" else TorchCommunicator()
+             for backend in BACKENDS for op in OPS}
+    raw_mpi = world.Dup()  # the raw code's own context, as the toolkit's communicator has
+    nb = topologies.make("ring", n).neighbors(rank)
+    left, right = (rank - 1) % n, (rank + 1) % n
+    largest = max(args.sizes_mb)
+    floor = common.loopback_bandwidth(world, int(largest * 2**20), reps=args.floor_reps)
+
+    rows = []
+    for mb in args.sizes_mb:
+        numel = int(mb * 2**20) // 4
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        out, from_left, from_right = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        impls = {}
+        for backend in BACKENDS:
+            impls[(backend, "toolkit")] = _toolkit_ops(comms, backend, x, left, right, nb)
+            impls[(backend, "raw")] = _raw_ops(backend, raw_mpi, x, out, from_left, from_right, left, right, nb)
+
+        # correctness first: the toolkit returns what the hand-written code computes, also on a
+        # second call (which reuses buffers), and that call leaves the first call's result alone
+        agree = {}
+        for backend in BACKENDS:
+            for op in OPS:
+                first = [g.clone() for g in impls[(backend, "toolkit")][op]()]
+                kept = impls[(backend, "toolkit")][op]()
+                got = impls[(backend, "toolkit")][op]()
+                impls[(backend, "raw")][op]()
+                want = [from_left, from_right] if op == "neighbor_exchange" else [out]
+                agree[(backend, op)] = max(max(float((g.reshape(-1) - w).abs().max()) for g, w in zip(got, want)),
+                                           max(float((a - b).abs().max()) for a, b in zip(first, kept)))
+
+        reps, warmup = reps_for(mb, args.reps, largest), args.warmup
+        times = {(b, op, impl): [] for b in BACKENDS for op in OPS for impl in ("toolkit", "raw")}
+        faults = {k: [] for k in times}
+        for i in range(warmup + reps):
+            for backend in BACKENDS:
+                for op in OPS:
+                    # alternate which goes first, so that drift and cache state favour neither
+                    for impl in (("toolkit", "raw") if i % 2 == 0 else ("raw", "toolkit")):
+                        fn = impls[(backend, impl)][op]
+                        world.Barrier()
+                        f0, t0 = common.page_faults(), time.perf_counter()
+                        fn()
+                        dt, df = time.perf_counter() - t0, common.page_faults() - f0
+                        if i >= warmup:
+                            times[(backend, op, impl)].append(dt)
+                            faults[(backend, op, impl)].append(df)
+        diffs = {k: common.slowest(world, [v])[0] for k, v in agree.items()}
+        for backend in BACKENDS:
+            for op in OPS:
+                tk = common.slowest(world, times[(backend, op, "toolkit")])
+                raw = common.slowest(world, times[(backend, op, "raw")])
+                sent = 2 * x.nbytes if op != "allreduce_mean" else common.ring_allreduce_bytes(x.nbytes, n)
+                rows.append({
+                    "backend": backend, "op": op, "mb": mb, "bytes": x.nbytes, "reps": reps,
+                    "toolkit_s": common.median(tk), "raw_s": common.median(raw),
+                    "ratio": common.median(tk) / common.median(raw),
+                    "paired_ratio": common.median([a / b for a, b in zip(tk, raw)]),
+                    "bytes_sent_per_rank": sent, "floor_s": common.floor_s(sent, floor),
+                    "max_abs_diff_vs_raw": diffs[(backend, op)],
+                    "page_faults": {impl: common.median(common.slowest(world, faults[(backend, op, impl)]))
+                                    for impl in ("toolkit", "raw")},
+                })
+        del impls
+    for c in comms.values():
+        if c.backend == "mpi":
+            c.close()
+    common.finish_ranks(world, args.worker, {"floor": floor, "rows": rows, "peers": n, "warmup": args.warmup})
+
+
+# --- the driver ---------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 11, 44], help="MiB of float32 parameters")
+    p.add_argument("--reps", type=int, default=30, help="repetitions at the largest size (smaller: more)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--floor-reps", type=int, default=10)
+    common.add_rank_options(p)
+    p.add_argument("--out", type=Path, default=common.ROOT / "outputs" / "bench" / "comm_overhead.json")
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.peers < 3:
+        raise SystemExit("error: --peers must be at least 3 (a ring with two distinct neighbours)")
+
+    wargs = ["--sizes-mb", *map(str, args.sizes_mb), "--reps", str(args.reps), "--warmup", str(args.warmup),
+             "--floor-reps", str(args.floor_reps)]
+    with tempfile.TemporaryDirectory(prefix="bench_comm_overhead_") as tmp:
+        res = common.spawn_ranks("comm_overhead", args.peers, wargs, Path(tmp), args.timeout,
+                                 args.keep_freed_memory)
+
+    rows, floor = res["rows"], res["floor"]
+    res["keep_freed_memory"] = args.keep_freed_memory
+    targets = [common.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], LIMIT) for r in rows]
+    print(f"\nToolkit against raw, {args.peers} MPI ranks (gloo in the same processes), ring neighbours, "
+          f"float32; slowest rank, median ms:\n")
+    common.print_table(
+        ["backend", "op", "MiB", "reps", "toolkit ms", "raw ms", "ratio", "floor ms", "toolkit/floor", "faults tk/raw",
+         "target"],
+        [[r["backend"], r["op"], f"{r['mb']:g}", r["reps"], r["toolkit_s"] * 1e3, r["raw_s"] * 1e3, r["ratio"],
+          r["floor_s"] * 1e3, r["toolkit_s"] / r["floor_s"],
+          f"{r['page_faults']['toolkit']:.0f}/{r['page_faults']['raw']:.0f}", "PASS" if t.holds else "MISS"]
+         for r, t in zip(rows, targets)])
+    print(f"\n{common.floor_line(floor)}; floor = bytes one rank sends (ring exchange 2M, all-reduce "
+          f"2(n-1)/n M) / that bandwidth. Target: toolkit <= {LIMIT:g}x raw. faults: page faults per call "
+          f"(slowest rank, median); a fresh buffer faults once per 4 KiB page.")
+    bad = [r for r in rows if r["max_abs_diff_vs_raw"] > 1e-5]
+    if bad:
+        print(f"WARNING: toolkit and raw results differ: {[(r['backend'], r['op'], r['mb']) for r in bad]}")
+    held = sum(t.holds for t in targets)
+    print(f"targets held: {held}/{len(targets)}")
+    common.write_result(args.out, "comm_overhead", res, targets, argv)
+    print(f"written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Smoke tests of the benchmarks in experiments/bench: tiny sizes and few repetitions on 4 real
+MPI ranks (gloo in the same processes). They check the JSON and the correctness checks the
+benchmarks make (the toolkit's results equal raw MPI / torch.distributed; AllReduce, DDP and
+large-batch SGD agree; LocalSGD and torch's post-local SGD agree), never timing ratios."""
+
+from __future__ import annotations
+
+import json
+
+from experiments.bench import allreduce_vs_ddp, comm_overhead, local_sgd_vs_torch
+
+COMMON_KEYS = {"benchmark", "date", "machine", "command", "targets", "floor"}
+
+
+def load(path, benchmark):
+    res = json.loads(path.read_text())
+    assert COMMON_KEYS <= set(res), sorted(res)
+    assert res["benchmark"] == benchmark and res["machine"]["cores"] >= 1
+    assert res["floor"]["bytes_per_s"] > 0
+    for t in res["targets"]:
+        assert {"name", "ratio", "limit", "holds"} <= set(t) and t["ratio"] > 0
+    return res
+
+
+def test_comm_overhead(tmp_path):
+    out = tmp_path / "comm_overhead.json"
+    assert comm_overhead.main(["--sizes-mb", "0.01", "0.05", "--reps", "2", "--warmup", "1", "--floor-reps", "2",
+                               "--timeout", "120", "--out", str(out)]) == 0
+    res = load(out, "comm_overhead")
+    rows = res["rows"]
+    assert {(r["backend"], r["op"], r["mb"]) for r in rows} == {
+        (b, op, mb) for b in ("mpi", "torch") for op in comm_overhead.OPS for mb in (0.01, 0.05)}
+    assert len(res["targets"]) == len(rows)
+    for r in rows:
+        assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
+        assert r["max_abs_diff_vs_raw"] <= 1e-6, r  # the toolkit computes what the raw code computes
+
+
+def test_allreduce_vs_ddp(tmp_path):
+    out = tmp_path / "allreduce_vs_ddp.json"
+    assert allreduce_vs_ddp.main(["--hidden", "16", "--batch", "4", "--reps", "2", "--warmup", "1",
+                                  "--check-steps", "3", "--floor-reps", "2", "--timeout", "120",
+                                  "--out", str(out)]) == 0
+    res = load(out, "allreduce_vs_ddp")
+    assert set(res["step_s"]) == set(allreduce_vs_ddp.VARIANTS)
+    assert {t["name"] for t in res["targets"]} == {"AllReduce (torch backend) / DDP", "AllReduce (mpi backend) / DDP"}
+    check = res["check"]
+    assert check["moved"] > 1e-3  # the parameters did change, so agreeing means something
+    for name in ("allreduce_torch", "allreduce_mpi", "ddp", "ddp_one_bucket"):
+        assert check[f"{name}_vs_large_batch"] <= 1e-12, check  # float64
+    assert check["allreduce_torch_vs_ddp"] <= 1e-12, check
+
+
+def test_local_sgd_vs_torch(tmp_path):
+    out = tmp_path / "local_sgd_vs_torch.json"
+    assert local_sgd_vs_torch.main(["--hidden", "16", "--batch", "4", "--period", "3", "--warmup-steps", "3",
+                                    "--skip", "1", "--windows", "3", "--floor-reps", "2", "--timeout", "120",
+                                    "--out", str(out)]) == 0
+    res = load(out, "local_sgd_vs_torch")
+    assert set(res["step_s"]) == {"warmup", "local"}
+    check = res["check"]  # the timed run, float32
+    assert check["moved"] > 1e-3
+    assert check["dpsgd_torch_vs_torch"] <= 1e-6 and check["dpsgd_mpi_vs_torch"] <= 1e-6, check
+    assert check["dpsgd_torch_between_peers"] == 0.0  # the run ends with an averaging
+    check64 = res["check_float64"]
+    assert check64["moved"] > 1e-3 and check64["warmup_steps"] == 3
+    assert check64["dpsgd_torch_vs_torch"] <= 1e-12 and check64["dpsgd_mpi_vs_torch"] <= 1e-12, check64
+    params = next(t for t in res["targets"] if t["name"].startswith("parameters"))
+    assert params["holds"]
