@@ -14,13 +14,14 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dpsgd.launch import launched_world, spawn
+from dpsgd.launch import launched_world, run_peers
 from experiments.table import format_table
 from experiments.validate import ConfigError, check_group_overrides, validate
 
@@ -89,16 +90,37 @@ def run(cfg: dict, run_dir: Path, world: str | None) -> dict | None:
         return summary if comm.rank == 0 else None
     OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
     backend = cfg["backend"]["name"]
+    logs = run_dir / "logs"
     if backend == "local":
         from dpsgd.comm import run_local
-        from dpsgd.training import train
 
-        return run_local(cfg["peers"], train, cfg, run_dir, timeout_s=float(cfg["comm"]["timeout_s"]))[0]
+        start = time.monotonic()
+        try:
+            return run_local(cfg["peers"], _local_peer, cfg, run_dir, timeout_s=float(cfg["comm"]["timeout_s"]))[0]
+        except PeerError as exc:  # the first peer that failed; the others were released at once
+            logs.mkdir(exist_ok=True)
+            (logs / "traceback.log").write_text("".join(traceback.format_exception(exc.__cause__ or exc)))
+            fail(f"{exc}; all peers stopped after {time.monotonic() - start:.1f} s (traceback: "
+                 f"{logs / 'traceback.log'})", code=1)
     progress = {"DPSGD_PROGRESS": "1" if sys.stdout.isatty() else "0"}  # the peers' stdout is a pipe
-    code = spawn(backend, cfg["peers"], ["-m", "experiments.peer", str(run_dir)], env=progress)
-    if code != 0:
-        fail(f"a peer failed (exit code {code}); its message is above. Run folder: {run_dir}", run_dir, code=1)
+    outcome = run_peers(backend, cfg["peers"], ["-m", "experiments.peer", str(run_dir)], logs, env=progress)
+    if outcome.code != 0:
+        fail(f"{outcome.failure}; all peers stopped after {outcome.seconds:.1f} s (logs: {logs})", code=1)
     return json.loads((run_dir / "summary.json").read_text())
+
+
+class PeerError(RuntimeError):
+    """A peer of the local backend failed; the message is its one line (rank, error type, message)."""
+
+
+def _local_peer(comm, cfg: dict, run_dir: Path) -> dict:
+    from dpsgd.training import train
+    from experiments.peer import error_line
+
+    try:
+        return train(comm, cfg, run_dir)
+    except Exception as exc:  # noqa: BLE001 - one line for the user, the traceback to the logs
+        raise PeerError(error_line(comm.rank, exc)) from exc
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

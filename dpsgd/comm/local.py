@@ -141,6 +141,10 @@ class LocalCommunicator(Communicator):
         self.world = world
         self.namespace = namespace  # () for the world's own context; duplicates get their own
         self._duplicates = 0
+        self.drop_message = None  # fault injection (dpsgd.faults): drop_message(peer) -> True loses the message
+
+    def _lost(self, peer: int) -> bool:
+        return self.drop_message is not None and self.drop_message(peer)
 
     def _key(self, tag: int):
         return (self.namespace, tag) if self.namespace else tag
@@ -148,11 +152,14 @@ class LocalCommunicator(Communicator):
     def duplicate(self) -> LocalCommunicator:
         # every peer duplicates in the same order, so the n copies agree on the namespace
         self._duplicates += 1
-        return LocalCommunicator(self.world, self.rank, self.timeout_s, self.namespace + (self._duplicates,))
+        dup = LocalCommunicator(self.world, self.rank, self.timeout_s, self.namespace + (self._duplicates,))
+        dup.drop_message = self.drop_message
+        return dup
 
     def _start_send(self, buf, peer, tag) -> Request:
         self.world.check(self.rank, "send")
-        self.world.channel(self.rank, peer, self._key(tag)).put(buf.clone())
+        if not self._lost(peer):
+            self.world.channel(self.rank, peer, self._key(tag)).put(buf.clone())
         return _LocalSend()
 
     def _start_recv(self, buf, source, tag) -> Request:
@@ -162,7 +169,8 @@ class LocalCommunicator(Communicator):
         self.world.check(self.rank, "send")
         tag = self._key(tag)
         for peer in send_to:
-            self.world.channel(self.rank, peer, tag).put(buf.clone())
+            if not self._lost(peer):
+                self.world.channel(self.rank, peer, tag).put(buf.clone())
         return _LocalExchange(self.world, self.rank, recv_from, tag)
 
     def _start_allreduce_sum(self, buf) -> Pending:
