@@ -23,7 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpsgd.launch import launched_world, run_peers
 from experiments.table import format_table
-from experiments.validate import ConfigError, check_group_overrides, validate
+from experiments.validate import ConfigError, check_group_overrides, check_same_run, validate
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "summary.json", "logs")  # a folder with any of these holds a run
 
 
 def fail(message: str, run_dir: Path | None = None, code: int = 2):
@@ -53,25 +55,50 @@ def agree_on_run_dir(world: str) -> None:
     (as fixed-size bytes: nothing received is unpickled)."""
     if "DPSGD_RUN_DIR" in os.environ:
         return
+    timeout_s = _startup_timeout(sys.argv[1:])
     stamp = time.strftime("outputs/%Y-%m-%d/%H-%M-%S").encode().ljust(64)
     if world == "mpi":
         from mpi4py import MPI
 
+        from dpsgd.comm.base import PeerTimeoutError, poll_until
+
         buf = bytearray(stamp)
-        MPI.COMM_WORLD.Bcast(buf, root=0)
+        request = MPI.COMM_WORLD.Ibcast(buf, root=0)
+        try:
+            poll_until(request.Test, time.monotonic() + timeout_s)
+        except PeerTimeoutError:
+            fail(f"rank {MPI.COMM_WORLD.Get_rank()}: start-up timed out after {timeout_s:g} s waiting for rank 0 "
+                 f"to name the run folder; a peer did not start (raise comm.timeout_s if start-up is just slow)",
+                 code=1)
         stamp = bytes(buf)
     else:
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
             if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=timedelta(seconds=timeout_s))
         t = torch.frombuffer(bytearray(stamp), dtype=torch.uint8).clone()
         dist.broadcast(t, src=0)
         stamp = bytes(t.tolist())
     os.environ["DPSGD_RUN_DIR"] = stamp.decode().strip()
+
+
+def _startup_timeout(argv: list[str]) -> float:
+    """comm.timeout_s before Hydra has composed the config: the command line's, else the default."""
+    from dpsgd.comm import DEFAULT_TIMEOUT_S
+
+    for arg in argv:
+        if arg.startswith("comm.timeout_s="):
+            with contextlib.suppress(ValueError):
+                value = float(arg.split("=", 1)[1])
+                if value > 0:  # else the config check says what is wrong
+                    return value
+    return DEFAULT_TIMEOUT_S
 
 
 def run(cfg: dict, run_dir: Path, world: str | None) -> dict | None:
@@ -136,10 +163,12 @@ def hydra_main(cfg: DictConfig) -> float | None:
                                   f"pass backend={world}")
             world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("PMI_SIZE")
                              or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0) or None
-        validate(resolved, world_size)
-        if not resolved.get("resume") and any((run_dir / f).exists() for f in ("metrics.jsonl", "checkpoints")):
+        validate(resolved, world_size, launched=world is not None)
+        if not resolved.get("resume") and any((run_dir / f).exists() for f in RUN_FILES):
             raise ConfigError(f"{run_dir} already holds a run; pass resume=true to continue it, or choose a new "
                               f"hydra.run.dir")
+        if resolved.get("resume") and (run_dir / "config.yaml").exists():
+            check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), resolved, run_dir)
     except ConfigError as exc:
         fail(str(exc), run_dir)
     summary = run(resolved, run_dir, world)

@@ -91,9 +91,12 @@ class MPICommunicator(Communicator):
 
     def __init__(self, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S):
         MPI = load_mpi()
-        # our own context: user code using COMM_WORLD can never match our messages
-        self._MPI, self._comm = MPI, (comm or MPI.COMM_WORLD).Dup()
-        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout_s)
+        # our own context: user code using COMM_WORLD can never match our messages. Duplicating is
+        # collective: non-blocking, so that a peer that never arrives is a timeout, not a hang
+        parent = comm or MPI.COMM_WORLD
+        self._MPI, (self._comm, request) = MPI, parent.Idup()
+        super().__init__(parent.Get_rank(), parent.Get_size(), timeout_s)
+        self._wait("start-up (MPI communicator duplication)", _Requests(MPI, [request], [-1]), range(self.size))
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
