@@ -41,6 +41,15 @@ class LocalWorld:
                 q = self._queues.setdefault(key, queue.SimpleQueue())
         return q
 
+    def release(self, src: int, dst: int, tag) -> None:
+        """Forget a drained channel of a one-off operation tag (tags cycle through 32768 values per
+        communicator: kept, their queues grew the memory of a long run by 60% in 20k steps)."""
+        key = (src, dst, tag)
+        with self._lock:
+            q = self._queues.get(key)
+            if q is not None and q.empty():
+                del self._queues[key]
+
     def fail(self, rank: int) -> None:
         """Record that `rank` failed: every peer blocked on the world then raises at once."""
         with self._lock:
@@ -73,6 +82,7 @@ class _LocalExchange(Exchange):
                     break
                 except queue.Empty:
                     continue
+            self._world.release(peer, self._rank, self._tag)
             self._missing.pop(0)
 
     def peers_outstanding(self) -> list[int]:
