@@ -188,10 +188,17 @@ def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list
         path = log_dir / ERROR_FILE.format(rank=r)
         if path.exists():
             errors[r] = (path.stat().st_mtime, path.read_text().strip())
-    death = sup.first_death()
-    silent = death if death is not None and death[0] not in errors else None
+    silent_deaths = sorted((t, r) for r, t in dict(sup.ended).items() if r not in errors)
+    silent = (silent_deaths[0][1], silent_deaths[0][0]) if silent_deaths else None
+    signalled = [r for r, c in enumerate(codes or []) if c is not None and c < 0]  # torch: not by us, yet
+    if signalled:
+        silent = (signalled[0], sup.ended.get(signalled[0], 0.0))
     first_error = min(errors.values()) if errors else None
-    if silent is not None and (first_error is None or silent[1] <= first_error[0]):
+    # a silent death is the cause when it came first, or when the first error says a peer failed (a
+    # survivor may notice the death before the driver's thread does); a peer that timed out is the
+    # cause of the silent deaths that follow (the launcher kills the others, the hung one included)
+    caused = first_error is not None and ": PeerFailedError: " in first_error[1]
+    if silent is not None and (first_error is None or caused or signalled or silent[1] <= first_error[0]):
         rank = silent[0]
         step = sup.steps.get(rank)
         last = _last_line(log_dir / f"rank{rank}.log")

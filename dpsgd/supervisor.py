@@ -45,13 +45,6 @@ class Supervisor:
     def env(self) -> dict:
         return {ENV: self.path}
 
-    def first_death(self) -> tuple[int, float] | None:
-        """(rank, time) of the first peer whose process ended without finishing, if any."""
-        if not self.ended:
-            return None
-        rank = min(self.ended, key=self.ended.get)
-        return rank, self.ended[rank]
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)

@@ -6,6 +6,7 @@ has validated and written the resolved config; users do not call it directly.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def run_peer(comm, cfg: dict, run_dir: Path | None) -> dict:
             (Path(run_dir) / "logs" / ERROR_FILE.format(rank=comm.rank)).write_text(line + "\n")
         if hasattr(comm, "abort"):
             comm.abort(1)  # MPI: other ranks may be blocked in a collective
-        sys.exit(1)
+        # no orderly shutdown: tearing down a process group whose peers are gone can block for
+        # seconds (gloo), and the launcher stops the others as soon as this process has ended
+        os._exit(1)
     supervisor.report_finished()
     return summary
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, Pending, Request, poll_until
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, Pending, Request, poll_until
 
 
 def load_mpi():
@@ -53,7 +53,12 @@ class _Requests(Pending):
         self._MPI, self._requests, self._peers = MPI, requests, peers
 
     def wait(self, deadline: float) -> None:
-        poll_until(lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding)
+        try:
+            poll_until(lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding)
+        except self._MPI.Exception as exc:  # MPICH: a peer's process ended under a pending request
+            peers = sorted({p for p in self._peers if p >= 0})
+            raise PeerFailedError(f"peer(s) {peers or 'of a collective'} failed or cannot be reached "
+                                  f"(MPI: {exc.Get_error_string()})") from None
 
     def peers_outstanding(self) -> list[int]:
         # a collective has no single peer to blame: the caller then names all of them
