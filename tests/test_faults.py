@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +21,8 @@ from omegaconf import OmegaConf
 from dpsgd import checkpoint
 from dpsgd.comm import PeerTimeoutError, run_local
 from dpsgd.faults import FaultInjector, FaultPlan, InjectedFault
-from dpsgd.launch import peer_env
+from dpsgd.launch import first_failure, peer_env
+from dpsgd.supervisor import Supervisor
 from dpsgd.training import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,3 +275,100 @@ def _timeless_records(run_dir: Path) -> list[dict]:
     timings = ("wall_time_s", "comm_time_s", "comm_overlap_s")
     return [{k: v for k, v in json.loads(line).items() if k not in timings}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- the driver's diagnosis -------------------------------------------------------------------------
+
+class _Seen:
+    """What a Supervisor saw: last steps, and when each peer's process ended without finishing."""
+
+    def __init__(self, steps, ended):
+        self.steps, self.ended, self.finished = steps, ended, set()
+
+
+def _error_file(log_dir: Path, rank: int, line: str, at: float) -> None:
+    path = log_dir / f"rank{rank}.error"
+    path.write_text(line + "\n")
+    os.utime(path, (at, at))
+
+
+def test_first_failure_is_the_silent_death_that_came_first(tmp_path):
+    (tmp_path / "rank3.log").write_text("fault: peer 3 exited at step 40\n")
+    _error_file(tmp_path, 1, "rank 1: PeerTimeoutError: neighbor_average timed out", at=1000.5)
+    seen = _Seen({0: 41, 1: 41, 2: 41, 3: 40}, {3: 1000.0, 0: 1000.6})
+    line = first_failure(tmp_path, seen, 9, 4)
+    assert line.startswith("peer 3 died at step 40 without an error message (exit code 9)")
+    assert line.endswith("its log ends: fault: peer 3 exited at step 40")
+
+
+def test_first_failure_a_timeout_is_the_cause_of_the_deaths_after_it(tmp_path):
+    timeout = "rank 1: PeerTimeoutError: neighbor_average timed out ... [2] at step 5"
+    _error_file(tmp_path, 1, timeout, at=1000.0)
+    seen = _Seen({0: 5, 1: 5, 2: 5, 3: 5}, {2: 1000.1, 0: 1000.1, 3: 1000.2})  # mpiexec's cleanup
+    assert first_failure(tmp_path, seen, 1, 4) == timeout
+
+
+def test_first_failure_a_survivor_reporting_a_failed_peer_defers_to_it(tmp_path):
+    _error_file(tmp_path, 0, "rank 0: PeerFailedError: peer(s) [1] failed or cannot be reached", at=1000.0)
+    seen = _Seen({0: 151, 1: 151}, {1: 1000.3})  # the driver's thread saw the death late
+    assert first_failure(tmp_path, seen, 1, 2).startswith("peer 1 died at step 151 without an error message")
+
+
+def test_first_failure_torch_process_killed_by_a_signal(tmp_path):
+    _error_file(tmp_path, 0, "rank 0: PeerTimeoutError: Connection closed by peer", at=999.0)
+    seen = _Seen({0: 7, 1: 7}, {1: 1000.0})
+    assert "peer 1 died at step 7 without an error message (killed by SIGKILL)" in first_failure(
+        tmp_path, seen, 1, 2, codes=[None, -9])
+
+
+def test_supervisor_hears_steps_and_deaths():
+    import socket
+    import struct
+
+    with Supervisor() as sup:
+        conns = []
+        for rank in (0, 1):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(sup.path)
+            conn.sendall(struct.pack("<iq", rank, 12))
+            conns.append(conn)
+        conns[0].sendall(struct.pack("<iq", 0, -1))  # finished
+        for conn in conns:
+            conn.close()
+        deadline = time.monotonic() + 5
+        while (1 not in sup.ended or 0 not in sup.finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sup.steps == {0: 12, 1: 12} and sup.finished == {0} and list(sup.ended) == [1]
+    assert not Path(sup.path).exists()
+
+
+@pytest.mark.timeout(200)
+def test_mpi_rank_killed_from_outside_is_named(tmp_path):
+    """No injection: `kill -9` of one rank (as the OOM killer would) mid-run."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "experiments.train", "backend=mpi", "peers=2", "epochs=300", "comm.timeout_s=10",
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=peer_env(), stderr=subprocess.PIPE, text=True)
+    victim, deadline = None, time.monotonic() + 150
+    while victim is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        if not (run_dir / "metrics.jsonl").exists():
+            continue
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"experiments.peer" in cmdline and str(run_dir).encode() in cmdline and b"PMI_RANK=1" in environ:
+                victim = int(pid)
+    assert victim is not None, "rank 1 never started"
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    stderr = proc.communicate(timeout=120)[1]
+    seconds = time.monotonic() - killed_at
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, stderr
+    assert lines[0].startswith("error: peer 1 died at step ") and "(Killed (signal 9))" in lines[0], lines[0]
+    assert seconds < 20, seconds
