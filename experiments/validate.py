@@ -35,7 +35,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a
     user's launcher, in every rank before it joins the others)."""
     from dpsgd import data, models
-    from dpsgd.build import build_peer, build_topology, check_algorithm
+    from dpsgd.build import build_model, build_peer, build_topology, check_algorithm, load_data
     from dpsgd.comm import BACKENDS, LocalCommunicator, LocalWorld
     from dpsgd.faults import FaultPlan
     from dpsgd.optim import BASE_OPTIMIZERS
@@ -93,10 +93,10 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     # build what peer 0 will build (cheap at this size) in a world of `peers`: data files, partition,
     # model shapes, and the algorithm with its options on this topology
     try:
-        peer = build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), {**cfg, "faults": None})
-        if not any(True for _ in peer.model.parameters()):
+        if not any(True for _ in build_model(cfg, load_data(cfg)).parameters()):
             raise ValueError(f"the model {cfg['model'].get('_target_') or cfg['model'].get('name')!r} "
                              f"has no parameters to train")
+        build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), {**cfg, "faults": None})
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
 
