@@ -58,6 +58,8 @@ class FaultPlan:
             raise ValueError(f"faults.delay_s must be a number of seconds >= 0, got {plan.delay_s!r}")
         if not _is_number(plan.drop_messages) or not 0 <= plan.drop_messages <= 1:
             raise ValueError(f"faults.drop_messages must be a fraction in [0, 1], got {plan.drop_messages!r}")
+        if backend == "fleet" and (plan.kill_peer is not None or plan.delay_peer is not None or plan.drop_messages):
+            raise ValueError("faults need real peers and backend=fleet simulates them; use backend=local, mpi or torch")
         if plan.drop_messages and backend != "local":
             raise ValueError(f"faults.drop_messages works on backend=local only (got backend={backend}); "
                              f"on processes, kill or hang a peer instead (faults.kill_peer)")
