@@ -86,7 +86,9 @@ class _LocalExchange(Exchange):
             self._missing.pop(0)
 
     def peers_outstanding(self) -> list[int]:
-        return list(self._missing)
+        # peers whose message has not arrived (not merely not yet taken: they are taken in order)
+        queues = self._world._queues
+        return [p for p in self._missing if (q := queues.get((p, self._rank, self._tag))) is None or q.empty()]
 
 
 class _LocalAllreduce(Pending):
