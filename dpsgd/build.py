@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import topologies
-from dpsgd import data, metrics, models, netem
+from dpsgd import data, faults, metrics, models, netem, supervisor
 from dpsgd.optim import build as build_algorithm
 from dpsgd.optim import build_base
 
@@ -120,6 +120,13 @@ class Peer:
     network: netem.NetworkEmulator  # attached to the communicator: link costs, clock, compute slowdown
     steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set
     total_steps: int
+    faults: faults.FaultInjector
+
+    def before_step(self, step: int) -> None:
+        """Step `step` begins: tell the driver that started this process (if one did), then inject
+        the configured fault, if any."""
+        supervisor.report_step(self.faults.comm.rank, step)
+        self.faults.before_step(step)
 
     def train_step(self) -> float:
         """One minibatch: forward, backward (under the compute emulation), the optimizer's step;
@@ -175,4 +182,5 @@ def build_peer(comm, cfg: dict) -> Peer:
                 y_test=split.y_test.to(device), model=model, topology=topology, optimizer=optimizer,
                 loss_fn=metrics.loss_function(split.y_train),
                 network=network,
-                steps_per_epoch=steps_per_epoch, total_steps=int(cfg["epochs"]) * steps_per_epoch)
+                steps_per_epoch=steps_per_epoch, total_steps=int(cfg["epochs"]) * steps_per_epoch,
+                faults=faults.FaultInjector.from_config(cfg, comm))

@@ -1,14 +1,19 @@
 """Checkpoints of a whole world: every peer's file for one step, and a marker that all are complete.
 
-Layout: RUN_DIR/checkpoints/step_00000120/rank{r}.pt for each peer, then COMPLETE (written by
-rank 0 after a barrier, so it exists only once every peer's file does). Files are written to a
-temporary name, fsynced and renamed: a peer killed while writing leaves no torn file under the
-real name, and a step without COMPLETE is never resumed from. Loading uses
+Layout: RUN_DIR/checkpoints/step_00000120/rank{r}.pt for each peer, its rank{r}.sha256 (size and
+digest of the .pt, written after it), then COMPLETE (written by rank 0 after a barrier, so it exists
+only once every peer's files do). Files are written to a temporary name, fsynced and renamed: a peer
+killed while writing leaves no torn file under the real name. A step is resumed from only if it is
+complete: COMPLETE is there, and every peer's file is there with the size and digest it was written
+with (a truncated or altered file makes the step torn, and the previous complete step is used).
+Every peer checks every file, so all peers choose the same step. Loading uses
 torch.load(weights_only=True): a checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -30,6 +35,11 @@ def _write_atomic(path: Path, write) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a crash of the machine
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -42,31 +52,57 @@ def save(comm, run_dir: Path, step: int, state: dict) -> None:
     """Every peer calls this at the same step with its own state."""
     folder = _step_dir(run_dir, step)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder / f"rank{comm.rank}.pt", lambda fh: torch.save(state, fh))
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    _write_atomic(folder / f"rank{comm.rank}.pt", lambda fh: fh.write(data))
+    digest = f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
+    _write_atomic(folder / f"rank{comm.rank}.sha256", lambda fh: fh.write(digest))
     comm.barrier()
     if comm.rank == 0:
         marker = json.dumps({"step": step, "peers": comm.size}).encode()
         _write_atomic(folder / "COMPLETE", lambda fh: fh.write(marker))
-        for old in complete_steps(run_dir, comm.size)[:-KEEP]:
+        for old in complete_steps(run_dir, comm.size, verify=False)[:-KEEP]:
             shutil.rmtree(_step_dir(run_dir, old), ignore_errors=True)
 
 
-def complete_steps(run_dir: Path, peers: int) -> list[int]:
-    """Steps with a complete checkpoint of all `peers`, oldest first."""
+def complete_steps(run_dir: Path, peers: int, verify: bool = True) -> list[int]:
+    """Steps with a complete checkpoint of all `peers`, oldest first (`verify`: every file's size and
+    digest checked too, which reads every file)."""
     root = Path(run_dir) / "checkpoints"
     steps = []
     for folder in sorted(root.glob("step_*")) if root.is_dir() else []:
-        marker = folder / "COMPLETE"
-        if not marker.exists():
-            continue  # torn: a peer died before every file was written
-        info = json.loads(marker.read_text())
-        if info.get("peers") == peers and all((folder / f"rank{r}.pt").exists() for r in range(peers)):
-            steps.append(int(info["step"]))
+        if torn(folder, peers, verify) is None:
+            steps.append(int(json.loads((folder / "COMPLETE").read_text())["step"]))
     return steps
 
 
+def torn(folder: Path, peers: int, verify: bool = True) -> str | None:
+    """Why the checkpoint in `folder` cannot be resumed from, or None when it is complete."""
+    marker = folder / "COMPLETE"
+    if not marker.exists():
+        return "no COMPLETE marker (a peer died before every peer had written its file)"
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return "COMPLETE marker unreadable"
+    if info.get("peers") != peers:
+        return f"written by {info.get('peers')} peers, not {peers}"
+    for r in range(peers):
+        pt, sidecar = folder / f"rank{r}.pt", folder / f"rank{r}.sha256"
+        if not pt.exists() or not sidecar.exists():
+            return f"rank{r}.pt or its digest is missing"
+        size, digest = sidecar.read_text().split()
+        if pt.stat().st_size != int(size):
+            return f"rank{r}.pt has {pt.stat().st_size} bytes, {size} were written (truncated)"
+        if verify and hashlib.sha256(pt.read_bytes()).hexdigest() != digest:
+            return f"rank{r}.pt does not match its digest (altered)"
+    return None
+
+
 def load_latest(run_dir: Path, rank: int, peers: int) -> dict | None:
-    """This peer's state at the newest complete checkpoint, or None when there is none."""
+    """This peer's state at the newest complete checkpoint, or None when there is none. Every peer
+    reaches the same answer (each checks all files); newer torn steps are skipped, never mixed in."""
     steps = complete_steps(run_dir, peers)
     if not steps:
         return None

@@ -3,6 +3,10 @@ processes), or tell whether this process already is one rank of a launched world
 
 Everything a runtime needs on one machine (loopback only, one torch thread per peer, ranks
 beyond the core count) is set here, so users never set it by hand.
+
+`run_peers` is what the experiment driver uses: each peer's output goes to LOG_DIR/rank{r}.log, the
+driver follows every peer's steps (dpsgd.supervisor), the first failure stops all peers, and the
+outcome names the peer that failed first, the step and why, in one line.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dpsgd.comm.mpi import in_mpi_world
 from dpsgd.comm.torch_dist import in_torch_world
+from dpsgd.supervisor import Supervisor
+
+ERROR_FILE = "rank{rank}.error"  # a peer that fails writes its one-line error here (experiments.peer)
 
 
 def launched_world() -> str | None:
@@ -66,12 +74,15 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _supervise(procs: list[subprocess.Popen], timeout_s: float | None) -> int:
-    """Wait for all; the first failure (or the deadline) stops the rest. Returns the exit code."""
+def _supervise(procs: list[subprocess.Popen], timeout_s: float | None, codes_out: list | None = None) -> int:
+    """Wait for all; the first failure (or the deadline) stops the rest. Returns the exit code;
+    `codes_out` receives each process's exit code as it was when the first failure was seen."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
             codes = [p.poll() for p in procs]
+            if codes_out is not None:
+                codes_out[:] = codes
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 _stop(procs)
@@ -87,34 +98,132 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float | None) -> int:
         raise
 
 
-def spawn_mpi(n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None) -> int:
-    """Run `argv` (a python command line without the interpreter) on n MPI ranks of this machine."""
+def spawn_mpi(n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
+              log_dir: Path | None = None) -> int:
+    """Run `argv` (a python command line without the interpreter) on n MPI ranks of this machine.
+    With `log_dir`, rank r's stderr goes to log_dir/rank{r}.log and mpiexec's own output (and the
+    ranks' stdout) to log_dir/launcher.log."""
     launcher = mpiexec()
     cmd = [launcher, "-n", str(n)]
+    if log_dir is not None:
+        cmd += ["-errfile-pattern", str(Path(log_dir) / "rank%r.log")]
     if "SLURM_JOB_ID" in os.environ and (Path(launcher).parent / "hydra_pmi_proxy").exists():
         # MPICH's mpiexec would start its proxy with srun, which waits forever for CPUs the
         # running job step already holds: start the ranks on this node directly
         cmd += ["-launcher", "fork"]
     cmd += [sys.executable, *argv]
-    proc = subprocess.Popen(cmd, env=peer_env(env), start_new_session=True)
-    return _supervise([proc], timeout_s)
+    out = (Path(log_dir) / "launcher.log").open("w") if log_dir is not None else None
+    try:
+        proc = subprocess.Popen(cmd, env=peer_env(env), start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT if out else None)
+        return _supervise([proc], timeout_s)
+    finally:
+        if out:
+            out.close()
 
 
-def spawn_torch(n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None) -> int:
-    """Run `argv` as n processes of one torch.distributed world on this machine."""
+def spawn_torch(n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
+                log_dir: Path | None = None, codes_out: list | None = None) -> int:
+    """Run `argv` as n processes of one torch.distributed world on this machine (with `log_dir`,
+    rank r's stderr goes to log_dir/rank{r}.log)."""
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
             "LOCAL_WORLD_SIZE": str(n), "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-    procs = [
-        subprocess.Popen([sys.executable, *argv], start_new_session=True,
-                         env=peer_env({**base, "RANK": str(r), "LOCAL_RANK": str(r)}))
-        for r in range(n)
-    ]
-    return _supervise(procs, timeout_s)
+    logs = [(Path(log_dir) / f"rank{r}.log").open("w") if log_dir is not None else None for r in range(n)]
+    try:
+        procs = [
+            subprocess.Popen([sys.executable, *argv], start_new_session=True, stderr=logs[r],
+                             env=peer_env({**base, "RANK": str(r), "LOCAL_RANK": str(r)}))
+            for r in range(n)
+        ]
+        return _supervise(procs, timeout_s, codes_out)
+    finally:
+        for f in logs:
+            if f:
+                f.close()
 
 
-def spawn(backend: str, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None) -> int:
+def spawn(backend: str, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
+          log_dir: Path | None = None) -> int:
     if backend == "mpi":
-        return spawn_mpi(n, argv, timeout_s, env)
+        return spawn_mpi(n, argv, timeout_s, env, log_dir)
     if backend == "torch":
-        return spawn_torch(n, argv, timeout_s, env)
+        return spawn_torch(n, argv, timeout_s, env, log_dir)
     raise ValueError(f"cannot spawn processes for backend {backend!r}; valid: mpi, torch")
+
+
+@dataclass
+class Outcome:
+    """How a run of peer processes ended."""
+
+    code: int  # 0: every peer finished
+    failure: str | None  # one line: the peer that failed first, at which step, and why
+    seconds: float
+
+
+def run_peers(backend: str, n: int, argv: list[str], log_dir: Path, env: dict | None = None) -> Outcome:
+    """Start n peers, follow them, and on the first failure stop all of them and say who failed."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    codes: list = []  # torch: each process's exit code when the first failure was seen
+    with Supervisor() as sup:
+        env = {**(env or {}), **sup.env()}
+        if backend == "torch":
+            code = spawn_torch(n, argv, env=env, log_dir=log_dir, codes_out=codes)
+        else:
+            code = spawn(backend, n, argv, env=env, log_dir=log_dir)
+        # the supervisor reads closings in its own thread: let it see the last of them
+        settle = time.monotonic() + 1.0
+        while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:
+            time.sleep(0.01)
+        failure = None if code == 0 else first_failure(log_dir, sup, code, n, codes)
+    return Outcome(code, failure, time.monotonic() - start)
+
+
+def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None) -> str:
+    """The one line that explains a failed run: the error of the peer that failed first, or, when
+    the first peer to end died without a word (a signal, the OOM killer), its rank and last step."""
+    errors = {}
+    for r in range(n):
+        path = log_dir / ERROR_FILE.format(rank=r)
+        if path.exists():
+            errors[r] = (path.stat().st_mtime, path.read_text().strip())
+    silent_deaths = sorted((t, r) for r, t in dict(sup.ended).items() if r not in errors)
+    silent = (silent_deaths[0][1], silent_deaths[0][0]) if silent_deaths else None
+    signalled = [r for r, c in enumerate(codes or []) if c is not None and c < 0]  # torch: not by us, yet
+    if signalled:
+        silent = (signalled[0], sup.ended.get(signalled[0], 0.0))
+    first_error = min(errors.values()) if errors else None
+    # a silent death is the cause when it came first, or when the first error says a peer failed (a
+    # survivor may notice the death before the driver's thread does); a peer that timed out is the
+    # cause of the silent deaths that follow (the launcher kills the others, the hung one included)
+    caused = first_error is not None and ": PeerFailedError: " in first_error[1]
+    if silent is not None and (first_error is None or caused or signalled or silent[1] <= first_error[0]):
+        rank = silent[0]
+        step = sup.steps.get(rank)
+        last = _last_line(log_dir / f"rank{rank}.log")
+        reason = _exit_reason(log_dir, codes[rank] if codes and codes[rank] else code)
+        return (f"peer {rank} died {f'at step {step} ' if step else 'before its first step '}without an error "
+                f"message ({reason}){'; its log ends: ' + last if last else ''}")
+    if first_error is not None:
+        return first_error[1]
+    return f"the peers failed without an error message ({_exit_reason(log_dir, code)})"
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def _exit_reason(log_dir: Path, code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
+    launcher = log_dir / "launcher.log"
+    text = launcher.read_text(errors="replace") if launcher.exists() else ""
+    for line in text.splitlines():  # MPICH: "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)"
+        if "EXIT STRING:" in line:
+            return line.split("EXIT STRING:", 1)[1].strip()
+    return f"exit code {code}"

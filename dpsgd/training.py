@@ -77,6 +77,7 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
         while step < total_steps:
             step += 1
             comm.context = f"step {step}"
+            peer.before_step(step)
             running, seen = running + peer.train_step(), seen + 1
             if step % log_every == 0 or step == total_steps:
                 comm.context = f"metrics at step {step}"

@@ -51,6 +51,7 @@ def train_async(comm: Communicator, cfg: dict, out_dir: str | Path | None = None
     try:
         while not opt.should_stop():
             comm.context = f"step {opt.step_count + 1}"
+            peer.before_step(opt.step_count + 1)
             running, seen = running + peer.train_step(), seen + 1
             if log_file is not None and opt.step_count % log_every == 0:
                 log_file.write(json.dumps(_local_record(opt, model, x_test, y_test, running / seen, start,

@@ -14,6 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 import dpsgd.comm
+from dpsgd import supervisor
+from dpsgd.launch import ERROR_FILE
 from dpsgd.training import train
 
 
@@ -25,15 +27,32 @@ def init_comm(cfg: dict):
     return dpsgd.comm.init(backend["name"], timeout_s=float(cfg["comm"]["timeout_s"]), **options)
 
 
+def error_line(rank: int, exc: BaseException) -> str:
+    """'rank 2: PeerTimeoutError: neighbor_average timed out ... at step 41; ...': one line."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text.removeprefix(f"rank {rank}: ")
+    return f"rank {rank}: {type(exc).__name__}: {text}"
+
+
 def run_peer(comm, cfg: dict, run_dir: Path | None) -> dict:
-    """Train; on failure print one line naming the rank and end the whole world."""
+    """Train; on failure print one line naming the rank (and leave it in RUN_DIR/logs for the driver)
+    and end the whole world."""
+    supervisor.report_step(comm.rank, 0)  # the driver now follows this peer
     try:
-        return train(comm, cfg, run_dir)
+        summary = train(comm, cfg, run_dir)
     except Exception as exc:  # noqa: BLE001 - reported in one line, then the world is stopped
-        print(f"error: rank {comm.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        line = error_line(comm.rank, exc)
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        if run_dir is not None:
+            (Path(run_dir) / "logs").mkdir(exist_ok=True)
+            (Path(run_dir) / "logs" / ERROR_FILE.format(rank=comm.rank)).write_text(line + "\n")
         if hasattr(comm, "abort"):
             comm.abort(1)  # MPI: other ranks may be blocked in a collective
-        sys.exit(1)
+        # no orderly shutdown: tearing down a process group whose peers are gone can block for
+        # seconds (gloo), and the launcher stops the others as soon as this process has ended
+        os._exit(1)
+    supervisor.report_finished()
+    return summary
 
 
 def main() -> None:

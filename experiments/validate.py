@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -29,11 +31,13 @@ def check_group_overrides(argv: list[str]) -> None:
                 raise ConfigError(f"unknown {group} {choice!r}; valid {group} options: {', '.join(valid)}")
 
 
-def validate(cfg: dict, world_size: int | None = None) -> None:
-    """Everything that would otherwise fail inside the peers, checked in the driver."""
+def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -> None:
+    """Everything that would otherwise fail inside the peers, checked in the driver (or, under a
+    user's launcher, in every rank before it joins the others)."""
     from dpsgd import data, models
-    from dpsgd.build import build_model, build_topology, check_algorithm, load_data, partition
-    from dpsgd.comm import BACKENDS
+    from dpsgd.build import build_model, build_peer, build_topology, check_algorithm, load_data
+    from dpsgd.comm import BACKENDS, LocalCommunicator, LocalWorld
+    from dpsgd.faults import FaultPlan
     from dpsgd.optim import BASE_OPTIMIZERS
 
     peers = cfg.get("peers")
@@ -48,21 +52,39 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
         raise ConfigError(str(exc)) from None
     _check_choice("algorithm.optimizer", cfg["algorithm"].get("optimizer", "sgd"), BASE_OPTIMIZERS)
     lr = cfg["algorithm"].get("lr")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+    if not _is_number(lr) or not lr > 0:
         raise ConfigError(f"algorithm.lr must be a number > 0, got {lr!r}")
-    _check_choice("backend", cfg["backend"].get("name"), (*BACKENDS, "fleet"))
-    if cfg["backend"]["name"] == "fleet":
+    for key in ("period", "global_period", "group_size"):
+        value = cfg["algorithm"].get(key)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ConfigError(f"algorithm.{key} must be an integer >= 1, got {value!r}")
+    ratio = cfg["algorithm"].get("ratio")
+    if ratio is not None and (not _is_number(ratio) or not 0 < ratio <= 1):
+        raise ConfigError(f"algorithm.ratio (the fraction of entries a compressor sends) must be in (0, 1], "
+                          f"got {ratio!r}")
+    backend = cfg["backend"].get("name")
+    _check_choice("backend", backend, (*BACKENDS, "fleet"))
+    if backend == "fleet":
         _check_fleet(cfg)
+    elif not launched:
+        check_backend_installed(backend)
     if not cfg["model"].get("_target_"):
         _check_choice("model", cfg["model"].get("name"), models.MODELS)
     _check_choice("dataset", cfg["data"].get("name"), data.DATASETS)
     for key in ("epochs", "batch_size", "log_every"):
         value = cfg.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    every = (cfg.get("checkpoint") or {}).get("every", 0)
+    if not _is_int(every) or every < 0:
+        raise ConfigError(f"checkpoint.every must be an integer >= 0 (0: no checkpoints), got {every!r}")
     timeout = cfg.get("comm", {}).get("timeout_s")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
+    if not _is_number(timeout) or timeout <= 0:
         raise ConfigError(f"comm.timeout_s must be a number of seconds > 0, got {timeout!r}")
+    try:
+        FaultPlan.from_config(cfg.get("faults"), peers, backend)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
     try:
         topology = build_topology(cfg, peers)
         if cfg["algorithm"]["name"] == "adpsgd" and peers > 1:
@@ -70,15 +92,81 @@ def validate(cfg: dict, world_size: int | None = None) -> None:
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
     _check_choice("data.partition", cfg["data"].get("partition", "iid"), data.PARTITIONS)
-    # build what the peers will build (cheap at this size): data files, partition, model shapes
+    # build what peer 0 will build (cheap at this size) in a world of `peers`: data files, partition,
+    # model shapes, and the algorithm with its options on this topology
     try:
-        split = load_data(cfg)
-        partition(cfg, split, peers)
-        if not any(True for _ in build_model(cfg, split).parameters()):
+        if not any(True for _ in build_model(cfg, load_data(cfg)).parameters()):
             raise ValueError(f"the model {cfg['model'].get('_target_') or cfg['model'].get('name')!r} "
                              f"has no parameters to train")
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        raise ConfigError(str(exc).splitlines()[0]) from None
+        build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), {**cfg, "faults": None})
+    except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
+        raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+RESUME_MAY_CHANGE = ("resume", "faults", "comm")  # what a resumed run may set differently
+
+
+def check_same_run(saved: dict, cfg: dict, run_dir) -> None:
+    """resume=true continues the run in `run_dir` only with the config it was started with."""
+    before, now = _flatten(saved), _flatten(cfg)
+    changed = [k for k in sorted(set(before) | set(now))
+               if k.split(".")[0] not in RESUME_MAY_CHANGE and before.get(k) != now.get(k)]
+    if changed:
+        shown = ", ".join(f"{k}={before.get(k)!r} there, {now.get(k)!r} here" for k in changed[:3])
+        raise ConfigError(f"resume=true, but {run_dir} was started with a different config ({shown}"
+                          f"{', ...' if len(changed) > 3 else ''}); resume with the run's own settings "
+                          f"({run_dir}/config.yaml) or start a new run in a new folder")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_backend_installed(backend: str) -> None:
+    """The driver will start mpiexec or torch processes: say now, and how to fix it, if it cannot."""
+    if backend == "mpi":
+        problem = mpi_import_error()
+        if problem:
+            raise ConfigError(f"backend=mpi needs mpi4py and an MPI runtime, but {problem}; install both with "
+                              f"`pip install mpi4py mpich` (or load your cluster's MPI and `pip install mpi4py`), "
+                              f"or choose backend=local or backend=torch")
+        from dpsgd.launch import mpiexec
+
+        try:
+            mpiexec()
+        except RuntimeError as exc:
+            raise ConfigError(str(exc)) from None
+    elif backend == "torch":
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise ConfigError("backend=torch needs torch.distributed, which this torch build lacks; install a torch "
+                              "wheel from pytorch.org, or choose backend=local or backend=mpi")
+
+
+def mpi_import_error() -> str | None:
+    """Why mpi4py cannot load an MPI library here, or None. Tried in a child process: loading MPI
+    into the driver would initialize it there."""
+    probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    if proc.returncode == 0:
+        return None
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    return f"`from mpi4py import MPI` fails ({lines[-1] if lines else f'exit code {proc.returncode}'})"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_fleet(cfg: dict) -> None:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, Pending, Request, poll_until
+from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, Pending, Request, poll_until
 
 
 def load_mpi():
@@ -53,7 +53,12 @@ class _Requests(Pending):
         self._MPI, self._requests, self._peers = MPI, requests, peers
 
     def wait(self, deadline: float) -> None:
-        poll_until(lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding)
+        try:
+            poll_until(lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding)
+        except self._MPI.Exception as exc:  # MPICH: a peer's process ended under a pending request
+            peers = sorted({p for p in self._peers if p >= 0})
+            raise PeerFailedError(f"peer(s) {peers or 'of a collective'} failed or cannot be reached "
+                                  f"(MPI: {exc.Get_error_string()})") from None
 
     def peers_outstanding(self) -> list[int]:
         # a collective has no single peer to blame: the caller then names all of them
@@ -91,9 +96,12 @@ class MPICommunicator(Communicator):
 
     def __init__(self, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S):
         MPI = load_mpi()
-        # our own context: user code using COMM_WORLD can never match our messages
-        self._MPI, self._comm = MPI, (comm or MPI.COMM_WORLD).Dup()
-        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout_s)
+        # our own context: user code using COMM_WORLD can never match our messages. Duplicating is
+        # collective: non-blocking, so that a peer that never arrives is a timeout, not a hang
+        parent = comm or MPI.COMM_WORLD
+        self._MPI, (self._comm, request) = MPI, parent.Idup()
+        super().__init__(parent.Get_rank(), parent.Get_size(), timeout_s)
+        self._wait("start-up (MPI communicator duplication)", _Requests(MPI, [request], [-1]), range(self.size))
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()

@@ -1,0 +1,118 @@
+"""Fault injection, driven by the config's `faults:` block: a peer that dies, one that hangs, one
+that is slow, and messages lost on the `local` backend, so that failures can be tested and shown.
+
+    faults.kill_peer=3 faults.at_step=40                    # peer 3 dies at step 40 (SIGKILL, no message)
+    faults.kill_peer=3 faults.kill_mode=hang                # peer 3 stops answering at step 40
+    faults.delay_peer=1 faults.delay_s=0.2                  # peer 1 sleeps 0.2 s before each step
+    backend=local faults.drop_messages=0.01                 # 1% of messages are lost (seeded)
+
+Every fault starts at `faults.at_step` (delays and losses from then on). The training loops call
+`FaultInjector.before_step(step)` at the start of each step; nothing happens when no fault is set.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+KILL_MODES = ("exit", "hang")
+
+
+class InjectedFault(RuntimeError):
+    """A peer of the `local` backend ended by `faults.kill_peer` (a thread cannot be killed, so it
+    raises this, and its world stops the other peers as it would for any failed peer)."""
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """What to inject, checked against the world it is injected into."""
+
+    kill_peer: int | None = None
+    kill_mode: str = "exit"
+    at_step: int = 1
+    delay_peer: int | None = None
+    delay_s: float = 0.0
+    drop_messages: float = 0.0
+
+    @classmethod
+    def from_config(cls, section: dict | None, peers: int, backend: str) -> FaultPlan:
+        """The plan of a config's `faults:` block; ValueError (one line: what, and how to fix) if invalid."""
+        section = dict(section or {})
+        unknown = sorted(set(section) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown faults option(s) {unknown}; valid: {', '.join(cls.__dataclass_fields__)}")
+        plan = cls(**{k: v for k, v in section.items() if v is not None or k.endswith("_peer")})
+        for key in ("kill_peer", "delay_peer"):
+            rank = getattr(plan, key)
+            if rank is not None and (not _is_int(rank) or not 0 <= rank < peers):
+                raise ValueError(f"faults.{key} must be a peer rank in [0, {peers}) or null, got {rank!r}")
+        if plan.kill_mode not in KILL_MODES:
+            raise ValueError(f"faults.kill_mode must be one of {', '.join(KILL_MODES)}, got {plan.kill_mode!r}")
+        if not _is_int(plan.at_step) or plan.at_step < 1:
+            raise ValueError(f"faults.at_step must be an integer >= 1, got {plan.at_step!r}")
+        if not _is_number(plan.delay_s) or plan.delay_s < 0:
+            raise ValueError(f"faults.delay_s must be a number of seconds >= 0, got {plan.delay_s!r}")
+        if not _is_number(plan.drop_messages) or not 0 <= plan.drop_messages <= 1:
+            raise ValueError(f"faults.drop_messages must be a fraction in [0, 1], got {plan.drop_messages!r}")
+        if backend == "fleet" and (plan.kill_peer is not None or plan.delay_peer is not None or plan.drop_messages):
+            raise ValueError("faults need real peers and backend=fleet simulates them; use backend=local, mpi or torch")
+        if plan.drop_messages and backend != "local":
+            raise ValueError(f"faults.drop_messages works on backend=local only (got backend={backend}); "
+                             f"on processes, kill or hang a peer instead (faults.kill_peer)")
+        return plan
+
+
+class FaultInjector:
+    """One peer's side of a FaultPlan."""
+
+    def __init__(self, plan: FaultPlan, comm, seed: int = 0):
+        self.plan, self.comm, self.step = plan, comm, 0
+        self._rng = random.Random(seed * 100_003 + comm.rank)  # which messages are lost: seeded per sender
+        if plan.drop_messages:
+            comm.drop_message = self._drop
+
+    @classmethod
+    def from_config(cls, cfg: dict, comm) -> FaultInjector:
+        plan = FaultPlan.from_config(cfg.get("faults"), comm.size, comm.backend)
+        return cls(plan, comm, int(cfg.get("seed", 0)))
+
+    def before_step(self, step: int) -> None:
+        self.step = step
+        plan, rank = self.plan, self.comm.rank
+        if step < plan.at_step:
+            return
+        if plan.delay_peer == rank and plan.delay_s:
+            time.sleep(plan.delay_s)
+        if plan.kill_peer == rank and step == plan.at_step:
+            self._kill(step)
+
+    def _drop(self, peer: int) -> bool:
+        return self.step >= self.plan.at_step and self._rng.random() < self.plan.drop_messages
+
+    def _kill(self, step: int) -> None:
+        rank, local = self.comm.rank, self.comm.backend == "local"
+        what = "exited" if self.plan.kill_mode == "exit" else "hung"
+        message = (f"peer {rank} {what} at step {step} (injected by faults.kill_peer={rank}, "
+                   f"faults.at_step={self.plan.at_step}, faults.kill_mode={self.plan.kill_mode})")
+        if self.plan.kill_mode == "exit" and local:
+            raise InjectedFault(message)
+        if not local:
+            print(f"fault: {message}", file=sys.stderr, flush=True)  # the last line of this peer's log
+        if self.plan.kill_mode == "exit":
+            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would: no handler, no message
+        while True:  # hang: answer nothing until the launcher (or, on local, the failed world) stops us
+            if local:
+                self.comm.world.check(rank, f"hang injected at step {step}")
+            time.sleep(0.05)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

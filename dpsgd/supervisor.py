@@ -1,0 +1,141 @@
+"""How the driver follows the peer processes it started: each peer reports every step it begins over
+a Unix socket, so that when a run fails the driver can say which peer ended first, and at which step.
+
+Driver side: `Supervisor` listens on a socket in a private temporary folder (no network port) and
+hands its path to the peers in DPSGD_SUPERVISOR. Peer side: `report_step(rank, step)` and
+`report_finished()`; both do nothing in a process the driver did not start. Messages are two
+fixed-size integers (rank, step): nothing received is unpickled. A connection closed without the
+`finished` message is a peer whose process ended abruptly; the order of those closings is the
+order in which peers died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+
+ENV = "DPSGD_SUPERVISOR"
+_FRAME = struct.Struct("<iq")  # rank, step
+_FINISHED = -1  # the step value a peer sends when it ends normally
+
+
+class Supervisor:
+    """The driver's record of its peers: the last step each began and when each one's process ended."""
+
+    def __init__(self):
+        self._dir = tempfile.mkdtemp(prefix="dpsgd-")  # mode 0700: only this user can connect
+        self.path = os.path.join(self._dir, "peers.sock")
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(self.path)
+        self._server.listen(256)
+        self.steps: dict[int, int] = {}  # rank -> the last step it began
+        self.ended: dict[int, float] = {}  # rank -> time.time() its connection closed without `finished`
+        self.finished: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="dpsgd-supervisor", daemon=True)
+        self._thread.start()
+
+    def env(self) -> dict:
+        return {ENV: self.path}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._server.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._server, selectors.EVENT_READ)
+        pending: dict[socket.socket, list] = {}  # connection -> [unparsed bytes, its rank]
+        while not self._stop.is_set():
+            for key, _ in sel.select(timeout=0.1):
+                if key.fileobj is self._server:
+                    conn, _ = self._server.accept()
+                    conn.setblocking(False)
+                    sel.register(conn, selectors.EVENT_READ)
+                    pending[conn] = [b"", None]
+                    continue
+                conn = key.fileobj
+                try:
+                    data = conn.recv(4096)
+                except OSError:
+                    data = b""
+                now = time.time()
+                state = pending[conn]
+                state[0] += data
+                while len(state[0]) >= _FRAME.size:
+                    rank, step = _FRAME.unpack_from(state[0])
+                    state[0], state[1] = state[0][_FRAME.size:], rank
+                    if step == _FINISHED:
+                        self.finished.add(rank)
+                    else:
+                        self.steps[rank] = step
+                if not data:  # the peer's process closed the connection: it ended
+                    if state[1] is not None and state[1] not in self.finished:
+                        self.ended.setdefault(state[1], now)
+                    sel.unregister(conn)
+                    conn.close()
+                    del pending[conn]
+        for conn in pending:
+            conn.close()
+        sel.close()
+
+
+class _Reporter:
+    def __init__(self, rank: int, path: str):
+        self.rank = rank
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+
+    def send(self, step: int) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.sendall(_FRAME.pack(self.rank, step))
+        except OSError:  # the driver is gone: training goes on, unsupervised
+            self._sock = None
+
+
+_reporter: _Reporter | None = None
+_lock = threading.Lock()
+
+
+def report_step(rank: int, step: int) -> None:
+    """Tell the driver (if it started this process) that peer `rank` begins step `step`."""
+    global _reporter
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    with _lock:
+        if _reporter is None:
+            try:
+                _reporter = _Reporter(rank, path)
+            except OSError:
+                os.environ.pop(ENV, None)  # no driver listening: stop trying
+                return
+        _reporter.send(step)
+
+
+def report_finished() -> None:
+    """This peer ended normally: the closing of its connection is not a failure."""
+    global _reporter
+    with _lock:
+        if _reporter is not None:
+            _reporter.send(_FINISHED)
+            with contextlib.suppress(OSError):
+                _reporter._sock.close()
+            _reporter = None

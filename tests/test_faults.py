@@ -1,0 +1,374 @@
+"""Injected faults (dpsgd.faults) end as one clear line, in bounded time, on `local` and on real
+processes; torn checkpoints are skipped; a run killed mid-way resumes to the numbers of an
+uninterrupted one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dpsgd import checkpoint
+from dpsgd.comm import PeerTimeoutError, run_local
+from dpsgd.faults import FaultInjector, FaultPlan, InjectedFault
+from dpsgd.launch import first_failure, peer_env
+from dpsgd.supervisor import Supervisor
+from dpsgd.training import train
+
+ROOT = Path(__file__).resolve().parent.parent
+EXACT = ("steps", "test_accuracy", "test_loss", "train_loss", "consensus_distance", "mb_sent_per_peer",
+         "peer_test_accuracy_min")
+
+
+def config(*overrides: str) -> dict:
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["backend=local", "epochs=2", "log_every=5", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def cli(args: list[str], run_dir: Path, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run the app; returns the process, its wall time and the moment (time.time) it ended."""
+    cmd = [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start, time.time()
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+# --- the plan and the injector ---------------------------------------------------------------
+
+@pytest.mark.parametrize("section, words", [
+    ({"kill_peer": 4}, "faults.kill_peer must be a peer rank in [0, 4)"),
+    ({"kill_peer": 1, "kill_mode": "explode"}, "faults.kill_mode must be one of exit, hang"),
+    ({"at_step": 0}, "faults.at_step must be an integer >= 1"),
+    ({"delay_s": -1}, "faults.delay_s must be a number of seconds >= 0"),
+    ({"drop_messages": 1.5}, "faults.drop_messages must be a fraction in [0, 1]"),
+    ({"kill": 1}, "unknown faults option(s) ['kill']"),
+])
+def test_fault_plan_refuses_bad_options(section, words):
+    with pytest.raises(ValueError) as info:
+        FaultPlan.from_config(section, peers=4, backend="local")
+    assert words in str(info.value)
+
+
+def test_lost_messages_only_on_local():
+    with pytest.raises(ValueError, match="backend=local only"):
+        FaultPlan.from_config({"drop_messages": 0.1}, peers=4, backend="mpi")
+
+
+def test_no_fault_configured_changes_nothing():
+    cfg = config("peers=4")
+    plain = run_local(4, train, cfg, None)[0]
+    delayed = run_local(4, train, config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.01",
+                                         "faults.at_step=3"), None)[0]
+    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
+        assert plain[key] == delayed[key], key  # a slow peer slows the run, never its numbers
+    assert delayed["wall_time_s"] > plain["wall_time_s"]
+
+
+def test_delay_past_the_timeout_names_the_slow_peer():
+    cfg = config("peers=4", "faults.delay_peer=2", "faults.delay_s=1.5", "faults.at_step=3")
+    with pytest.raises(PeerTimeoutError) as info:
+        run_local(4, train, cfg, None, timeout_s=0.5)
+    assert "waiting for peer(s) [2] at step 3" in str(info.value)
+
+
+def test_lost_messages_are_a_timeout_naming_the_sender():
+    cfg = config("peers=4", "faults.drop_messages=1.0", "faults.at_step=4")
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError) as info:
+        run_local(4, train, cfg, None, timeout_s=1.0)
+    assert time.monotonic() - start < 10
+    assert "neighbor_average timed out after 1 s" in str(info.value) and "at step 4" in str(info.value)
+
+
+def test_dropping_is_seeded_and_starts_at_at_step():
+    class Comm:
+        rank, size, backend = 1, 4, "local"
+
+    plan = FaultPlan(drop_messages=0.5, at_step=3)
+    a, b = FaultInjector(plan, Comm(), seed=7), FaultInjector(plan, Comm(), seed=7)
+    a.before_step(2)
+    assert not any(a._drop(0) for _ in range(100))
+    a.before_step(3)
+    b.before_step(3)
+    draws = [a._drop(0) for _ in range(200)]
+    assert draws == [b._drop(0) for _ in range(200)] and 60 < sum(draws) < 140
+
+
+def test_killed_local_peer_stops_the_world_at_once():
+    cfg = config("peers=4", "faults.kill_peer=3", "faults.at_step=5")
+    start = time.monotonic()
+    with pytest.raises(InjectedFault, match="peer 3 exited at step 5"):
+        run_local(4, train, cfg, None, timeout_s=60)
+    assert time.monotonic() - start < 30  # not the 60 s timeout: the world knows the peer failed
+
+
+# --- the app: one line, exit code 1, bounded time ---------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, words", [
+    (["faults.kill_peer=2", "faults.at_step=5"],
+     ["rank 2: InjectedFault: peer 2 exited at step 5"]),
+    (["faults.kill_peer=2", "faults.at_step=5", "faults.kill_mode=hang"],
+     ["PeerTimeoutError: neighbor_average timed out after 2 s waiting for peer(s) [2] at step 5"]),
+    (["faults.drop_messages=1.0", "faults.at_step=5"],
+     ["PeerTimeoutError: neighbor_average timed out after 2 s", "at step 5"]),
+])
+def test_local_fault_ends_the_run_with_one_line(args, words, tmp_path):
+    proc, seconds, _ = cli(["backend=local", "comm.timeout_s=2", "epochs=2", *args], tmp_path / "run")
+    assert proc.returncode == 1, proc.stderr
+    line = one_error_line(proc)
+    for w in words:
+        assert w in line, (w, line)
+    assert "all peers stopped after" in line and "traceback.log" in line
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend, mode, words", [
+    ("mpi", "hang", ["rank 0: PeerTimeoutError: neighbor_average timed out after 4 s waiting for peer(s) [1] "
+                     "at step 5"]),
+    ("torch", "exit", ["peer 1 died at step 5 without an error message (killed by SIGKILL)",
+                       "its log ends: fault: peer 1 exited at step 5"]),
+])
+def test_process_fault_ends_the_run_with_one_line(backend, mode, words, tmp_path):
+    """A peer process that dies (SIGKILL) or hangs: the whole run ends, well within 2x comm.timeout_s
+    of the fault, with one line naming the peer and the step (a dead MPI peer: the 8-peer test below)."""
+    timeout_s, run_dir = 4, tmp_path / "run"
+    proc, _, ended = cli([f"backend={backend}", "peers=2", f"comm.timeout_s={timeout_s}", "epochs=2",
+                          "faults.kill_peer=1", "faults.at_step=5", f"faults.kill_mode={mode}"], run_dir)
+    assert proc.returncode == 1, proc.stderr
+    line = one_error_line(proc)
+    for w in words:
+        assert w in line, (w, line)
+    assert f"logs: {run_dir / 'logs'}" in line
+    fault_at = (run_dir / "logs" / "rank1.log").stat().st_mtime  # its last line is the fault's
+    assert "fault: peer 1" in (run_dir / "logs" / "rank1.log").read_text()
+    assert ended - fault_at < 2 * timeout_s, ended - fault_at
+
+
+# --- checkpoints: torn ones are skipped ---------------------------------------------------------
+
+def _saved_world(tmp_path, steps=(10, 20), peers=2):
+    def save_all(comm):
+        for step in steps:
+            checkpoint.save(comm, tmp_path, step, {"step": step, "w": torch.full((3,), float(step + comm.rank))})
+    run_local(peers, save_all)
+    return tmp_path / "checkpoints"
+
+
+@pytest.mark.parametrize("tear, why", [
+    (lambda d: (d / "COMPLETE").unlink(), "no COMPLETE marker"),
+    (lambda d: (d / "rank1.pt").write_bytes((d / "rank1.pt").read_bytes()[:50]), "truncated"),
+    (lambda d: (d / "rank0.pt").write_bytes(bytes(reversed((d / "rank0.pt").read_bytes()))), "altered"),
+    (lambda d: (d / "rank1.pt").unlink(), "missing"),
+    (lambda d: (d / "rank0.sha256").unlink(), "missing"),
+])
+def test_torn_checkpoint_falls_back_to_the_previous_complete_one(tmp_path, tear, why):
+    root = _saved_world(tmp_path)
+    assert checkpoint.complete_steps(tmp_path, 2) == [10, 20]
+    tear(root / "step_00000020")
+    assert why in checkpoint.torn(root / "step_00000020", 2)
+    assert checkpoint.complete_steps(tmp_path, 2) == [10]
+    for rank in (0, 1):  # every peer chooses the same step: never a mix
+        state = checkpoint.load_latest(tmp_path, rank, 2)
+        assert state["step"] == 10 and state["w"].tolist() == [10.0 + rank] * 3
+
+
+def test_checkpoint_of_another_world_size_is_not_resumed(tmp_path):
+    _saved_world(tmp_path)
+    assert checkpoint.load_latest(tmp_path, 0, 3) is None
+
+
+def test_checkpoint_keeps_two_and_leaves_no_temporary_files(tmp_path):
+    root = _saved_world(tmp_path, steps=(10, 20, 30))
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000020", "step_00000030"]
+    assert not list(root.rglob("*.tmp"))
+
+
+def test_checkpoint_cannot_run_code(tmp_path):
+    """A checkpoint is loaded with weights_only=True: a pickled object that would run code is refused."""
+    root = _saved_world(tmp_path, steps=(10,))
+    evil = root / "step_00000010" / "rank0.pt"
+    torch.save({"step": 10, "w": _RunsCode()}, evil)
+    data = evil.read_bytes()
+    (root / "step_00000010" / "rank0.sha256").write_text(f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        checkpoint.load_latest(tmp_path, 0, 2)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+# --- resume after a crash: the numbers of an uninterrupted run ------------------------------------
+
+@pytest.mark.timeout(200)
+def test_local_peer_killed_then_torn_checkpoint_then_resume_gives_same_numbers(tmp_path):
+    args = ["backend=local", "epochs=12", "log_every=10", "checkpoint.every=10"]
+    full = tmp_path / "full"
+    assert cli(args, full)[0].returncode == 0
+    run_dir = tmp_path / "killed"
+    proc, _, _ = cli(args + ["faults.kill_peer=1", "faults.at_step=35"], run_dir)
+    assert proc.returncode == 1 and "peer 1 exited at step 35" in proc.stderr
+    assert checkpoint.complete_steps(run_dir, 4) == [20, 30]
+    # the newest checkpoint is torn too (a peer died while writing): step 20 is used
+    pt = run_dir / "checkpoints" / "step_00000030" / "rank2.pt"
+    pt.write_bytes(pt.read_bytes()[:100])
+    resumed, _, _ = cli(args + ["resume=true"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = summary(full), summary(run_dir)
+    for key in EXACT:
+        assert a[key] == b[key], key
+    assert _timeless_records(full) == _timeless_records(run_dir)
+
+
+@pytest.mark.timeout(400)
+def test_kill_one_of_8_mpi_peers_ends_the_run_and_resume_finishes_it(tmp_path):
+    """The issue's acceptance test: one of 8 MPI peers dies mid-run; the run ends within 2x
+    comm.timeout_s with one line naming it; resume=true ends with the uninterrupted run's numbers."""
+    timeout_s = 10
+    args = ["backend=mpi", "peers=8", "epochs=10", "log_every=5", "checkpoint.every=10", f"comm.timeout_s={timeout_s}"]
+    full = tmp_path / "full"
+    proc, _, _ = cli(args, full)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "killed"
+    proc, seconds, ended = cli(args + ["faults.kill_peer=5", "faults.at_step=37"], run_dir)
+    assert proc.returncode == 1, proc.stderr
+    line = one_error_line(proc)
+    assert "peer 5 died at step 37 without an error message (Killed (signal 9))" in line, line
+    fault_at = (run_dir / "logs" / "rank5.log").stat().st_mtime
+    print(f"\nkill 1 of 8 mpi peers: exit {ended - fault_at:.2f} s after the fault "
+          f"(run {seconds:.1f} s in all); limit {2 * timeout_s} s\n{line}")
+    assert ended - fault_at < 2 * timeout_s
+    assert checkpoint.complete_steps(run_dir, 8) == [20, 30]
+    resumed, _, _ = cli(args + ["resume=true"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = summary(full), summary(run_dir)
+    for key in EXACT:
+        assert a[key] == b[key], key
+    assert _timeless_records(full) == _timeless_records(run_dir)
+
+
+def _timeless_records(run_dir: Path) -> list[dict]:
+    timings = ("wall_time_s", "comm_time_s", "comm_overlap_s")
+    return [{k: v for k, v in json.loads(line).items() if k not in timings}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- the driver's diagnosis -------------------------------------------------------------------------
+
+class _Seen:
+    """What a Supervisor saw: last steps, and when each peer's process ended without finishing."""
+
+    def __init__(self, steps, ended):
+        self.steps, self.ended, self.finished = steps, ended, set()
+
+
+def _error_file(log_dir: Path, rank: int, line: str, at: float) -> None:
+    path = log_dir / f"rank{rank}.error"
+    path.write_text(line + "\n")
+    os.utime(path, (at, at))
+
+
+def test_first_failure_is_the_silent_death_that_came_first(tmp_path):
+    (tmp_path / "rank3.log").write_text("fault: peer 3 exited at step 40\n")
+    _error_file(tmp_path, 1, "rank 1: PeerTimeoutError: neighbor_average timed out", at=1000.5)
+    seen = _Seen({0: 41, 1: 41, 2: 41, 3: 40}, {3: 1000.0, 0: 1000.6})
+    line = first_failure(tmp_path, seen, 9, 4)
+    assert line.startswith("peer 3 died at step 40 without an error message (exit code 9)")
+    assert line.endswith("its log ends: fault: peer 3 exited at step 40")
+
+
+def test_first_failure_a_timeout_is_the_cause_of_the_deaths_after_it(tmp_path):
+    timeout = "rank 1: PeerTimeoutError: neighbor_average timed out ... [2] at step 5"
+    _error_file(tmp_path, 1, timeout, at=1000.0)
+    seen = _Seen({0: 5, 1: 5, 2: 5, 3: 5}, {2: 1000.1, 0: 1000.1, 3: 1000.2})  # mpiexec's cleanup
+    assert first_failure(tmp_path, seen, 1, 4) == timeout
+
+
+def test_first_failure_a_survivor_reporting_a_failed_peer_defers_to_it(tmp_path):
+    _error_file(tmp_path, 0, "rank 0: PeerFailedError: peer(s) [1] failed or cannot be reached", at=1000.0)
+    seen = _Seen({0: 151, 1: 151}, {1: 1000.3})  # the driver's thread saw the death late
+    assert first_failure(tmp_path, seen, 1, 2).startswith("peer 1 died at step 151 without an error message")
+
+
+def test_first_failure_torch_process_killed_by_a_signal(tmp_path):
+    _error_file(tmp_path, 0, "rank 0: PeerTimeoutError: Connection closed by peer", at=999.0)
+    seen = _Seen({0: 7, 1: 7}, {1: 1000.0})
+    assert "peer 1 died at step 7 without an error message (killed by SIGKILL)" in first_failure(
+        tmp_path, seen, 1, 2, codes=[None, -9])
+
+
+def test_supervisor_hears_steps_and_deaths():
+    import socket
+    import struct
+
+    with Supervisor() as sup:
+        conns = []
+        for rank in (0, 1):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(sup.path)
+            conn.sendall(struct.pack("<iq", rank, 12))
+            conns.append(conn)
+        conns[0].sendall(struct.pack("<iq", 0, -1))  # finished
+        for conn in conns:
+            conn.close()
+        deadline = time.monotonic() + 5
+        while (1 not in sup.ended or 0 not in sup.finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sup.steps == {0: 12, 1: 12} and sup.finished == {0} and list(sup.ended) == [1]
+    assert not Path(sup.path).exists()
+
+
+@pytest.mark.timeout(200)
+def test_mpi_rank_killed_from_outside_is_named(tmp_path):
+    """No injection: `kill -9` of one rank (as the OOM killer would) mid-run."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "experiments.train", "backend=mpi", "peers=2", "epochs=300", "comm.timeout_s=10",
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=peer_env(), stderr=subprocess.PIPE, text=True)
+    victim, deadline = None, time.monotonic() + 150
+    while victim is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        if not (run_dir / "metrics.jsonl").exists():
+            continue
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"experiments.peer" in cmdline and str(run_dir).encode() in cmdline and b"PMI_RANK=1" in environ:
+                victim = int(pid)
+    assert victim is not None, "rank 1 never started"
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    stderr = proc.communicate(timeout=120)[1]
+    seconds = time.monotonic() - killed_at
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, stderr
+    assert lines[0].startswith("error: peer 1 died at step ") and "(Killed (signal 9))" in lines[0], lines[0]
+    assert seconds < 20, seconds

@@ -1,0 +1,144 @@
+"""Bad input is refused before any peer starts: one line saying what and how to fix, exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import experiments.validate as validate_module
+from dpsgd import launch
+from experiments.validate import ConfigError, check_same_run, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config(*overrides: str) -> dict:
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["backend=local", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["algorithm.lr=0"], "algorithm.lr must be a number > 0, got 0"),
+    (["algorithm.lr=-0.1"], "algorithm.lr must be a number > 0, got -0.1"),
+    (["algorithm.lr=fast"], "algorithm.lr must be a number > 0, got 'fast'"),
+    (["peers=0"], "peers must be an integer >= 1, got 0"),
+    (["peers=2.5"], "peers must be an integer >= 1, got 2.5"),
+    (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1, got 0"),
+    (["algorithm=choco", "algorithm.ratio=0"], "algorithm.ratio (the fraction of entries a compressor sends) "
+                                               "must be in (0, 1], got 0"),
+    (["algorithm=choco", "algorithm.ratio=1.5"], "must be in (0, 1], got 1.5"),
+    (["algorithm=choco", "algorithm.compressor=zip"], "unknown compressor 'zip'; valid: top_k"),
+    (["algorithm=local_sgd", "algorithm.outer_momentum=2"], "outer_momentum must be in [0, 1), got 2"),
+    (["epochs=0"], "epochs must be an integer >= 1, got 0"),
+    (["checkpoint.every=-5"], "checkpoint.every must be an integer >= 0"),
+    (["comm.timeout_s=0"], "comm.timeout_s must be a number of seconds > 0, got 0"),
+    (["topology=hypercube", "peers=6"], "topology 'hypercube' with peers=6"),
+    (["topology=torus", "peers=5", "topology.rows=2"], "topology 'torus' with peers=5"),
+    (["algorithm=adpsgd", "topology=ring", "peers=5"], "AD-PSGD needs a bipartite graph"),
+    (["faults.kill_peer=4"], "faults.kill_peer must be a peer rank in [0, 4) or null, got 4"),
+    (["backend=mpi", "faults.drop_messages=0.1"], "faults.drop_messages works on backend=local only"),
+])
+def test_bad_config_is_one_line(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        validate(config(*overrides))
+    message = str(info.value)
+    assert words in message, message
+    assert "\n" not in message
+
+
+def test_every_algorithm_config_validates():
+    for algorithm in sorted(p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml")):
+        topology = "one_peer_directed_exponential" if algorithm == "sgp" else "ring"
+        validate(config(f"algorithm={algorithm}", f"topology={topology}"))
+
+
+def test_world_size_must_agree_with_the_launcher():
+    with pytest.raises(ConfigError, match="the launcher started 4 processes but peers=8; pass peers=4"):
+        validate(config("peers=8"), world_size=4)
+
+
+def test_mpi_not_installed_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(validate_module, "mpi_import_error",
+                        lambda: "`from mpi4py import MPI` fails (ModuleNotFoundError: No module named 'mpi4py')")
+    with pytest.raises(ConfigError) as info:
+        validate(config("backend=mpi"))
+    assert "pip install mpi4py mpich" in str(info.value) and "No module named 'mpi4py'" in str(info.value)
+    validate(config("backend=mpi"), launched=True)  # under a launcher MPI is already loaded
+
+
+def test_mpi_runtime_missing_is_detected_in_a_child_process(monkeypatch):
+    assert validate_module.mpi_import_error() is None  # the MPICH wheel is installed here
+    # a child that cannot import mpi4py stands for a machine without it
+    monkeypatch.setattr(validate_module.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "Traceback...\nRuntimeError: cannot load MPI library\n"))
+    expected = "`from mpi4py import MPI` fails (RuntimeError: cannot load MPI library)"
+    assert validate_module.mpi_import_error() == expected
+
+
+def test_mpiexec_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(validate_module, "mpi_import_error", lambda: None)
+
+    def no_mpiexec():
+        raise RuntimeError("no mpiexec found: install an MPI runtime wheel (`pip install mpich`) or use backend=torch")
+
+    monkeypatch.setattr(launch, "mpiexec", no_mpiexec)
+    with pytest.raises(ConfigError, match="pip install mpich"):
+        validate(config("backend=mpi"))
+
+
+def test_torch_without_distributed(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="backend=torch needs torch.distributed"):
+        validate(config("backend=torch"))
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    saved = config("peers=8")
+    with pytest.raises(ConfigError) as info:
+        check_same_run(saved, config("peers=4", "resume=true"), tmp_path)
+    assert "peers=8 there, 4 here" in str(info.value)
+    check_same_run(saved, config("peers=8", "resume=true", "comm.timeout_s=5", "faults.kill_peer=1"), tmp_path)
+
+
+def cli(args: list[str], run_dir: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    cmd = (launcher or []) + [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, env=launch.peer_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["algorithm=choco", "algorithm.ratio=1.5"], "algorithm.ratio"),
+    (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1"),
+    (["faults.kill_peer=7"], "faults.kill_peer must be a peer rank in [0, 4)"),
+])
+def test_app_refuses_bad_input_with_exit_code_2(args, words, tmp_path):
+    proc = cli(["backend=local", *args], tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_app_never_overwrites_a_finished_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text("{}")
+    proc = cli(["backend=local", "epochs=1"], run_dir)
+    assert proc.returncode == 2 and "already holds a run; pass resume=true" in proc.stderr
+    assert (run_dir / "summary.json").read_text() == "{}"
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_world_size_must_agree(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                "127.0.0.1", "--master-port", str(launch.free_port()), "--no-python"]
+    proc = cli(["backend=torch", "peers=4", "comm.timeout_s=30"], tmp_path / "run", launcher)
+    assert proc.returncode != 0
+    assert "the launcher started 2 processes but peers=4; pass peers=2" in proc.stderr
