@@ -191,8 +191,8 @@ def main(argv=None) -> int:
              "--floor-reps", str(args.floor_reps), "--seed", str(args.seed)]
     with tempfile.TemporaryDirectory(prefix="bench_allreduce_vs_ddp_") as tmp:
         res = common.spawn_ranks("allreduce_vs_ddp", args.peers, wargs, Path(tmp), args.timeout,
-                                 args.keep_freed_memory)
-    res["keep_freed_memory"] = args.keep_freed_memory
+                                 args.return_freed_memory)
+    res["return_freed_memory"] = args.return_freed_memory
     targets, derived = summarize(res)
     res["derived"] = derived
     s, ddp = res["step_s"], res["step_s"]["ddp"]

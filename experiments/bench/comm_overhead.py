@@ -185,10 +185,10 @@ def main(argv=None) -> int:
              "--floor-reps", str(args.floor_reps)]
     with tempfile.TemporaryDirectory(prefix="bench_comm_overhead_") as tmp:
         res = common.spawn_ranks("comm_overhead", args.peers, wargs, Path(tmp), args.timeout,
-                                 args.keep_freed_memory)
+                                 args.return_freed_memory)
 
     rows, floor = res["rows"], res["floor"]
-    res["keep_freed_memory"] = args.keep_freed_memory
+    res["return_freed_memory"] = args.return_freed_memory
     targets = [common.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], LIMIT) for r in rows]
     print(f"\nToolkit against raw, {args.peers} MPI ranks (gloo in the same processes), ring neighbours, "
           f"float32; slowest rank, median ms:\n")

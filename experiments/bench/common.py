@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PORT_VAR = "DPSGD_BENCH_GLOO_PORT"
 # glibc returns a freed large buffer to the kernel (munmap) and the next one page-faults in again,
 # which on small and virtual machines costs several times a memcpy; with these, freed memory is
-# kept and reused (what jemalloc / tcmalloc do). `--keep-freed-memory` runs the ranks with them.
-KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**34), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
+# kept and reused (what jemalloc / tcmalloc do). Spawned peers run with them (dpsgd.launch.peer_env);
+# `--return-freed-memory` runs the ranks with glibc's default instead.
+RETURN_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": None, "MALLOC_TRIM_THRESHOLD_": None}
 
 
 @dataclass
@@ -88,21 +89,21 @@ def print_targets(targets: list[Target]) -> None:
 # --- ranks ------------------------------------------------------------------------------
 
 def add_rank_options(parser) -> None:
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="run the ranks with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_, "
-                             "MALLOC_TRIM_THRESHOLD_): fresh buffers then cost no page faults")
+    parser.add_argument("--return-freed-memory", action="store_true",
+                        help="run the ranks with glibc's default of returning freed large buffers to the kernel "
+                             "(peers are spawned keeping them: MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for all the ranks' work")
 
 
 def spawn_ranks(module: str, n: int, worker_argv: list[str], work: Path, timeout_s: float,
-                keep_freed_memory: bool = False) -> dict:
+                return_freed_memory: bool = False) -> dict:
     """Run `python -m experiments.bench.MODULE --worker WORK ...` on n MPI ranks which also form a
     gloo world (see `init_ranks`); return rank 0's WORK/result.json."""
     from dpsgd.launch import free_port, spawn_mpi
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {PORT_VAR: str(free_port()), "PYTHONPATH": path, "DPSGD_PROGRESS": "0",
-           **(KEEP_FREED_MEMORY_ENV if keep_freed_memory else {})}
+           **(RETURN_FREED_MEMORY_ENV if return_freed_memory else {})}
     code = spawn_mpi(n, ["-m", f"experiments.bench.{module}", "--worker", str(work), *worker_argv],
                      timeout_s=timeout_s, env=env)
     if code != 0:

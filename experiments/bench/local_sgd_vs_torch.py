@@ -183,8 +183,8 @@ def main(argv=None) -> int:
              "--windows", str(args.windows), "--floor-reps", str(args.floor_reps), "--seed", str(args.seed)]
     with tempfile.TemporaryDirectory(prefix="bench_local_sgd_vs_torch_") as tmp:
         res = common.spawn_ranks("local_sgd_vs_torch", args.peers, wargs, Path(tmp), args.timeout,
-                                 args.keep_freed_memory)
-    res["keep_freed_memory"] = args.keep_freed_memory
+                                 args.return_freed_memory)
+    res["return_freed_memory"] = args.return_freed_memory
     targets = summarize(res)
     s = res["step_s"]
     print(f"\nPost-local SGD, period {args.period}, {args.warmup_steps} warm-up steps, MLP "
