@@ -183,11 +183,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
         if note and (world is None or _world_rank(world) == 0):
             print(f"note: {note}", file=sys.stderr, flush=True)
         validate(resolved, world_size, launched=world is not None)
-        if not resolved.get("resume") and any((run_dir / f).exists() for f in RUN_FILES):
-            raise ConfigError(f"{run_dir} already holds a run; pass resume=true to continue it, or choose a new "
-                              f"hydra.run.dir")
-        if resolved.get("resume") and (run_dir / "config.yaml").exists():
-            check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), resolved, run_dir)
+        # the run folder: judged by the driver, or by rank 0 alone (another rank could look after rank
+        # 0 has begun writing; if rank 0 refuses, the launcher stops the others)
+        if world is None or _world_rank(world) == 0:
+            if not resolved.get("resume") and any((run_dir / f).exists() for f in RUN_FILES):
+                raise ConfigError(f"{run_dir} already holds a run; pass resume=true to continue it, or choose a "
+                                  f"new hydra.run.dir")
+            if resolved.get("resume") and (run_dir / "config.yaml").exists():
+                check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), resolved, run_dir)
     except ConfigError as exc:
         fail(str(exc), run_dir)
     summary = run(resolved, run_dir, world)
