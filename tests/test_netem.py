@@ -125,9 +125,11 @@ def test_straggler_slows_only_itself_under_adpsgd_in_model_mode():
         return net.clock.elapsed()
 
     elapsed = run_local(4, peer)
-    assert elapsed[1] == pytest.approx(10 * 4 * FLOOR, rel=0.01), elapsed
-    for r in (0, 2, 3):  # their own compute: each averaging (2 ms) hides behind the next gradient (20 ms)
-        assert elapsed[r] == pytest.approx(10 * FLOOR, rel=1e-9), elapsed
+    # the straggler's own compute; the others': each averaging (2 ms) hides behind the next gradient
+    # (20 ms), and an active peer's run ends when its last averaging does
+    assert 10 * 4 * FLOOR - 1e-9 <= elapsed[1] <= 10 * 4 * FLOOR + 2 * ALPHA + 1e-9, elapsed
+    for r in (0, 2, 3):
+        assert 10 * FLOOR - 1e-9 <= elapsed[r] <= 10 * FLOOR + 2 * ALPHA + 1e-9, elapsed
 
 
 def test_jitter_is_seeded_and_bounded():

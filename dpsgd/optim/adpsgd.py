@@ -335,6 +335,10 @@ class ADPSGD(DistributedOptimizer):
             self.abort()
             raise
         self._finished = True
+        net = self.network
+        if net is not None and net.active and net.clock.mode == "model" and self._averaging_done_at is not None:
+            # the run ends when its last averaging does (in sleep mode the averager really waited for it)
+            self.comm.stats.emulated_wait_s += net.clock.wait_until(self._averaging_done_at)
         with torch.no_grad(), self.lock:
             offset = 0
             for p in self.params():
