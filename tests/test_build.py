@@ -40,3 +40,16 @@ def test_bad_targets_are_one_line_errors(section, target, words):
     with pytest.raises(ConfigError, match=words) as info:
         validate(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_batch_larger_than_a_share_becomes_the_share():
+    """256 peers on digits' 1437 training samples: each peer's batch is its whole share of 5, said once."""
+    from dpsgd.build import fit_batch_size
+
+    cfg = {"peers": 256, "batch_size": 32, "seed": 0, "data": {"name": "digits", "partition": "iid"}}
+    note = fit_batch_size(cfg)
+    assert cfg["batch_size"] == 5 and "1437 training samples / 256 peers = 5" in note
+    cfg = {"peers": 4, "batch_size": 32, "seed": 0, "data": {"name": "digits", "partition": "iid"}}
+    assert fit_batch_size(cfg) is None and cfg["batch_size"] == 32
+    cfg = {"peers": 256, "batch_size": 32, "seed": 0, "data": {"name": "digits", "partition": "dirichlet"}}
+    assert fit_batch_size(cfg) is None  # non-iid shares differ: the partition's own check speaks
