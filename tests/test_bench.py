@@ -67,3 +67,32 @@ def test_local_sgd_vs_torch(tmp_path):
     assert check64["dpsgd_torch_vs_torch"] <= 1e-12 and check64["dpsgd_mpi_vs_torch"] <= 1e-12, check64
     params = next(t for t in res["targets"] if t["name"].startswith("parameters"))
     assert params["holds"]
+
+
+def test_step_time_vs_network(tmp_path):
+    """Two real mpi ranks, the small model, the WAN preset: every emulated step time equals the closed
+    form for the synchronous algorithms (the emulated clock is exact in model mode)."""
+    from experiments.bench import step_time_vs_network
+
+    out = tmp_path / "step_time_vs_network.json"
+    assert step_time_vs_network.main(["--peers", "2", "--sizes", "0.27M", "--networks", "wan",
+                                      "--timeout", "240", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "step_time_vs_network" and out.with_suffix(".png").exists()
+    rows = res["rows"]
+    assert {r["algorithm"] for r in rows} == {name for name, *_ in step_time_vs_network.ALGORITHMS}
+    for r in rows:
+        assert r["floor_s_per_step"] > 0 and r["mb_sent_per_peer_per_step"] > 0
+        if r["algorithm"] != "adpsgd":
+            assert abs(r["vs_closed_form"] - 1) < 1e-9, r
+
+
+def test_overlap(tmp_path):
+    from experiments.bench import overlap
+
+    out = tmp_path / "overlap.json"
+    assert overlap.main(["--steps", "5", "--timeout", "240", "--out", str(out)]) == 0
+    res = load(out, "overlap")
+    assert res["hidden"]["model"]["hidden_by_waiting"] == 1.0  # exact on the emulated clock
+    assert {(r["mode"], r["overlap"]) for r in res["rows"]} == {(m, o) for m in ("sleep", "model")
+                                                                 for o in (False, True)}

@@ -129,6 +129,16 @@ def init_ranks(gloo: bool = True):
     return world
 
 
+def init_comms():
+    """`init_ranks()` plus the toolkit's communicators on both backends over the same ranks:
+    (COMM_WORLD, rank, {"mpi": ..., "torch": ...})."""
+    from dpsgd.comm.mpi import MPICommunicator
+    from dpsgd.comm.torch_dist import TorchCommunicator
+
+    world = init_ranks()
+    return world, world.Get_rank(), {"mpi": MPICommunicator(), "torch": TorchCommunicator()}
+
+
 def finish_ranks(world, work: Path, result: dict) -> None:
     """Rank 0 writes the result; every rank leaves torch.distributed together."""
     import torch.distributed as dist

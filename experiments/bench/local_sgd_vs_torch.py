@@ -93,12 +93,7 @@ def check_parameters(args, comms, world) -> dict:
 def worker(args) -> None:
     import torch
 
-    from dpsgd.comm.mpi import MPICommunicator
-    from dpsgd.comm.torch_dist import TorchCommunicator
-
-    world = common.init_ranks()
-    rank = world.Get_rank()
-    comms = {"mpi": MPICommunicator(), "torch": TorchCommunicator()}
+    world, rank, comms = common.init_comms()
     check64 = check_parameters(args, comms, world)
     variants = {name: make_variant(name, args, comms, torch.float32) for name in VARIANTS}
     start = flat_params(variants["torch"][0])

@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -36,6 +35,7 @@ from experiments.bench.common import (
     spawn_ranks,
     write_result,
 )
+from experiments.bench.step_time_vs_network import emulated_steps
 
 HIDDEN = [480, 480]  # 0.27 M parameters on 64 inputs
 INPUTS, CLASSES, BATCH = 64, 10, 32
@@ -67,18 +67,7 @@ def worker(work: Path, steps: int, compute_time: float, preset: str) -> None:
             comm.stats = dpsgd.comm.CommStats()
             opt = DPSGD(build_base(model.parameters(), lr=0.01), comm=comm,
                         topology=topologies.make("one_peer_exponential", comm.size), overlap=overlap)
-            comm.barrier()
-            net.clock.reset()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                if overlap:
-                    opt.start_communication()
-                net.start_compute()
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                net.finish_compute()
-                opt.step()
-            wall = time.perf_counter() - t0
+            wall = emulated_steps(comm, net, opt, model, x, y, steps, overlap)
             elapsed = net.clock.elapsed()
             comm.attach_network(None)
             table = metrics.gather_scalars(comm, [wall, elapsed, comm.stats.emulated_wait_s, comm.stats.comm_time_s,

@@ -103,6 +103,32 @@ def closed_form(name: str, nbytes: float, n: int, c: float, net: dict) -> float:
             "adpsgd": max(c, 2 * one)}[name]
 
 
+def emulated_steps(comm, net, opt, model, x, y, steps: int, overlap: bool = False) -> float:
+    """`steps` training steps on one batch with `net` emulated (its clock starts together on every peer,
+    after a barrier); returns the wall seconds they took."""
+    import torch
+
+    from dpsgd.optim import ADPSGD
+
+    asynchronous = isinstance(opt, ADPSGD)
+    if asynchronous:  # no global step: a budget of steps per peer
+        opt.set_budget(steps=steps)
+    comm.barrier()
+    net.clock.reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        if overlap:
+            opt.start_communication()
+        net.start_compute()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        net.finish_compute()
+        opt.step()
+    if asynchronous:
+        opt.finish()
+    return time.perf_counter() - t0
+
+
 def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> None:
     """One rank: every (size, preset, algorithm) for STEPS steps; rank 0 writes the rows."""
     import numpy as np
@@ -131,22 +157,7 @@ def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> N
                 comm.attach_network(net)
                 comm.stats = dpsgd.comm.CommStats()
                 opt = build(algo, build_base(model.parameters(), lr=0.01), comm, topologies.make(topo, n), **options)
-                if algo == "adpsgd":
-                    opt.set_budget(steps=STEPS)
-                comm.barrier()
-                net.clock.reset()
-                t0 = time.perf_counter()
-                for _ in range(STEPS):
-                    if options.get("overlap"):
-                        opt.start_communication()
-                    net.start_compute()
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
-                    net.finish_compute()
-                    opt.step()
-                if algo == "adpsgd":
-                    opt.finish()
-                wall = time.perf_counter() - t0
+                wall = emulated_steps(comm, net, opt, model, x, y, STEPS, options.get("overlap", False))
                 emulated, sent = net.clock.elapsed(), comm.stats.bytes_sent
                 comm.attach_network(None)
                 table = metrics.gather_scalars(comm, [emulated, sent, wall])
