@@ -33,7 +33,7 @@ clean:
 soak: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# every benchmark, one after the other (about 30 min on 2 cores); results in outputs/bench/
+# every benchmark, one after the other (14 min on 2 idle cores); results in outputs/bench/
 BENCHMARKS := comm_overhead allreduce_vs_ddp local_sgd_vs_torch step_time_vs_network time_to_accuracy overlap \
 	stragglers fleet
 bench: $(STAMP)
