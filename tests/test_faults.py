@@ -370,5 +370,7 @@ def test_mpi_rank_killed_from_outside_is_named(tmp_path):
     seconds = time.monotonic() - killed_at
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1, stderr
-    assert lines[0].startswith("error: peer 1 died at step ") and "(Killed (signal 9))" in lines[0], lines[0]
+    # MPICH reports the signal unless rank 0's own exit reaches it first (seen once in ~10 runs)
+    assert lines[0].startswith("error: peer 1 died at step "), lines[0]
+    assert "(Killed (signal 9))" in lines[0] or "mpiexec exited with code" in lines[0], lines[0]
     assert seconds < 20, seconds
