@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import assert_same_numbers, summary
 
 from dpsgd.launch import mpiexec, peer_env
 
@@ -21,10 +22,6 @@ SHORT = ["epochs=3", "log_every=5"]
 def train(args, run_dir: Path, launcher: list[str] | None = None, timeout=180):
     cmd = (launcher or []) + [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def test_default_experiment_local_writes_outputs(tmp_path):
@@ -134,14 +131,5 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path):
     assert again.returncode == 2 and "resume=true" in again.stderr and (run_dir / "checkpoints").exists()
     resumed = train(args + ["resume=true"], run_dir)
     assert resumed.returncode == 0, resumed.stderr
-    a, b = summary(full), summary(run_dir)
-    for key in ("steps", "test_accuracy", "test_loss", "train_loss", "consensus_distance", "mb_sent_per_peer",
-                "peer_test_accuracy_min"):
-        assert a[key] == b[key], key
-    assert _timeless_records(full) == _timeless_records(run_dir)
+    assert_same_numbers(full, run_dir)
 
-
-def _timeless_records(run_dir: Path) -> list[dict]:
-    timings = ("wall_time_s", "comm_time_s", "comm_overlap_s")
-    return [{k: v for k, v in json.loads(line).items() if k not in timings}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

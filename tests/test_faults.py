@@ -5,7 +5,6 @@ uninterrupted one."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from runs import assert_same_numbers
 
 from dpsgd import checkpoint
 from dpsgd.comm import PeerTimeoutError, run_local
@@ -26,8 +26,6 @@ from dpsgd.supervisor import Supervisor
 from dpsgd.training import train
 
 ROOT = Path(__file__).resolve().parent.parent
-EXACT = ("steps", "test_accuracy", "test_loss", "train_loss", "consensus_distance", "mb_sent_per_peer",
-         "peer_test_accuracy_min")
 
 
 def config(*overrides: str) -> dict:
@@ -48,10 +46,6 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     return lines[0]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 # --- the plan and the injector ---------------------------------------------------------------
@@ -265,16 +259,7 @@ def assert_resumes_to_the_same_numbers(args: list[str], full: Path, run_dir: Pat
     """resume=true in `run_dir` ends with the numbers of the uninterrupted run in `full`."""
     resumed, _, _ = cli(args + ["resume=true"], run_dir)
     assert resumed.returncode == 0, resumed.stderr
-    a, b = summary(full), summary(run_dir)
-    for key in EXACT:
-        assert a[key] == b[key], key
-    assert _timeless_records(full) == _timeless_records(run_dir)
-
-
-def _timeless_records(run_dir: Path) -> list[dict]:
-    timings = ("wall_time_s", "comm_time_s", "comm_overlap_s")
-    return [{k: v for k, v in json.loads(line).items() if k not in timings}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert_same_numbers(full, run_dir)
 
 
 # --- the driver's diagnosis -------------------------------------------------------------------------
