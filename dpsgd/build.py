@@ -18,8 +18,8 @@ import torch
 
 import topologies
 from dpsgd import data, faults, metrics, models, netem, supervisor
-from dpsgd.optim import build as build_algorithm
-from dpsgd.optim import build_base
+from dpsgd.optim import DistributedOptimizer, build_base
+from dpsgd.seeds import batch_seed
 
 BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov", "_target_")
 _TARGET_INIT_LOCK = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
@@ -104,6 +104,20 @@ def check_algorithm(cfg: dict):
     return ALGORITHMS[algo["name"]]
 
 
+def base_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
+    """The local optimizer the algorithm config names (its `optimizer`, `lr`, `momentum`, ...)."""
+    algo = cfg["algorithm"]
+    return build_base(params, name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
+                      momentum=float(algo.get("momentum", 0.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
+                      nesterov=bool(algo.get("nesterov", False)))
+
+
+def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
+    """The config's distributed optimizer (a registered name or a `_target_` class) over `params`."""
+    options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
+    return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **options)
+
+
 @dataclass
 class Peer:
     """Everything one peer trains with."""
@@ -158,7 +172,7 @@ class Peer:
 
 
 def build_peer(comm, cfg: dict) -> Peer:
-    seed, algo = int(cfg["seed"]), cfg["algorithm"]
+    seed = int(cfg["seed"])
     network = netem.NetworkEmulator.from_config(cfg.get("network"), comm.rank, comm.size, seed)
     comm.attach_network(network)  # before the optimizer: some exchange at construction
     device = torch.device(cfg.get("device", "cpu"))
@@ -166,17 +180,10 @@ def build_peer(comm, cfg: dict) -> Peer:
     shares = partition(cfg, split, comm.size)
     share = shares[comm.rank]
     batches = data.Batches(split.x_train[share].to(device), split.y_train[share].to(device),
-                           int(cfg["batch_size"]), seed=seed * 1000 + comm.rank + 1)
+                           int(cfg["batch_size"]), seed=batch_seed(seed, comm.rank))
     model = build_model(cfg, split).to(device)
     topology = build_topology(cfg, comm.size)
-    base = build_base(model.parameters(), name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
-                      momentum=float(algo.get("momentum", 0.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
-                      nesterov=bool(algo.get("nesterov", False)))
-    options = {k: v for k, v in algo.items() if k not in BASE_KEYS}
-    if algo.get("_target_"):
-        optimizer = check_algorithm(cfg)(base, comm=comm, topology=topology, **options)
-    else:
-        optimizer = build_algorithm(algo["name"], base, comm, topology, **options)
+    optimizer = build_optimizer(cfg, model.parameters(), topology, comm)
     steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
     return Peer(split=split, shares=shares, batches=batches, x_test=split.x_test.to(device),
                 y_test=split.y_test.to(device), model=model, topology=topology, optimizer=optimizer,

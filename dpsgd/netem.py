@@ -26,6 +26,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from dpsgd.comm.base import ring_allreduce_bytes
+from dpsgd.seeds import link_jitter_seed
+
 NETWORK_KEYS = ("name", "mode", "latency_s", "bandwidth_bytes_per_s", "jitter_s", "slow_peers", "compute_scale",
                 "compute_time")
 MODES = ("model", "sleep")
@@ -60,7 +63,7 @@ class Link:
         """A bandwidth-optimal ring all-reduce: 2 (n-1) alpha + 2 (n-1)/n M / beta."""
         if n <= 1:
             return 0.0
-        return 2 * (n - 1) * self.latency_s + self.transfer_time(2 * (n - 1) / n * nbytes)
+        return 2 * (n - 1) * self.latency_s + self.transfer_time(ring_allreduce_bytes(nbytes, n))
 
 
 class EmulatedClock:
@@ -167,7 +170,7 @@ class NetworkEmulator:
         self.clock = EmulatedClock(mode)
         self.jitter_s = float(jitter_s)
         self.slowdown = slowdown or ComputeSlowdown(rank)
-        self._rng = random.Random(seed * 7919 + rank)
+        self._rng = random.Random(link_jitter_seed(seed, rank))
 
     @classmethod
     def from_config(cls, network: dict | None, rank: int = 0, size: int | None = None,

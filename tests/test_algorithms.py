@@ -145,7 +145,8 @@ def test_mpi_processes_match_reference(tmp_path):
 def test_sgp_conserves_numerators_and_weights_with_lr_zero():
     def peer(comm):
         params, loss = s.model(comm)
-        opt = SGP(torch.optim.SGD(params, lr=0.0), topology=topologies.make("directed_exponential", N), comm=comm)
+        opt = SGP(torch.optim.SGD(params, lr=0.0), topology=topologies.make("directed_exponential", N), comm=comm,
+                  broadcast_initial=False)
         out = []
         for _ in range(6):
             opt.zero_grad()
@@ -179,7 +180,8 @@ def test_average_model_moves_by_the_average_increment(case):
 
     def peer(comm):
         params, loss = s.model(comm)
-        opt = build(name, torch.optim.SGD(params, lr=lr), comm, topologies.make(topo_name, N), **options)
+        opt = build(name, torch.optim.SGD(params, lr=lr), topology=topologies.make(topo_name, N), comm=comm,
+                    broadcast_initial=False, **options)
         out = []
         for _ in range(8):
             opt.zero_grad()
@@ -202,7 +204,7 @@ def test_choco_keeps_the_average_model_with_lr_zero(compressor):
     def peer(comm):
         params, loss = s.model(comm)
         opt = Choco(torch.optim.SGD(params, lr=0.0), topology=topologies.make("ring", N), comm=comm, gamma=0.5,
-                    **compressor)
+                    broadcast_initial=False, **compressor)
         out = []
         for _ in range(8):
             opt.zero_grad()
@@ -269,7 +271,8 @@ class RowStochastic:
 
 
 def fake_comm():
-    return types.SimpleNamespace(rank=0, size=N)
+    """A stand-in communicator for checks that refuse at construction (no peers to broadcast with)."""
+    return {"comm": types.SimpleNamespace(rank=0, size=N), "broadcast_initial": False}
 
 
 def base():
@@ -286,31 +289,32 @@ def refusal(make):
 
 def test_refusals_are_one_line_and_say_why():
     assert not np.allclose(RowStochastic.W.sum(axis=0), 1)
-    msg = refusal(lambda: SGP(base(), topology=RowStochastic(), comm=fake_comm()))
+    msg = refusal(lambda: SGP(base(), topology=RowStochastic(), **fake_comm()))
     assert "column stochastic" in msg and "row_stochastic" in msg
-    msg = refusal(lambda: D2(base(), topology=topologies.make("ring", N), comm=fake_comm()))
+    msg = refusal(lambda: D2(base(), topology=topologies.make("ring", N), **fake_comm()))
     assert "lambda_min" in msg and "-1/3" in msg
     assert "symmetric" in refusal(lambda: D2(base(), topology=topologies.make("one_peer_exponential", N),
-                                              comm=fake_comm()))
-    assert "compressor" in refusal(lambda: Choco(base(), topology=topologies.make("ring", N), comm=fake_comm()))
+                                              **fake_comm()))
+    assert "compressor" in refusal(lambda: Choco(base(), topology=topologies.make("ring", N), **fake_comm()))
     for ratio in (0, 1.5, None):
         assert "(0, 1]" in refusal(lambda r=ratio: Choco(base(), topology=topologies.make("ring", N),
-                                                          comm=fake_comm(), compressor="top_k", ratio=r))
+                                                          **fake_comm(), compressor="top_k", ratio=r))
     assert "static" in refusal(lambda: Choco(base(), topology=topologies.make("one_peer_exponential", N),
-                                             comm=fake_comm(), compressor="sign"))
+                                             **fake_comm(), compressor="sign"))
     push_sum = topologies.from_matrix(RowStochastic.W.T, directed=True)  # column but not row stochastic
-    assert "doubly stochastic" in refusal(lambda: GradientTracking(base(), topology=push_sum, comm=fake_comm()))
-    assert "doubly stochastic" in refusal(lambda: D2(base(), topology=push_sum, comm=fake_comm()))
+    assert "doubly stochastic" in refusal(lambda: GradientTracking(base(), topology=push_sum, **fake_comm()))
+    assert "doubly stochastic" in refusal(lambda: D2(base(), topology=push_sum, **fake_comm()))
     assert "momentum" in refusal(lambda: DPSGD(
         torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9),
-        topology=topologies.make("ring", N), comm=fake_comm(), qgm=True))
+        topology=topologies.make("ring", N), **fake_comm(), qgm=True))
 
 
 def test_sgp_accepts_directed_and_undirected_d2_accepts_lazy_ring():
     for name in ("directed_exponential", "one_peer_directed_exponential", "ring", "one_peer_exponential"):
-        SGP(base(), topology=topologies.make(name, N), comm=fake_comm())
-    D2(base(), topology=topologies.make("ring", N), comm=fake_comm(), lazy_mixing="auto")
-    D2(base(), topology=topologies.make("ring", 5), comm=types.SimpleNamespace(rank=0, size=5))  # lambda_min > -1/3
+        SGP(base(), topology=topologies.make(name, N), **fake_comm())
+    D2(base(), topology=topologies.make("ring", N), **fake_comm(), lazy_mixing="auto")
+    D2(base(), topology=topologies.make("ring", 5), comm=types.SimpleNamespace(rank=0, size=5),
+       broadcast_initial=False)  # lambda_min > -1/3
 
 
 @pytest.mark.parametrize("name", ["sgp", "choco", "d2", "gradient_tracking", "qgm"])
@@ -320,8 +324,8 @@ def test_configs_build_their_algorithm(name):
     options = {k: v for k, v in cfg.items() if k not in BASE_KEYS}
     params = [torch.nn.Parameter(torch.zeros(3))]
     comm = types.SimpleNamespace(rank=0, size=8)
-    opt = build(name, torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"]), comm,
-                topologies.make("ring", 8), **options)
+    opt = build(name, torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"]),
+                topology=topologies.make("ring", 8), comm=comm, broadcast_initial=False, **options)
     assert isinstance(opt, ALGORITHMS[name])
 
 

@@ -166,7 +166,7 @@ def test_state_dict_round_trip_resumes_identically(case):
         straight = peer.trajectory(comm, case, steps=10)
         name, kind, base_options, options = case
         params, loss = peer.model(comm)
-        opt = build(name, peer.make_base(kind, params, base_options), comm, None, **options)
+        opt = build(name, peer.make_base(kind, params, base_options), comm=comm, broadcast_initial=False, **options)
         first = peer.take_steps(opt, params, loss, 5)
         buf = io.BytesIO()
         torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
@@ -178,7 +178,8 @@ def test_state_dict_round_trip_resumes_identically(case):
         with torch.no_grad():
             for p, s in zip(params2, saved["params"]):
                 p.copy_(s)
-        opt2 = build(name, peer.make_base(kind, params2, base_options), comm, None, **options)
+        opt2 = build(name, peer.make_base(kind, params2, base_options), comm=comm, broadcast_initial=False,
+                     **options)
         opt2.load_state_dict(saved["opt"])
         assert opt2.step_count == 5
         return straight, first + peer.take_steps(opt2, params2, loss2, 5)
@@ -229,7 +230,7 @@ def test_registered_names_have_their_papers_defaults():
     assert ALGORITHMS["diloco"] is DiLoCo and ALGORITHMS["bmuf"] is BMUF
     w = torch.nn.Parameter(torch.zeros(2))
     for name, want in DEFAULTS.items():
-        opt = run_local(N, lambda comm, name=name: build(name, torch.optim.SGD([w], lr=0.1), comm, None))[0]
+        opt = run_local(N, lambda comm, name=name: build(name, torch.optim.SGD([w], lr=0.1), comm=comm))[0]
         assert {k: getattr(opt, k) for k in want} == want
 
 
@@ -240,7 +241,7 @@ def test_config_options_are_accepted(name):
     options = {k: v for k, v in cfg.items() if k not in ("name", "optimizer", "lr", "momentum", "weight_decay",
                                                           "nesterov")}
     w = torch.nn.Parameter(torch.zeros(2))
-    opt = run_local(8, lambda comm: build(name, torch.optim.SGD([w], lr=0.1), comm, None, **options))[0]
+    opt = run_local(8, lambda comm: build(name, torch.optim.SGD([w], lr=0.1), comm=comm, **options))[0]
     assert isinstance(opt, LocalSGD)
 
 

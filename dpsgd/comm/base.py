@@ -13,11 +13,18 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from topologies import Neighbors, Topology
+
 DEFAULT_TIMEOUT_S = 120.0
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """What each peer sends (and receives) in a bandwidth-optimal ring all-reduce of `nbytes`:
+    2 (n - 1) / n of it. Traffic counts and the network emulator's cost model both use it."""
+    return 2 * (n - 1) / n * nbytes
 
 
 class CommError(RuntimeError):
@@ -30,14 +37,6 @@ class PeerTimeoutError(CommError):
 
 class PeerFailedError(CommError):
     """Another peer of the same world failed, so this operation can never complete."""
-
-
-class NeighborWeights(Protocol):
-    """What `neighbor_average` needs to know: a `topologies.Neighbors` has exactly this."""
-
-    recv: dict[int, float]
-    send: dict[int, float]
-    self_weight: float
 
 
 @dataclass
@@ -211,7 +210,8 @@ class Communicator(ABC):
     def start_allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> Handle:
         """Start averaging `tensors` over all peers; `.wait()` returns the averages."""
         buf = flatten(tensors)  # a fresh copy: the reduction never touches the caller's tensors
-        self._count("allreduce_mean", sent=self._ring_bytes(buf), received=self._ring_bytes(buf),
+        ring = ring_allreduce_bytes(buf.nbytes, self.size)
+        self._count("allreduce_mean", sent=ring, received=ring,
                     messages=2 * (self.size - 1))
         pending = self._start_allreduce_sum(buf) if self.size > 1 else _Done()
         arrival = None
@@ -233,7 +233,7 @@ class Communicator(ABC):
     def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self.start_allreduce_mean(tensors).wait()
 
-    def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: NeighborWeights) -> Handle:
+    def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
         """Send `tensors` to `weights.send`'s peers, receive from `weights.recv`'s, and (at
         `.wait()`) return self_weight * x_i + sum_j recv[j] * x_j. The weights are applied on
         the receiving side, so one buffer goes to every out-neighbour."""
@@ -255,7 +255,7 @@ class Communicator(ABC):
 
         return Handle(self, "neighbor_average", ex, finish, recv_from, arrival)
 
-    def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: NeighborWeights) -> list[torch.Tensor]:
+    def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> list[torch.Tensor]:
         return self.start_neighbor_average(tensors, weights).wait()
 
     def start_neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]) -> Handle:
@@ -285,6 +285,69 @@ class Communicator(ABC):
 
     def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
         return self.start_exchange(tensors, peer).wait()
+
+    # --- the operations update rules are made of (dpsgd.optim) ----------------------------
+    # A fleet (dpsgd.sim) overrides these on tensors with a leading peer axis, so one statement of
+    # each rule runs on real peers and on the fleet alike.
+    peer_shape: tuple[int, ...] = ()  # the leading axes of a peer's tensors: () here, (n,) on a fleet
+
+    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int,
+                  lazy: bool = False) -> Handle:
+        """Start sum_j W(step)[i, j] x_j with the topology's mixing matrix (lazy: with (I + W) / 2)."""
+        nb = topology.neighbors(self.rank, step)
+        if lazy:
+            nb = Neighbors({j: v / 2 for j, v in nb.recv.items()}, {j: v / 2 for j, v in nb.send.items()},
+                           (1 + nb.self_weight) / 2)
+        return self.start_neighbor_average(tensors, nb)
+
+    def mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int,
+            lazy: bool = False) -> list[torch.Tensor]:
+        return self.start_mix(tensors, topology, step, lazy).wait()
+
+    def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
+        """The mean over this peer's group: peers [g k, g (k + 1)) for group size g."""
+        first = self.rank // group_size * group_size
+        others = {m: 1.0 / group_size for m in range(first, first + group_size) if m != self.rank}
+        if not others:
+            return list(tensors)
+        return self.neighbor_average(tensors, Neighbors(others, dict(others), 1.0 / group_size))
+
+    def compressed_mix(self, x: torch.Tensor, compressor, topology: Topology,
+                       step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send Q(x) (the compressor's exact bytes) to this peer's out-neighbours of W(step); return
+        (Q(x), sum_j W[i, j] Q(x_j)) decoded, self included. Random compressors draw from (sender, step)."""
+        nb = topology.neighbors(self.rank, step)
+        msg = compressor.encode(x, (self.rank, step))
+        recv_from = sorted(nb.recv)
+        received = self.neighbor_exchange(msg, sorted(nb.send), recv_from)
+        q = compressor.decode(msg, x.numel(), x.dtype, (self.rank, step))
+        mixed = q * nb.self_weight
+        for peer, buf in zip(recv_from, received):  # rank order: the same sum on every backend
+            mixed.add_(compressor.decode(buf, x.numel(), x.dtype, (peer, step)), alpha=nb.recv[peer])
+        return q, mixed
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
+        """Every peer's `tensors` become `root`'s, in place (a set-up step: not counted as traffic).
+        A sum in which only the root contributes: exact, and no primitive beyond the all-reduce."""
+        if self.size == 1:
+            return
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        with self.uncounted(), torch.no_grad():
+            for group in groups.values():
+                buf = flatten(group) if self.rank == root else torch.zeros(
+                    sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
+                self._wait("broadcast", self._start_allreduce_sum(buf), range(self.size))
+                for t, value in zip(group, unflatten(buf, group)):
+                    t.copy_(value)
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One peer's tensors as one flat vector (a fleet: one row per peer)."""
+        return flatten(tensors)
+
+    def unflatten(self, flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return unflatten(flat, like)
 
     def start_send(self, buf: torch.Tensor, peer: int, tag: int) -> Request:
         """Send one contiguous buffer to `peer` with `tag` (0..32767) without blocking. Unlike the
@@ -376,8 +439,6 @@ class Communicator(ABC):
         s.messages_sent += messages
         s.calls[op] = s.calls.get(op, 0) + 1
 
-    def _ring_bytes(self, buf: torch.Tensor) -> float:
-        return 2 * (self.size - 1) / self.size * buf.nbytes
 
     def _check_peers(self, op: str, peers: Sequence[int]) -> None:
         for p in peers:

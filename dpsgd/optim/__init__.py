@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from dpsgd.comm import Communicator
+from topologies import Topology
+
 from .adpsgd import ADPSGD
 from .allreduce import AllReduce
-from .base import DistributedOptimizer
+from .base import AsynchronousOptimizer, DistributedOptimizer
 from .choco import Choco
 from .d2 import D2
 from .dpsgd import DPSGD, QGM
@@ -19,8 +22,8 @@ ALGORITHMS = {"allreduce": AllReduce, "dpsgd": DPSGD, "local_sgd": LocalSGD, "sl
               "adpsgd": ADPSGD}
 BASE_OPTIMIZERS = ("sgd", "adam", "adamw")
 
-__all__ = ["ADPSGD", "ALGORITHMS", "BMUF", "D2", "DPSGD", "QGM", "SGP", "AllReduce", "Choco", "DiLoCo",
-           "DistributedOptimizer", "GradientTracking", "LocalSGD", "SlowMo", "build", "build_base"]
+__all__ = ["ADPSGD", "ALGORITHMS", "BMUF", "D2", "DPSGD", "QGM", "SGP", "AllReduce", "AsynchronousOptimizer", "Choco",
+           "DiLoCo", "DistributedOptimizer", "GradientTracking", "LocalSGD", "SlowMo", "build", "build_base"]
 
 
 def build_base(params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
@@ -36,8 +39,9 @@ def build_base(params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0
     raise ValueError(f"unknown base optimizer {name!r}; valid: {', '.join(BASE_OPTIMIZERS)}")
 
 
-def build(name: str, base: torch.optim.Optimizer, comm, topology, **options) -> DistributedOptimizer:
+def build(name: str, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
+          **options) -> DistributedOptimizer:
     """The distributed optimizer `name` (a key of ALGORITHMS) with its options."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; valid algorithms: {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[name](base, comm=comm, topology=topology, **options)
+    return ALGORITHMS[name](base, topology=topology, comm=comm, **options)

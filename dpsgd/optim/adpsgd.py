@@ -43,11 +43,12 @@ import time
 
 import torch
 
-from dpsgd.comm import CommError, PeerTimeoutError
+from dpsgd.comm import CommError, Communicator, PeerTimeoutError
 from dpsgd.comm.base import flatten
+from dpsgd.seeds import partner_seed, protocol_jitter_seed
+from topologies import Topology
 
 from .base import DistributedOptimizer
-from .dpsgd import check_topology
 
 TAG_REQUEST, TAG_REPLY, TAG_PROGRESS, TAG_ANSWER = 11, 12, 13, 14
 AVERAGE, DONE = 0.0, 1.0
@@ -70,7 +71,7 @@ def _poll(test, deadline: float, abort: threading.Event | None = None) -> bool:
 
 def partner_rng(seed: int, rank: int) -> random.Random:
     """The generator an active peer draws its partners from."""
-    return random.Random(seed * 7919 + rank)
+    return random.Random(partner_seed(seed, rank))
 
 
 def roles(topology, rank: int, size: int) -> tuple[str, frozenset[int]]:
@@ -109,14 +110,17 @@ class ADPSGD(DistributedOptimizer):
     the choice of neighbours; `jitter_s` adds random delays (up to that many seconds) inside the
     protocol, for tests; `record_events` logs every change to the live parameters, in order."""
 
-    def __init__(self, base: torch.optim.Optimizer, comm, topology=None, budget: str = "steps",
-                 seconds: float | None = None, seed: int = 0, jitter_s: float = 0.0, record_events: bool = False):
-        super().__init__(base, comm)
+    asynchronous = True
+
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
+                 broadcast_initial: bool = True, budget: str = "steps", seconds: float | None = None, seed: int = 0,
+                 jitter_s: float = 0.0, record_events: bool = False):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         if comm.size > 1:
-            check_topology(topology, comm, "ADPSGD")
+            self.require_topology()
         if budget not in BUDGETS:
             raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {budget!r}")
-        self.topology, self.budget = topology, budget
+        self.budget = budget
         self.budget_steps: int | None = None
         self.budget_samples: int | None = None
         self.budget_seconds: float | None = None if seconds is None else float(seconds)
@@ -134,7 +138,7 @@ class ADPSGD(DistributedOptimizer):
 
         self.role, self.partners = self._roles(topology, comm)
         self._rng = partner_rng(seed, comm.rank)
-        self._jitter_rng = random.Random(seed * 104729 + comm.rank + 1)
+        self._jitter_rng = random.Random(protocol_jitter_seed(seed, comm.rank))
         # collective and in the same order on every peer: every peer makes the same duplicates
         self.link = comm.duplicate() if comm.size > 1 else None
         self.control = comm.duplicate() if comm.size > 1 and budget == "samples" else None

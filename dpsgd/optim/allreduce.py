@@ -9,8 +9,7 @@ from .base import DistributedOptimizer
 
 
 class AllReduce(DistributedOptimizer):
-    def __init__(self, base: torch.optim.Optimizer, comm, topology=None):
-        super().__init__(base, comm)  # topology is accepted, and ignored, so configs can swap algorithms
+    """The topology is accepted, and ignored, so that configs can swap algorithms."""
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -1,16 +1,25 @@
-"""The wrapper every distributed optimizer shares: it holds a local torch optimizer (the
-"base", whose step defines the increment d_i = base(x_i, g_i) - x_i), a communicator and a
-step counter, and behaves like a torch optimizer itself (step, zero_grad, param_groups,
-state_dict / load_state_dict with the algorithm's own state, LR schedulers)."""
+"""The contract every distributed optimizer keeps. It holds a local torch optimizer (the "base",
+whose step defines the increment d_i = base(x_i, g_i) - x_i), a topology and a communicator, and
+behaves like a torch optimizer itself: step (with torch's step hooks), zero_grad, param_groups,
+state_dict / load_state_dict with the algorithm's own state, LR schedulers.
+
+Constructors take the base first and then keywords: `topology=`, `comm=`, `broadcast_initial=` and
+the algorithm's options. With `broadcast_initial=True` every peer takes rank 0's parameters at
+construction, as DDP does. An algorithm talks to its peers only through the communicator's operations
+(`allreduce_mean`, `mix`, `group_mean`, `compressed_mix`, ...), so the one statement of its rule runs on
+real peers and, on tensors with a leading peer axis, on the fleet (dpsgd.sim).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from dpsgd.comm import Communicator
+from topologies import Topology
+from topologies.analysis import is_column_stochastic, is_doubly_stochastic
 
 STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside the base's
 
@@ -18,17 +27,22 @@ STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside
 class DistributedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses implement `step()` with `self.base.step()` and communication."""
 
-    def __init__(self, base: torch.optim.Optimizer, comm: Communicator):
+    asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
+
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
+                 broadcast_initial: bool = True):
+        name = type(self).__name__
         if not isinstance(base, torch.optim.Optimizer):
-            raise TypeError(
-                f"{type(self).__name__} wraps a local torch optimizer, e.g. "
-                f"{type(self).__name__}(torch.optim.SGD(model.parameters(), lr=0.1), ...); got {type(base).__name__}"
-            )
+            raise TypeError(f"{name} wraps a local torch optimizer, e.g. {name}(torch.optim.SGD(model.parameters(), "
+                            f"lr=0.1), topology=..., comm=...); got {type(base).__name__}")
         if comm is None:
-            raise TypeError(f"{type(self).__name__} needs comm=dpsgd.comm.init(...)")
+            raise TypeError(f"{name} needs comm=dpsgd.comm.init(...)")
+        if topology is not None and topology.n != comm.size:
+            raise ValueError(f"{name}: the topology has {topology.n} peers but the communicator has {comm.size}; "
+                             f"build it with topologies.make(name, comm.size)")
         # No Optimizer.__init__: the parameter groups and state are the base's own objects,
         # so LR schedulers and gradient clipping act on the optimizer that really steps.
-        self.base, self.comm = base, comm
+        self.base, self.comm, self.topology = base, comm, topology
         self.defaults = base.defaults
         self.param_groups = base.param_groups
         self.step_count = 0  # global steps taken: selects the topology's matrix at each step
@@ -38,6 +52,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()  # torch's step pre/post hooks fire around our step()
+        if broadcast_initial:
+            comm.broadcast_(self.params(), root=0)
 
     @property
     def state(self):  # type: ignore[override]
@@ -57,6 +74,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         with torch.enable_grad():
             return closure()
+
+    def require_topology(self, stochastic: str | None = None, why: str = "") -> Topology:
+        """The topology, or a one-line error saying how to give one; with `stochastic` ("doubly" or
+        "column"), W(t) is checked for every t of one period (random schedules: `check_mixing(step)`)."""
+        if self.topology is None:
+            raise TypeError(f"{type(self).__name__} needs topology=topologies.make(NAME, comm.size)")
+        self._stochastic, self._why = stochastic, why
+        if stochastic is not None and self.topology.period is not None:
+            for t in range(self.topology.period):
+                self.check_mixing(t)
+        return self.topology
+
+    def check_mixing(self, step: int) -> None:
+        """W(step) is the kind of stochastic the algorithm needs, or a one-line error saying what to use."""
+        kind = getattr(self, "_stochastic", None)
+        if kind is None or (self.topology.period is not None and step >= self.topology.period):
+            return
+        what, axis, line, advice = _ADVICE[kind]
+        w = self.topology.mixing_matrix(step)
+        if not (is_doubly_stochastic if kind == "doubly" else is_column_stochastic)(w):
+            sums = w.sum(axis=axis)
+            i = int(abs(sums - 1).argmax())
+            raise ValueError(f"{type(self).__name__} needs {what} mixing matrices{self._why}; topology "
+                             f"{self.topology.name!r} at step {step} has {line} {i} summing to {sums[i]:.6g} {advice}")
+
+    def own_tensors(self, saved: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """Saved per-parameter state, copied onto the parameters' devices and dtypes (load_state_dict)."""
+        if saved is None:
+            return None
+        params = self.params()
+        if len(saved) != len(params):
+            raise ValueError(f"this state_dict holds {len(saved)} tensors per parameter list but the optimizer has "
+                             f"{len(params)} parameters: it was saved from a different model")
+        return [t.detach().clone().to(p.device, p.dtype) for t, p in zip(saved, params)]
 
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self) -> dict[str, Any]:
@@ -83,6 +134,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base!r}, comm={self.comm!r})"
+
+
+@runtime_checkable
+class AsynchronousOptimizer(Protocol):
+    """What the training loop asks of an optimizer with no global step (`asynchronous = True`): each
+    peer steps at its own pace until its budget is spent, then `finish()` ends its part so that
+    collectives may run again; `measurements()` are its per-peer figures for the summary."""
+
+    asynchronous: ClassVar[bool]
+    step_count: int
+
+    def set_budget(self, steps: int | None = None, samples: int | None = None, seconds: float | None = None,
+                   samples_per_step: int | None = None) -> None: ...
+    def start(self) -> None: ...
+    def should_stop(self) -> bool: ...
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+    def measurements(self) -> dict: ...
+
+
+_ADVICE = {
+    "doubly": ("doubly stochastic", 1, "row", "(a directed push-sum matrix?) - use an undirected topology, "
+               "or SGP for directed ones"),
+    "column": ("column stochastic", 0, "column", "- use a directed (push-sum) or undirected topology"),
+}
 
 
 @torch.no_grad()

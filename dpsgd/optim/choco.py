@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import compress
-from ..comm.base import flatten
+from dpsgd import compress
+from dpsgd.comm import Communicator
+from topologies import Topology
+
 from .base import DistributedOptimizer
-from .checks import check_stochastic, check_topology
 
 
 class Choco(DistributedOptimizer):
-    def __init__(self, base: torch.optim.Optimizer, topology, comm, compressor: str | compress.Compressor | None = None,
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
+                 broadcast_initial: bool = True, compressor: str | compress.Compressor | None = None,
                  gamma: float = 0.5, ratio: float | None = None, levels: int | None = None, rescale: bool = True,
                  seed: int = 0):
-        super().__init__(base, comm)
-        check_topology(topology, comm, "Choco")
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.require_topology()
         if compressor is None:
             raise ValueError("Choco needs a compressor (compressor=top_k, random_k, sign or qsgd); without "
                              "compression use algorithm=dpsgd")
@@ -55,12 +57,12 @@ class Choco(DistributedOptimizer):
                             f"dpsgd.compress.Compressor; got {type(compressor).__name__}")
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
             raise ValueError(f"Choco gamma (the consensus step size) must be in (0, 1], got {gamma!r}")
-        if getattr(topology, "period", 1) != 1:
+        if topology.period != 1:
             raise ValueError(f"Choco keeps s_i = sum_j W[i,j] x_hat_j incrementally, which needs a static W; "
-                             f"topology {getattr(topology, 'name', '?')!r} changes over time (period "
-                             f"{topology.period}) - use a static topology")
-        check_stochastic(topology, "Choco", "doubly", why=" (the consensus step must keep the average model)")
-        self.topology, self.compressor, self.gamma = topology, compressor, float(gamma)
+                             f"topology {topology.name!r} changes over time (period {topology.period}) - use a "
+                             f"static topology")
+        self.require_topology("doubly", why=" (the consensus step must keep the average model)")
+        self.compressor, self.gamma = compressor, float(gamma)
         self.x_hat: torch.Tensor | None = None  # public copy of this peer's model (flat)
         self.s: torch.Tensor | None = None  # sum_j W[i,j] x_hat_j (flat)
 
@@ -69,24 +71,15 @@ class Choco(DistributedOptimizer):
         loss = self._closure_loss(closure)
         params = self.params()
         self.base.step()  # p = x^{t+1/2}
-        x = flatten(params)
-        if self.x_hat is None:
+        x = self.comm.flatten(params)
+        if self.x_hat is None or self.s is None:
             self.x_hat, self.s = torch.zeros_like(x), torch.zeros_like(x)
-        rank, step = self.comm.rank, self.step_count
-        nb = self.topology.neighbors(rank, 0)
-        msg = self.compressor.encode(x - self.x_hat, (rank, step))
-        recv_from = sorted(nb.recv)
-        received = self.comm.neighbor_exchange(msg, sorted(nb.send), recv_from)
-        q = self.compressor.decode(msg, x.numel(), x.dtype, (rank, step))
+        q, mixed = self.comm.compressed_mix(x - self.x_hat, self.compressor, self.topology, self.step_count)
         self.x_hat.add_(q)
-        self.s.add_(q, alpha=nb.self_weight)
-        for peer, buf in zip(recv_from, received):  # rank order: the same sum on every backend
-            self.s.add_(self.compressor.decode(buf, x.numel(), x.dtype, (peer, step)), alpha=nb.recv[peer])
+        self.s.add_(mixed)
         x.add_(self.s - self.x_hat, alpha=self.gamma)
-        offset = 0
-        for p in params:
-            p.copy_(x[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for p, value in zip(params, self.comm.unflatten(x, params)):
+            p.copy_(value)
         self.step_count += 1
         return loss
 

@@ -25,23 +25,16 @@ The average model moves only by the average increment: mean x^{k+1} = mean x^k +
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from dpsgd.comm import Communicator
+from topologies import Topology
+
 from .base import DistributedOptimizer
-from .checks import check_stochastic, check_topology
 
 LAMBDA_MIN = -1.0 / 3.0
 LAZY_CHOICES = (False, True, "auto")
-
-
-@dataclass(frozen=True)
-class _Weights:
-    recv: dict
-    send: dict
-    self_weight: float
 
 
 def lambda_min(w: np.ndarray) -> float:
@@ -49,46 +42,43 @@ def lambda_min(w: np.ndarray) -> float:
 
 
 class D2(DistributedOptimizer):
-    def __init__(self, base: torch.optim.Optimizer, topology, comm, lazy_mixing: bool | str = False):
-        super().__init__(base, comm)
-        check_topology(topology, comm, "D2")
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
+                 broadcast_initial: bool = True, lazy_mixing: bool | str = False):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.require_topology()
         if not (lazy_mixing is True or lazy_mixing is False or lazy_mixing == "auto"):
             raise ValueError(f"D2 lazy_mixing must be one of {LAZY_CHOICES}, got {lazy_mixing!r}")
-        self.topology, self.lazy_mixing = topology, lazy_mixing
+        self.lazy_mixing = lazy_mixing
         self._lazy: dict[int, bool] = {}  # step (within the period) -> mix with (I + W) / 2
-        if getattr(topology, "period", 1) is not None:
+        if topology.period is not None:
             for t in range(topology.period):
                 self._check(t)
         self.previous: list[torch.Tensor] | None = None  # m = x^{k-1} + d^{k-1}
 
     def _check(self, step: int) -> bool:
-        key = step % self.topology.period if getattr(self.topology, "period", 1) else step
+        """Whether W(step) is mixed lazily; refuses matrices D2 cannot use, in one line."""
+        period = self.topology.period
+        key = step % period if period else step
         if key in self._lazy:
             return self._lazy[key]
-        check_stochastic(self.topology, "D2", "doubly", step)
         w = self.topology.mixing_matrix(step)
+        name = self.topology.name
+        self._stochastic, self._why = "doubly", ""
+        self.check_mixing(key)
         if not np.allclose(w, w.T, rtol=0, atol=1e-12):
             raise ValueError(
-                f"D2 needs symmetric mixing matrices (Tang et al. 2018, Assumption 1); topology "
-                f"{getattr(self.topology, 'name', '?')!r} at step {step} is not symmetric - use a static undirected "
-                f"topology or a random matching")
+                f"D2 needs symmetric mixing matrices (Tang et al. 2018, Assumption 1); topology {name!r} at step "
+                f"{step} is not symmetric - use a static undirected topology or a random matching")
         low = lambda_min(w)
         lazy = self.lazy_mixing is True or (self.lazy_mixing == "auto" and low <= LAMBDA_MIN + 1e-9)
         if low <= LAMBDA_MIN + 1e-9 and not lazy:
             raise ValueError(
-                f"D2 needs lambda_min(W) > -1/3 (Tang et al. 2018) but topology "
-                f"{getattr(self.topology, 'name', '?')!r} at step {step} has lambda_min = {low:.6g}; set "
-                f"lazy_mixing=true (mixes with (I + W)/2) or give each peer a larger self weight")
+                f"D2 needs lambda_min(W) > -1/3 (Tang et al. 2018) but topology {name!r} at step {step} has "
+                f"lambda_min = {low:.6g}; set lazy_mixing=true (mixes with (I + W)/2) or give each peer a larger "
+                f"self weight")
         if len(self._lazy) < 4096:
             self._lazy[key] = lazy
         return lazy
-
-    def weights(self):
-        nb = self.topology.neighbors(self.comm.rank, self.step_count)
-        if not self._check(self.step_count):
-            return nb
-        return _Weights(recv={j: v / 2 for j, v in nb.recv.items()}, send={j: v / 2 for j, v in nb.send.items()},
-                        self_weight=(1 + nb.self_weight) / 2)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,7 +92,8 @@ class D2(DistributedOptimizer):
         for p, x, m in zip(params, x_k, self.previous):
             p.add_(x).sub_(m)  # x^{k+1/2} = x^k + d^k + x^k - (x^{k-1} + d^{k-1})
         self.previous = after
-        for p, m in zip(params, self.comm.neighbor_average(params, self.weights())):
+        mixed = self.comm.mix(params, self.topology, self.step_count, lazy=self._check(self.step_count))
+        for p, m in zip(params, mixed):
             p.copy_(m)
         self.step_count += 1
         return loss
@@ -113,6 +104,4 @@ class D2(DistributedOptimizer):
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
-        saved = state.get("previous")
-        self.previous = None if saved is None else [
-            t.detach().clone().to(p.device, p.dtype) for t, p in zip(saved, self.params())]
+        self.previous = self.own_tensors(state.get("previous"))

@@ -25,24 +25,25 @@ from __future__ import annotations
 
 import torch
 
+from dpsgd.comm import Communicator
+from topologies import Topology
+
 from .base import DistributedOptimizer, snapshot
-from .checks import check_stochastic, check_topology
 
 ORDERS = ("cta", "atc")
 
 
 class DPSGD(DistributedOptimizer):
-    def __init__(self, base: torch.optim.Optimizer, topology, comm, order: str = "cta", qgm: bool = False,
-                 qgm_beta: float = 0.9, qgm_mu: float | None = None, overlap: bool = False):
-        super().__init__(base, comm)
-        check_topology(topology, comm, "DPSGD")
-        check_stochastic(topology, "DPSGD", "doubly",
-                         why=" (the average model must move only by the average increment)")
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
+                 broadcast_initial: bool = True, order: str = "cta", qgm: bool = False, qgm_beta: float = 0.9,
+                 qgm_mu: float | None = None, overlap: bool = False):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.require_topology("doubly", why=" (the average model must move only by the average increment)")
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
         if overlap and order != "cta":
             raise ValueError("DPSGD overlap=true needs order='cta': only x^k is known before the backward pass")
-        self.topology, self.order = topology, order
+        self.order = order
         # overlap: the training loop calls start_communication() before the forward pass
         self.overlap = bool(overlap)
         self._in_flight = None  # (x^k, handle) when the exchange was started early
@@ -58,9 +59,6 @@ class DPSGD(DistributedOptimizer):
                     raise ValueError(f"DPSGD {label} must be in [0, 1), got {value!r}")
             self.qgm_beta, self.qgm_mu = float(qgm_beta), float(mu)
 
-    def neighbors(self):
-        return self.topology.neighbors(self.comm.rank, self.step_count)
-
     @torch.no_grad()
     def start_communication(self) -> None:
         """Send x^k now (cta order): call it before the backward pass to overlap the two."""
@@ -68,7 +66,7 @@ class DPSGD(DistributedOptimizer):
             raise RuntimeError("only order='cta' can start its exchange before the backward pass")
         if self._in_flight is None:
             x_k = snapshot(self.params())
-            self._in_flight = (x_k, self.comm.start_neighbor_average(x_k, self.neighbors()))
+            self._in_flight = (x_k, self.comm.start_mix(x_k, self.topology, self.step_count))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -87,7 +85,7 @@ class DPSGD(DistributedOptimizer):
                 p.sub_(x).add_(m)  # x^{k+1} = sum_j W_ij x_j^k + d
         else:
             self.base.step()
-            for p, m in zip(params, self.comm.neighbor_average(params, self.neighbors())):
+            for p, m in zip(params, self.comm.mix(params, self.topology, self.step_count)):
                 p.copy_(m)
         if self.qgm:
             self._qgm_update(params, x_before)
@@ -121,14 +119,13 @@ class DPSGD(DistributedOptimizer):
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
         if self.qgm:
-            saved = state.get("qgm_buffer")
-            self.qgm_buffer = None if saved is None else [
-                t.detach().clone().to(p.device, p.dtype) for t, p in zip(saved, self.params())]
+            self.qgm_buffer = self.own_tensors(state.get("qgm_buffer"))
 
 
 class QGM(DPSGD):
     """DPSGD(qgm=True) under its own name, so configs and reports tell it apart from D-PSGD."""
 
-    def __init__(self, base: torch.optim.Optimizer, topology, comm, order: str = "atc", beta: float = 0.9,
-                 mu: float | None = None):
-        super().__init__(base, topology, comm, order=order, qgm=True, qgm_beta=beta, qgm_mu=mu)
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
+                 broadcast_initial: bool = True, order: str = "atc", beta: float = 0.9, mu: float | None = None):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, order=order,
+                         qgm=True, qgm_beta=beta, qgm_mu=mu)

@@ -23,25 +23,24 @@ from __future__ import annotations
 
 import torch
 
+from dpsgd.comm import Communicator
+from topologies import Topology
+
 from .base import DistributedOptimizer
-from .checks import check_stochastic, check_topology
 
 
 class GradientTracking(DistributedOptimizer):
-    def __init__(self, base: torch.optim.Optimizer, topology, comm):
-        super().__init__(base, comm)
-        check_topology(topology, comm, "GradientTracking")
-        check_stochastic(topology, "GradientTracking", "doubly",
-                         why=" (W must keep the average of the trackers equal to the average gradient)")
-        self.topology = topology
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
+                 broadcast_initial: bool = True):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.require_topology("doubly", why=" (W must keep the average of the trackers equal to the average gradient)")
         self.correction: list[torch.Tensor] | None = None  # c_i = W y^{k-1} - g^{k-1} (0 before step 0)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._closure_loss(closure)
         params = self.params()
-        if getattr(self.topology, "period", 1) is None:
-            check_stochastic(self.topology, "GradientTracking", "doubly", self.step_count)
+        self.check_mixing(self.step_count)
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
         if self.correction is None:
             self.correction = [torch.zeros_like(p) for p in params]
@@ -54,8 +53,7 @@ class GradientTracking(DistributedOptimizer):
         trackers = [p.grad.detach().clone() for p in params]
         self.base.step()  # p = base(x^k, y^k)
         n = len(params)
-        mixed = self.comm.neighbor_average([*params, *trackers],
-                                           self.topology.neighbors(self.comm.rank, self.step_count))
+        mixed = self.comm.mix([*params, *trackers], self.topology, self.step_count)
         for p, m in zip(params, mixed[:n]):
             p.copy_(m)
         for c, wy, g in zip(self.correction, mixed[n:], grads):
@@ -69,6 +67,4 @@ class GradientTracking(DistributedOptimizer):
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
-        saved = state.get("correction")
-        self.correction = None if saved is None else [
-            t.detach().clone().to(p.device, p.dtype) for t, p in zip(saved, self.params())]
+        self.correction = self.own_tensors(state.get("correction"))

@@ -57,27 +57,13 @@ from __future__ import annotations
 
 import torch
 
-from topologies.base import Neighbors
+from dpsgd.comm import Communicator
+from topologies import Topology
 
 from .base import DistributedOptimizer
 
 OUTERS = ("average", "momentum", "nesterov")
 INNER_STATES = ("keep", "reset", "average")
-
-
-@torch.no_grad()
-def outer_update(outer: str, anchor: torch.Tensor, u: torch.Tensor, x_avg: torch.Tensor, alpha: float, beta: float,
-                 gamma: float) -> None:
-    """One outer step in place on the anchor and the outer momentum u (the module's equations):
-    "momentum" (SlowMo/BMUF, gamma the base lr) or "nesterov" (DiLoCo). Elementwise, so it serves one
-    peer's tensors and a fleet's stacked ones (dpsgd.sim) alike."""
-    outer_grad = anchor - x_avg
-    if outer == "momentum":
-        u.mul_(beta).add_(outer_grad, alpha=1.0 / gamma)
-        anchor.add_(u, alpha=-alpha * gamma)
-    else:  # nesterov
-        u.mul_(beta).add_(outer_grad)
-        anchor.add_(outer_grad.add_(u, alpha=beta), alpha=-alpha)
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -89,10 +75,12 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 class LocalSGD(DistributedOptimizer):
     """Local steps, exact averaging every `period` steps, and an outer optimizer (see the module)."""
 
-    def __init__(self, base: torch.optim.Optimizer, comm, topology=None, period: int = 4, warmup_steps: int = 0,
-                 outer: str = "average", outer_lr: float = 1.0, outer_momentum: float = 0.0,
-                 inner_state: str = "keep", group_size: int | None = None, global_period: int | None = None):
-        super().__init__(base, comm)  # topology is accepted, and ignored: averaging is exact
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
+                 broadcast_initial: bool = True, period: int = 4, warmup_steps: int = 0, outer: str = "average",
+                 outer_lr: float = 1.0, outer_momentum: float = 0.0, inner_state: str = "keep",
+                 group_size: int | None = None, global_period: int | None = None):
+        # the topology is accepted, and ignored: averaging is exact
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
         if outer not in OUTERS:
@@ -153,23 +141,14 @@ class LocalSGD(DistributedOptimizer):
                     if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
         return out
 
-    def group_members(self) -> list[int]:
-        g = self.group_size
-        first = self.comm.rank // g * g
-        return list(range(first, first + g))
-
     def _average(self, group: bool) -> None:
         params = self.params()
         state = self._state_tensors() if self.inner_state == "average" else []
         tensors = params + state
         if not group:
             averaged = self.comm.allreduce_mean(tensors)
-        elif self.group_size > 1:
-            w = 1.0 / self.group_size
-            others = {m: w for m in self.group_members() if m != self.comm.rank}
-            averaged = self.comm.neighbor_average(tensors, Neighbors(recv=others, send=dict(others), self_weight=w))
         else:
-            averaged = tensors  # groups of one: nothing to average
+            averaged = self.comm.group_mean(tensors, self.group_size)
         for s, a in zip(state, averaged[len(params):]):
             s.copy_(a)
         x_avg = averaged[: len(params)]
@@ -190,8 +169,15 @@ class LocalSGD(DistributedOptimizer):
             if self.outer == "momentum" and not gamma > 0:
                 raise ValueError(f"LocalSGD outer='momentum' divides by the base lr, which is {gamma}")
             for p in group["params"]:
-                outer_update(self.outer, self._anchor[i], self._outer_buffer[i], x_avg[i], alpha, beta, gamma)
-                p.copy_(self._anchor[i])
+                anchor, u = self._anchor[i], self._outer_buffer[i]
+                outer_grad = anchor - x_avg[i]
+                if self.outer == "momentum":
+                    u.mul_(beta).add_(outer_grad, alpha=1.0 / gamma)
+                    anchor.add_(u, alpha=-alpha * gamma)
+                else:  # nesterov
+                    u.mul_(beta).add_(outer_grad)
+                    anchor.add_(outer_grad.add_(u, alpha=beta), alpha=-alpha)
+                p.copy_(anchor)
                 i += 1
 
     # --- state ----------------------------------------------------------------------------
@@ -203,17 +189,8 @@ class LocalSGD(DistributedOptimizer):
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        params = self.params()
-
-        def load(tensors):
-            if tensors is None:
-                return None
-            if len(tensors) != len(params):
-                raise ValueError(f"this state_dict holds {len(tensors)} outer tensors but the optimizer has "
-                                 f"{len(params)} parameters: it was saved from a different model")
-            return [t.detach().clone().to(p.device, p.dtype) for t, p in zip(tensors, params)]
-
-        self._anchor, self._outer_buffer = load(state.get("anchor")), load(state.get("outer_buffer"))
+        self._anchor = self.own_tensors(state.get("anchor"))
+        self._outer_buffer = self.own_tensors(state.get("outer_buffer"))
 
     def __repr__(self) -> str:
         groups = f", group_size={self.group_size}, global_period={self.global_period}" if self.group_size else ""
@@ -226,9 +203,9 @@ class SlowMo(LocalSGD):
     """SlowMo (Wang et al. 2020) over local SGD: outer='momentum' with slow momentum beta = 0.5 and
     slow lr alpha = 1 (fairscale's SlowMoDistributedDataParallel defaults)."""
 
-    def __init__(self, base, comm, topology=None, period: int = 4, outer: str = "momentum",
+    def __init__(self, base: torch.optim.Optimizer, *, comm: Communicator, period: int = 4, outer: str = "momentum",
                  outer_lr: float = 1.0, outer_momentum: float = 0.5, **options):
-        super().__init__(base, comm, topology, period=period, outer=outer, outer_lr=outer_lr,
+        super().__init__(base, comm=comm, period=period, outer=outer, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, **options)
 
 
@@ -236,9 +213,9 @@ class DiLoCo(LocalSGD):
     """DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 and lr 0.7 on the outer
     gradient x_anchor - x_avg; the paper's inner optimizer is AdamW (pass it as `base`)."""
 
-    def __init__(self, base, comm, topology=None, period: int = 8, outer: str = "nesterov",
+    def __init__(self, base: torch.optim.Optimizer, *, comm: Communicator, period: int = 8, outer: str = "nesterov",
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, **options):
-        super().__init__(base, comm, topology, period=period, outer=outer, outer_lr=outer_lr,
+        super().__init__(base, comm=comm, period=period, outer=outer, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, **options)
 
 
@@ -248,9 +225,9 @@ class BMUF(LocalSGD):
     constant base lr, with block lr zeta = outer_lr (1) and block momentum eta = outer_momentum,
     by default the paper's 1 - 1/n for n peers."""
 
-    def __init__(self, base, comm, topology=None, period: int = 4, outer: str = "momentum",
+    def __init__(self, base: torch.optim.Optimizer, *, comm: Communicator, period: int = 4, outer: str = "momentum",
                  outer_lr: float = 1.0, outer_momentum: float | None = None, **options):
         if outer_momentum is None:
             outer_momentum = 1.0 - 1.0 / comm.size
-        super().__init__(base, comm, topology, period=period, outer=outer, outer_lr=outer_lr,
+        super().__init__(base, comm=comm, period=period, outer=outer, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, **options)

@@ -23,40 +23,38 @@ from __future__ import annotations
 
 import torch
 
+from dpsgd.comm import Communicator
+from topologies import Topology
+
 from .base import DistributedOptimizer
-from .checks import check_stochastic, check_topology
 
 
 class SGP(DistributedOptimizer):
-    def __init__(self, base: torch.optim.Optimizer, topology, comm):
-        super().__init__(base, comm)
-        check_topology(topology, comm, "SGP")
-        check_stochastic(topology, "SGP", "column",
-                         why=" (push-sum conserves mass only if each peer shares out all of its value)")
-        self.topology = topology
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
+                 broadcast_initial: bool = True):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.require_topology("column", why=" (push-sum conserves mass only if each peer shares out all of its value)")
         self.x: list[torch.Tensor] | None = None  # push-sum numerators, shaped like the parameters
-        self.w: torch.Tensor | None = None  # push-sum weight (a 1-element tensor of the parameters' dtype)
+        self.w: torch.Tensor | None = None  # push-sum weight: one value per peer, of the parameters' dtype
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._closure_loss(closure)
-        params = self.params()
+        params, peers = self.params(), self.comm.peer_shape
         if self.x is None:
             self.x = [p.detach().clone() for p in params]
-            self.w = torch.ones(1, dtype=params[0].dtype, device=params[0].device)
-        if getattr(self.topology, "period", 1) is None:
-            check_stochastic(self.topology, "SGP", "column", self.step_count)
+            self.w = torch.ones(*peers, 1, dtype=params[0].dtype, device=params[0].device)
+        self.check_mixing(self.step_count)
         z = [p.detach().clone() for p in params]
         self.base.step()  # p = z + d
         for x, p, zk in zip(self.x, params, z):
             x.add_(p).sub_(zk)  # x^{k+1/2} = x^k + d
-        mixed = self.comm.neighbor_average([*self.x, self.w],
-                                           self.topology.neighbors(self.comm.rank, self.step_count))
+        mixed = self.comm.mix([*self.x, self.w], self.topology, self.step_count)
         for x, m in zip(self.x, mixed):
             x.copy_(m)
         self.w.copy_(mixed[-1])
         for p, x in zip(params, self.x):
-            torch.div(x, self.w, out=p)  # z^{k+1}
+            torch.div(x, self.w.view(*peers, *[1] * (x.dim() - len(peers))), out=p)  # z^{k+1}
         self.step_count += 1
         return loss
 
@@ -67,10 +65,6 @@ class SGP(DistributedOptimizer):
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
-        params = self.params()
-        if state.get("x") is None:
-            self.x = self.w = None
-            return
-        self.x = [t.detach().clone().to(p.device, p.dtype) for t, p in zip(state["x"], params)]
-        self.w = state["w"].detach().clone().to(params[0].device, params[0].dtype)
-
+        self.x = self.own_tensors(state.get("x"))
+        p = self.params()[0]
+        self.w = None if self.x is None else state["w"].detach().clone().to(p.device, p.dtype)

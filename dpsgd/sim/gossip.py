@@ -1,5 +1,5 @@
 """A topology's mixing matrix W(k) as one (sparse) matrix product on stacked tensors, and what the
-real communicators would have sent for it: the fleet's whole communication layer."""
+real communicators would have sent for it (dpsgd.sim.fleet's gossip)."""
 
 from __future__ import annotations
 
@@ -36,25 +36,3 @@ def mixing(w: np.ndarray, dtype: torch.dtype, device) -> Mixing:
     if np.count_nonzero(w) < SPARSE_BELOW * w.size and device.type == "cpu":
         return Mixing(dense.to_sparse().coalesce(), sends, recvs)
     return Mixing(dense, sends, recvs)
-
-
-class Gossip:
-    """W(k) of a topology for every step k, built once per step of its period (each step for random
-    schedules); `transform` may change a matrix (e.g. D^2's lazy (I + W) / 2) before it is used."""
-
-    def __init__(self, topology, dtype: torch.dtype, device, transform=None):
-        self.topology, self.dtype, self.device, self.transform = topology, dtype, torch.device(device), transform
-        self._cache: dict[int, Mixing] = {}
-
-    def at(self, step: int) -> Mixing:
-        period = self.topology.period
-        key = step % period if period else None
-        if key is not None and key in self._cache:
-            return self._cache[key]
-        w = self.topology.mixing_matrix(step)
-        if self.transform is not None:
-            w = self.transform(w, step)
-        m = mixing(w, self.dtype, self.device)
-        if key is not None:
-            self._cache[key] = m
-        return m

@@ -18,7 +18,7 @@ from torch.func import functional_call, vmap
 from dpsgd import checkpoint, data, metrics
 from dpsgd.build import Peer
 
-from .fleet import Fleet, Roster
+from .fleet import Fleet
 
 PEER_CHUNK = 64  # peers evaluated in one vectorized call
 

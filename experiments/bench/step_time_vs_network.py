@@ -156,7 +156,8 @@ def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> N
                 net = NetworkEmulator.from_config(net_cfg, rank, n)
                 comm.attach_network(net)
                 comm.stats = dpsgd.comm.CommStats()
-                opt = build(algo, build_base(model.parameters(), lr=0.01), comm, topologies.make(topo, n), **options)
+                opt = build(algo, build_base(model.parameters(), lr=0.01), topology=topologies.make(topo, n), comm=comm,
+                              **options)
                 wall = emulated_steps(comm, net, opt, model, x, y, STEPS, options.get("overlap", False))
                 emulated, sent = net.clock.elapsed(), comm.stats.bytes_sent
                 comm.attach_network(None)

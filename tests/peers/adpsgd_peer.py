@@ -63,7 +63,7 @@ def episode(comm, spec: dict) -> dict:
     w = torch.nn.Parameter(torch.tensor(x0[comm.rank]))
     A_i, b_i = torch.tensor(A[comm.rank]), torch.tensor(b[comm.rank])
     opt = ADPSGD(torch.optim.SGD([w], lr=spec["lr"]), comm=comm, topology=topo, budget=spec["budget"],
-                 seed=spec["seed"], jitter_s=spec["jitter_s"], record_events=True)
+                 seed=spec["seed"], jitter_s=spec["jitter_s"], record_events=True, broadcast_initial=False)
     opt.set_budget(steps=spec["steps"], samples=spec["samples"], seconds=spec["seconds"], samples_per_step=1)
     rng = random.Random(spec["seed"] * 31 + comm.rank)
     comm.barrier()

@@ -71,7 +71,8 @@ def take_steps(opt, params, loss, steps: int) -> list[list[float]]:
 def trajectory(comm, case, steps: int = STEPS) -> list[list[float]]:
     name, kind, base_options, options = case
     params, loss = model(comm)
-    opt = build(name, make_base(kind, params, base_options), comm, None, **options)
+    opt = build(name, make_base(kind, params, base_options), topology=None, comm=comm, broadcast_initial=False,
+                **options)
     return take_steps(opt, params, loss, steps)
 
 

@@ -52,7 +52,8 @@ def model(comm):
 def optimizer(case, params, comm):
     name, topology, base_options, options = case
     base = torch.optim.SGD(params, **base_options)
-    return build(name, base, comm, topologies.make(topology, comm.size), **options)
+    return build(name, base, topology=topologies.make(topology, comm.size), comm=comm, broadcast_initial=False,
+                 **options)
 
 
 def run(opt, params, loss, steps: int) -> list[list[float]]:

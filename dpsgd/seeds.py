@@ -1,0 +1,24 @@
+"""The seeds every random stream of a run derives from the run's `seed` and a peer's rank, defined
+once: a real peer, the fleet and the event simulator must draw the same numbers."""
+
+from __future__ import annotations
+
+
+def batch_seed(seed: int, rank: int) -> int:
+    """Peer `rank`'s shuffling of its data share."""
+    return seed * 1000 + rank + 1
+
+
+def partner_seed(seed: int, rank: int) -> int:
+    """An AD-PSGD active peer's draws of averaging partners."""
+    return seed * 7919 + rank
+
+
+def link_jitter_seed(seed: int, rank: int) -> int:
+    """The emulated network's jitter on peer `rank`'s messages (dpsgd.netem)."""
+    return seed * 7919 + rank
+
+
+def protocol_jitter_seed(seed: int, rank: int) -> int:
+    """Random delays injected into AD-PSGD's protocol (tests)."""
+    return seed * 104729 + rank + 1
