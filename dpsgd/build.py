@@ -157,18 +157,30 @@ class Peer:
         return loss.item()
 
     def describe(self, cfg: dict, comm) -> dict:
-        """What the run was: the first keys of every summary.json."""
-        return {
-            "algorithm": cfg["algorithm"]["name"],
-            "topology": cfg["topology"]["name"],
-            "peers": comm.size,
-            "backend": comm.backend,
-            "dataset": cfg["data"]["name"],
-            "partition": cfg["data"].get("partition", "iid"),
-            "model": cfg["model"]["name"],
-            "seed": int(cfg["seed"]),
-            "spectral_gap": float(topologies.analysis.spectral_gap(self.topology)),
-        }
+        return describe(cfg, self.topology, comm)
+
+    def class_histograms(self) -> list:
+        """Each peer's number of training samples per class."""
+        return class_histograms(self.split, self.shares)
+
+
+def describe(cfg: dict, topology, comm) -> dict:
+    """What the run was: the first keys of every summary.json."""
+    return {
+        "algorithm": cfg["algorithm"]["name"],
+        "topology": cfg["topology"]["name"],
+        "peers": comm.size,
+        "backend": comm.backend,
+        "dataset": cfg["data"]["name"],
+        "partition": cfg["data"].get("partition", "iid"),
+        "model": cfg["model"]["name"],
+        "seed": int(cfg["seed"]),
+        "spectral_gap": float(topologies.analysis.spectral_gap(topology)),
+    }
+
+
+def class_histograms(split: data.Split, shares: list) -> list:
+    return [data.class_histogram(split.y_train[s], split.num_classes) for s in shares]
 
 
 def build_peer(comm, cfg: dict) -> Peer:

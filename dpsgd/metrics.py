@@ -10,6 +10,9 @@ from torch.func import functional_call
 
 from dpsgd.comm import Communicator
 
+SNAPSHOT_KEYS = ("test_loss", "test_accuracy", "peer_test_accuracy_mean", "peer_test_accuracy_min",
+                 "peer_test_accuracy_max", "peer_test_loss_mean", "consensus_distance", "train_loss")
+
 
 def loss_function(y: torch.Tensor):
     """Cross-entropy for class labels (per token for sequences), mean squared error for real targets."""

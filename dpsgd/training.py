@@ -1,10 +1,12 @@
-"""The training loop every backend runs: one peer's side of an experiment.
+"""The one training loop every run takes, and the one writer of a run's records.
 
-`train(comm, cfg, out_dir)` builds the peer's parts from a resolved config (dpsgd.build), takes
-`epochs` passes over the training set, logs uniform metrics every
-`log_every` steps, checkpoints every `checkpoint.every` steps, and returns the summary. Rank 0
-writes `metrics.jsonl` and `summary.json`. With `resume: true` it continues from the newest
-complete checkpoint in `out_dir` and ends with the numbers of an uninterrupted run.
+`run_loop(run, cfg, out_dir)` drives a `Run`: real peers taking global steps (`SynchronousRun`), real
+peers at their own pace (`AsynchronousRun`, for an optimizer that declares `asynchronous`), the fleet
+and the event simulator (dpsgd.sim.run). It averages the training loss, writes `metrics.jsonl` every
+`log_every` steps, tracks the target accuracy, checkpoints every `checkpoint.every` steps where the run
+can, and writes `summary.json` with the same keys for every kind of run. `train(comm, cfg, out_dir)`
+is one real peer's side of an experiment; with `resume: true` it continues from the newest complete
+checkpoint in `out_dir` and ends with the numbers of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -15,112 +17,331 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Protocol
 
-from dpsgd import checkpoint, data, metrics
-from dpsgd.build import build_peer
+from dpsgd import checkpoint, metrics
+from dpsgd.build import Peer, build_peer
 from dpsgd.comm import Communicator
 
+HISTOGRAM_BINS = 16  # AD-PSGD's staleness 0..15, the last bin holding 15 and more
 
-def _progress(enabled: bool, total: int):
-    if not enabled:
-        return nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    TextColumn("{task.fields[status]}"), transient=True)
+class Run(Protocol):
+    """What the loop asks of a kind of run. `step_count` counts the steps that `log_every` and
+    checkpoints refer to (global steps; an asynchronous peer's own; the simulator's peer 0's)."""
+
+    comm: Communicator
+    step_count: int
+    total_steps: int
+    writer: bool  # this process writes the run's files
+
+    def describe(self, cfg: dict) -> dict: ...
+    def begin(self, state: dict | None) -> None: ...  # restore a checkpoint's state, start the clocks
+    def done(self) -> bool: ...
+    def train_step(self) -> float | None: ...  # the step's training loss (None: no step of ours)
+    def record(self, train_loss: float, wall_s: float) -> dict | None: ...  # a progress record
+    def final(self, last: dict, train_loss: float, wall_s: float) -> dict: ...  # the run's last record
+    def summary(self, final: dict, wall_s: float) -> dict: ...  # keys beyond the final record's
+    def state(self, extra: dict) -> dict | None: ...  # a checkpoint's state (None: this run keeps none)
+
+
+class RunLog:
+    """metrics.jsonl, the target accuracy and summary.json of one run (written by one process)."""
+
+    def __init__(self, cfg: dict, out_dir: Path | None, resumed_step: int = 0, reached: dict | None = None):
+        self.target = cfg.get("target_accuracy")
+        self.reached = reached or {}  # the first record at or above the target accuracy
+        self.out_dir = out_dir
+        self._file = None
+        if out_dir is not None:
+            kept = []  # a resumed run keeps what was logged up to its checkpoint
+            if resumed_step and (out_dir / "metrics.jsonl").exists():
+                kept = [r for r in (out_dir / "metrics.jsonl").read_text().splitlines()
+                        if r.strip() and json.loads(r)["step"] <= resumed_step]
+            self._file = (out_dir / "metrics.jsonl").open("w")
+            self._file.write("".join(r + "\n" for r in kept))
+
+    def write(self, record: dict, track: bool = True) -> None:
+        if track and self.target is not None and not self.reached and (record.get("test_accuracy") or 0) >= self.target:
+            self.reached = {"steps_to_target": record["step"], "time_to_target_s": record["wall_time_s"],
+                            "emulated_time_to_target_s": record.get("emulated_time_s"),
+                            "samples_to_target": record["samples"], "mb_sent_to_target": record["mb_sent_per_peer"]}
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def summary(self, describe: dict, final: dict, extra: dict, wall_s: float) -> dict:
+        emulated = final.get("emulated_time_s")
+        target = {}
+        if self.target is not None:
+            target = {"target_accuracy": self.target,
+                      **(self.reached or {"steps_to_target": None, "time_to_target_s": None})}
+        summary = {
+            **describe,
+            "steps": final["step"],
+            **{k: v for k, v in final.items() if k not in ("step", "scope", "adpsgd")},
+            "wall_time_s": wall_s,
+            "emulated_s_per_step": emulated / final["step"] if emulated and final["step"] else None,
+            "samples_per_s": final["samples"] / wall_s,
+            **target,
+            **extra,
+        }
+        if self._file is not None:
+            self._file.close()
+            checkpoint.write_json_atomic(self.out_dir / "summary.json", summary)
+        return summary
+
+
+def run_loop(run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | None = None) -> dict:
+    """Train `run` to its end; returns the summary (every process; the writer also writes the files)."""
+    out_dir = Path(out_dir) if out_dir is not None else None
+    state = resume or {}
+    log = RunLog(cfg, out_dir if run.writer else None, state.get("step", 0), state.get("reached"))
+    log_every = int(cfg.get("log_every") or 1)
+    ckpt_every = int((cfg.get("checkpoint") or {}).get("every") or 0) if out_dir is not None else 0
+    running, seen = state.get("running", 0.0), state.get("seen", 0)
+    run.begin(resume)
+    start = time.perf_counter() - state.get("elapsed", 0.0)
+    last: dict = {}
+    logged = None
+    with _progress(run) as bar:
+        while not run.done():
+            loss = run.train_step()
+            if loss is None:
+                continue
+            running, seen = running + loss, seen + 1
+            step = run.step_count
+            if step != logged and (step % log_every == 0 or step == run.total_steps):
+                logged = step
+                record = run.record(running / seen, time.perf_counter() - start)
+                if record is not None:
+                    last = record
+                    log.write(record, track=record.get("scope") != "rank 0")
+                    running, seen = 0.0, 0
+                    bar.status(record)
+            bar.advance(step)
+            if ckpt_every and step % ckpt_every == 0 and step < run.total_steps:
+                kept = run.state({"running": running, "seen": seen, "elapsed": time.perf_counter() - start,
+                                  "reached": log.reached})
+                if kept is not None:
+                    checkpoint.save(run.comm, out_dir, step, kept)
+    wall = time.perf_counter() - start
+    final = run.final(last, running / seen if seen else float("nan"), wall)
+    extra = run.summary(final, wall)
+    if final is not last:  # taken after training: with the totals of the summary's blocks (e.g. AD-PSGD's)
+        totals = {key: {k: v for k, v in block.items() if not k.endswith("_per_peer")}
+                  for key, block in extra.items() if isinstance(block, dict)}
+        log.write({**final, **totals}, track=False)
+    return log.summary(run.describe(cfg), final, extra, max(wall, final["wall_time_s"]))
+
+
+class _Bar:
+    """A progress bar on rank 0 when stdout is a terminal (quiet in CI and pipes)."""
+
+    def __init__(self, bar, total: int, completed: int):
+        self._bar = bar
+        self._task = bar.add_task("train", total=total, completed=completed, status="") if bar else None
+
+    def status(self, record: dict) -> None:
+        if self._bar and record.get("test_accuracy") is not None:
+            self._bar.update(self._task, status=f"acc {record['test_accuracy']:.3f}  loss {record['train_loss']:.3f}")
+
+    def advance(self, step: int) -> None:
+        if self._bar:
+            self._bar.update(self._task, completed=step)
+
+
+class _progress:
+    def __init__(self, run: Run):
+        show = run.writer and os.environ.get("DPSGD_PROGRESS", "1" if sys.stdout.isatty() else "0") == "1" \
+            and not os.environ.get("CI")
+        self._ctx = nullcontext(None)
+        if show:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._ctx = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[status]}"), transient=True)
+        self._run = run
+
+    def __enter__(self) -> _Bar:
+        return _Bar(self._ctx.__enter__(), self._run.total_steps, self._run.step_count)
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+# --- real peers ---------------------------------------------------------------------------------
+class SynchronousRun:
+    """One real peer taking global steps; every record is taken with collectives over all peers."""
+
+    def __init__(self, peer: Peer, comm: Communicator, writer: bool):
+        self.peer, self.comm, self.writer = peer, comm, writer
+        self.step_count, self.total_steps = 0, peer.total_steps
+
+    def describe(self, cfg: dict) -> dict:
+        return self.peer.describe(cfg, self.comm)
+
+    def begin(self, state: dict | None) -> None:
+        peer = self.peer
+        if state:
+            peer.model.load_state_dict(state["model"])
+            peer.optimizer.load_state_dict(state["optimizer"])
+            peer.batches.load_state_dict(state["batches"])
+            self.step_count = state["step"]
+            for key, value in state["comm_stats"].items():
+                setattr(self.comm.stats, key, value)
+        self.comm.barrier()  # start the clock together
+        peer.network.clock.reset((state or {}).get("emulated_time_s", 0.0))
+
+    def done(self) -> bool:
+        return self.step_count >= self.total_steps
+
+    def train_step(self) -> float:
+        self.step_count += 1
+        self.comm.context = f"step {self.step_count}"
+        self.peer.before_step(self.step_count)
+        return self.peer.train_step()
+
+    def record(self, train_loss: float, wall_s: float) -> dict:
+        self.comm.context = f"metrics at step {self.step_count}"
+        peer, step = self.peer, self.step_count
+        return {"step": step, "epoch": step / peer.steps_per_epoch,
+                "samples": step * peer.batches.batch_size * self.comm.size, "wall_time_s": wall_s,
+                **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss),
+                **metrics.traffic(self.comm)}
+
+    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
+        return last
+
+    def summary(self, final: dict, wall_s: float) -> dict:
+        return {"class_histograms": self.peer.class_histograms()}
+
+    def state(self, extra: dict) -> dict:
+        peer = self.peer
+        return {"step": self.step_count, "model": peer.model.state_dict(), "optimizer": peer.optimizer.state_dict(),
+                "batches": peer.batches.state_dict(), "comm_stats": self.comm.stats.as_dict(),
+                "emulated_time_s": peer.network.clock.elapsed(), **extra}
+
+
+class AsynchronousRun(SynchronousRun):
+    """One real peer of an asynchronous optimizer: it steps at its own pace until its share of the budget
+    (the synchronous run's samples, steps or `algorithm.seconds`) is spent. No collective runs while peers
+    train, so rank 0 records its own view; the final record is taken with collectives once all finished."""
+
+    def __init__(self, peer: Peer, comm: Communicator, writer: bool):
+        super().__init__(peer, comm, writer)
+        self.opt = peer.optimizer
+        self.opt.set_budget(steps=peer.total_steps, samples=peer.total_steps * peer.batches.batch_size * comm.size,
+                            samples_per_step=peer.batches.batch_size)
+
+    def begin(self, state: dict | None) -> None:
+        if state:
+            raise ValueError("an asynchronous algorithm cannot resume from a checkpoint (an asynchronous run has "
+                             "no common step to save at); start a new run")
+        super().begin(None)
+        self.opt.start()
+
+    def done(self) -> bool:
+        try:
+            return self.opt.should_stop()
+        except BaseException:
+            self.opt.abort()
+            raise
+
+    def train_step(self) -> float:
+        self.comm.context = f"step {self.opt.step_count + 1}"
+        self.peer.before_step(self.opt.step_count + 1)
+        try:
+            loss = self.peer.train_step()
+        except BaseException:
+            self.opt.abort()
+            raise
+        self.step_count = self.opt.step_count
+        return loss
+
+    def record(self, train_loss: float, wall_s: float) -> dict | None:
+        if not self.writer:
+            return None
+        peer, step = self.peer, self.step_count
+        loss, correct, count = metrics.evaluate(peer.model, dict(peer.model.named_parameters()), peer.x_test,
+                                                peer.y_test)
+        own = {"test_loss": loss / count, "test_accuracy": correct / count, "train_loss": train_loss}
+        return {"step": step, "epoch": step / peer.steps_per_epoch,
+                "samples": step * peer.batches.batch_size * self.comm.size,  # estimated: peers run at their own pace
+                "wall_time_s": wall_s,
+                "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
+                **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
+                **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s")}, "scope": "rank 0"}
+
+    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
+        finishing = time.perf_counter()
+        try:
+            self.opt.finish()
+        except BaseException:
+            self.opt.abort()
+            raise
+        wall_own = wall_s + time.perf_counter() - finishing
+        self.comm.context = "final metrics"
+        comm, peer, mine = self.comm, self.peer, self.opt.measurements()
+        names = ("steps", "samples", "averagings_initiated", "averagings_served", "staleness_mean", "staleness_max",
+                 "wait_s", "samples_per_s")
+        table = metrics.gather_scalars(comm, [*(mine[k] for k in names), wall_own, peer.network.slowdown.slept_s,
+                                              float(ROLES.index(mine["role"])), *binned(mine["staleness_histogram"])])
+        columns = [[float(v) for v in column] for column in table.T]
+        self.per_peer = {f"{k}_per_peer": columns[i] for i, k in enumerate(names)}
+        self.per_peer.update(slowdown_s_per_peer=columns[9], roles=[ROLES[int(r)] for r in columns[10]],
+                             staleness_histogram_per_peer=[list(row) for row in zip(*columns[11:])])
+        steps, samples = columns[0], columns[1]
+        return {"step": round(sum(steps) / comm.size), "epoch": sum(samples) / len(peer.split.x_train),
+                "samples": int(sum(samples)), "wall_time_s": max(columns[8]),  # until its last peer stopped
+                **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss),
+                **metrics.traffic(comm), "scope": "all peers"}
+
+    def summary(self, final: dict, wall_s: float) -> dict:
+        return {"adpsgd": adpsgd_summary(self.opt.budget, self.per_peer), **super().summary(final, wall_s)}
+
+    def state(self, extra: dict) -> None:
+        return None
+
+
+ROLES = ("alone", "active", "passive")
+
+
+def binned(histogram: list[int]) -> list[int]:
+    """A staleness histogram in HISTOGRAM_BINS bins, the last one holding every larger staleness."""
+    head = list(histogram[: HISTOGRAM_BINS - 1])
+    return head + [0] * (HISTOGRAM_BINS - 1 - len(head)) + [sum(histogram[HISTOGRAM_BINS - 1 :])]
+
+
+def adpsgd_summary(budget: str, per_peer: dict) -> dict:
+    """The `adpsgd` block of summary.json from every peer's figures (`*_per_peer` lists and `roles`, the
+    staleness histograms `binned`), on real peers and in the event simulator alike."""
+    histograms = [[int(v) for v in h] for h in per_peer["staleness_histogram_per_peer"]]
+    total = [sum(col) for col in zip(*histograms)]
+    count = sum(total)
+    ints = ("steps_per_peer", "samples_per_peer", "averagings_initiated_per_peer", "averagings_served_per_peer",
+            "staleness_max_per_peer")
+    per_peer = {k: [int(v) for v in values] if k in ints else list(values) for k, values in per_peer.items()}
+    return {
+        "budget": budget,
+        "averagings": sum(per_peer["averagings_initiated_per_peer"]),
+        "staleness_mean": sum(k * c for k, c in enumerate(total)) / count if count else 0.0,
+        "staleness_max": max(per_peer["staleness_max_per_peer"]),
+        "staleness_histogram": total,  # over all steps of all peers; last bin: >= HISTOGRAM_BINS - 1
+        "wait_s_mean": sum(per_peer["wait_s_per_peer"]) / len(histograms),
+        **per_peer,
+        "staleness_histogram_per_peer": histograms,
+    }
 
 
 def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:
-    if cfg["algorithm"]["name"] == "adpsgd":  # no global step: its own loop
-        from dpsgd.training_async import train_async
-
-        return train_async(comm, cfg, out_dir)
+    """One real peer's side of the experiment `cfg`; rank 0 writes the run's files to `out_dir`."""
     peer = build_peer(comm, cfg)
-    split, batches, model, opt = peer.split, peer.batches, peer.model, peer.optimizer
-    x_test, y_test = peer.x_test, peer.y_test
-    steps_per_epoch, total_steps = peer.steps_per_epoch, peer.total_steps
-    log_every = int(cfg.get("log_every") or steps_per_epoch)
-    ckpt_every = int((cfg.get("checkpoint") or {}).get("every") or 0)
     writer = out_dir is not None and comm.rank == 0
-    out_dir = Path(out_dir) if out_dir is not None else None
-
-    step, running, seen, elapsed, emulated = 0, 0.0, 0, 0.0, 0.0
-    target = cfg.get("target_accuracy")
-    reached: dict = {}  # the first record at or above the target accuracy
+    asynchronous = getattr(peer.optimizer, "asynchronous", False)
+    run = (AsynchronousRun if asynchronous else SynchronousRun)(peer, comm, writer)
+    state = None
     if cfg.get("resume") and out_dir is not None:
-        state = checkpoint.load_latest(out_dir, comm.rank, comm.size)
-        if state is not None:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            batches.load_state_dict(state["batches"])
-            step, running, seen, elapsed = state["step"], state["running"], state["seen"], state["elapsed"]
-            reached = state["reached"]
-            emulated = state.get("emulated_time_s", 0.0)
-            for key, value in state["comm_stats"].items():
-                setattr(comm.stats, key, value)
-    if writer:
-        records = []
-        if step and (out_dir / "metrics.jsonl").exists():  # keep what was logged up to the checkpoint
-            records = [r for r in (out_dir / "metrics.jsonl").read_text().splitlines() if r.strip()
-                       and json.loads(r)["step"] <= step]
-        log_file = (out_dir / "metrics.jsonl").open("w")
-        log_file.write("".join(r + "\n" for r in records))
+        state = checkpoint.load_latest(Path(out_dir), comm.rank, comm.size)
+    return run_loop(run, cfg, out_dir, state)
 
-    show = comm.rank == 0 and os.environ.get("DPSGD_PROGRESS", "1" if sys.stdout.isatty() else "0") == "1" \
-        and not os.environ.get("CI")
-    comm.barrier()  # start the clock together
-    start = time.perf_counter() - elapsed
-    peer.network.clock.reset(emulated)
-    record: dict = {}
-    with _progress(show, total_steps) as bar:
-        task = bar.add_task("train", total=total_steps, completed=step, status="") if bar else None
-        while step < total_steps:
-            step += 1
-            comm.context = f"step {step}"
-            peer.before_step(step)
-            running, seen = running + peer.train_step(), seen + 1
-            if step % log_every == 0 or step == total_steps:
-                comm.context = f"metrics at step {step}"
-                record = {
-                    "step": step,
-                    "epoch": step / steps_per_epoch,
-                    "samples": step * batches.batch_size * comm.size,
-                    "wall_time_s": time.perf_counter() - start,
-                    **metrics.snapshot_metrics(comm, model, x_test, y_test, running / seen),
-                    **metrics.traffic(comm),
-                }
-                running, seen = 0.0, 0
-                if target is not None and not reached and record["test_accuracy"] >= target:
-                    reached = {"steps_to_target": step, "time_to_target_s": record["wall_time_s"],
-                               "emulated_time_to_target_s": record["emulated_time_s"],
-                               "samples_to_target": record["samples"], "mb_sent_to_target": record["mb_sent_per_peer"]}
-                if writer:
-                    log_file.write(json.dumps(record) + "\n")
-                    log_file.flush()
-                if bar:
-                    bar.update(task, status=f"acc {record['test_accuracy']:.3f}  loss {record['train_loss']:.3f}")
-            if bar:
-                bar.update(task, completed=step)
-            if ckpt_every and out_dir is not None and step % ckpt_every == 0 and step < total_steps:
-                checkpoint.save(comm, out_dir, step, {
-                    "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "batches": batches.state_dict(), "running": running, "seen": seen,
-                    "elapsed": time.perf_counter() - start, "comm_stats": comm.stats.as_dict(),
-                    "emulated_time_s": peer.network.clock.elapsed(),
-                    "reached": reached})
-    wall = time.perf_counter() - start
-    summary = {
-        **peer.describe(cfg, comm),
-        "steps": total_steps,
-        **{k: v for k, v in record.items() if k != "step"},
-        "wall_time_s": wall,
-        "emulated_s_per_step": record["emulated_time_s"] / total_steps if record.get("emulated_time_s") else None,
-        "samples_per_s": total_steps * batches.batch_size * comm.size / wall,
-        **({"target_accuracy": target, **(reached or {"steps_to_target": None, "time_to_target_s": None})}
-           if target is not None else {}),
-        "class_histograms": [data.class_histogram(split.y_train[s], split.num_classes) for s in peer.shares],
-    }
-    if writer:
-        log_file.close()
-        checkpoint.write_json_atomic(out_dir / "summary.json", summary)
-    return summary

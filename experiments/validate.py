@@ -98,7 +98,9 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         if not any(True for _ in build_model(cfg, load_data(cfg)).parameters()):
             raise ValueError(f"the model {cfg['model'].get('_target_') or cfg['model'].get('name')!r} "
                              f"has no parameters to train")
-        build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), {**cfg, "faults": None})
+        # peer 0 alone: it must not wait for the others' parameters
+        alone = {**cfg, "faults": None, "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}
+        build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), alone)
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
 
@@ -170,13 +172,7 @@ def _is_number(value) -> bool:
 
 
 def _check_fleet(cfg: dict) -> None:
-    """What the fleet (dpsgd.sim) cannot do: other algorithms, checkpoints."""
-    from dpsgd.sim import ALGORITHMS
-
-    supported = (*ALGORITHMS, "adpsgd")
-    if cfg["algorithm"].get("_target_") or cfg["algorithm"].get("name") not in supported:
-        raise ConfigError(f"backend=fleet runs the algorithms {', '.join(supported)}, not "
-                          f"{cfg['algorithm'].get('_target_') or cfg['algorithm'].get('name')!r}; use backend=local")
+    """What the fleet (dpsgd.sim) cannot do: checkpoints."""
     if (cfg.get("checkpoint") or {}).get("every") or cfg.get("resume"):
         raise ConfigError("backend=fleet keeps no checkpoints (a fleet run is minutes); set checkpoint.every=0 "
                           "and resume=false, or use backend=local")

@@ -1,6 +1,9 @@
-"""A user's own model class, named by `model._target_` in test_build.py."""
+"""A user's own classes, named by `_target_`: a model (test_build.py) and an algorithm (test_contract.py)."""
 
+import torch
 from torch import nn
+
+from dpsgd.optim import DistributedOptimizer
 
 
 class TinyNet(nn.Module):
@@ -10,3 +13,28 @@ class TinyNet(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class AlternatingGossip(DistributedOptimizer):
+    """A user's own algorithm, written outside the package with the communicator's operations only:
+    the base step, then gossip with W(k), and every `period`-th step an exact average (with a
+    momentum-like pull of `pull` toward the model of the last exact average)."""
+
+    def __init__(self, base, *, topology=None, comm, broadcast_initial=True, period: int = 5, pull: float = 0.1):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.require_topology("doubly")
+        self.period, self.pull = period, pull
+        self.anchor = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = self.params()
+        self.base.step()
+        if (self.step_count + 1) % self.period == 0:
+            mixed = self.comm.allreduce_mean(params)
+            self.anchor = [m.clone() for m in mixed]
+        else:
+            mixed = self.comm.mix(params, self.topology, self.step_count)
+        for i, (p, m) in enumerate(zip(params, mixed)):
+            p.copy_(m if self.anchor is None else m + self.pull * (self.anchor[i] - m))
+        self.step_count += 1

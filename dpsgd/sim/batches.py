@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from dpsgd.seeds import batch_seed
+
 
 class FleetBatches:
     """Synchronous batches of n peers: `next()` returns (x, y) with a leading peer axis. Peer r
-    shuffles its share with torch.Generator(seed * 1000 + r + 1) at the start of each of its
+    shuffles its share with torch.Generator(batch_seed(seed, r)) at the start of each of its
     passes, exactly as `dpsgd.build.build_peer` seeds its Batches."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, shares: list, batch_size: int, seed: int):
@@ -24,7 +26,7 @@ class FleetBatches:
         for r, s in enumerate(shares):
             self.shares[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         self.batches_per_pass = self.sizes // batch_size
-        self._gens = [torch.Generator().manual_seed(seed * 1000 + r + 1) for r in range(n)]
+        self._gens = [torch.Generator().manual_seed(batch_seed(seed, r)) for r in range(n)]
         self._order = torch.zeros(n, width, dtype=torch.long)
         self._equal, self._width = min(sizes) == width, width  # equal shares (iid): all peers reshuffle together
         self._cols = torch.arange(batch_size)

@@ -30,10 +30,11 @@ import torch
 from torch.func import functional_call, grad_and_value
 
 from dpsgd import data
-from dpsgd.build import build_model, build_topology, load_data, partition
+from dpsgd.build import base_optimizer, build_model, build_topology, load_data, partition
+from dpsgd.metrics import loss_function
 from dpsgd.netem import NetworkEmulator
-from dpsgd.optim import build_base
 from dpsgd.optim.adpsgd import BUDGETS, HEADER, choose_partner, partner_rng, roles
+from dpsgd.seeds import batch_seed
 
 DISTRIBUTIONS = ("constant", "exponential", "lognormal", "pareto")
 
@@ -91,20 +92,15 @@ class Simulation:
         self.split = load_data(cfg)
         self.shares = partition(cfg, self.split, n)
         bs = int(cfg["batch_size"])
-        self.batches = [data.Batches(self.split.x_train[s], self.split.y_train[s], bs, seed=seed * 1000 + r + 1)
+        self.batches = [data.Batches(self.split.x_train[s], self.split.y_train[s], bs, seed=batch_seed(seed, r))
                         for r, s in enumerate(self.shares)]
         self.model = build_model(cfg, self.split)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.topology = build_topology(cfg, n)
-        from dpsgd.metrics import loss_function
-
         self.loss_fn = loss_function(self.split.y_train)
         init = [p.detach() for p in self.model.parameters()]
         self.params = [[p.clone() for p in init] for _ in range(n)]  # each peer's snapshot x_hat_i
-        self.base = [build_base(ps, name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
-                                momentum=float(algo.get("momentum", 0.0)),
-                                weight_decay=float(algo.get("weight_decay", 0.0)),
-                                nesterov=bool(algo.get("nesterov", False))) for ps in self.params]
+        self.base = [base_optimizer(cfg, ps) for ps in self.params]
         flat0 = torch.cat([p.reshape(-1) for p in init])
         self.live = flat0.repeat(n, 1)  # x_i
         self.role, self.partners = zip(*(roles(self.topology, r, n) for r in range(n)))
@@ -142,22 +138,33 @@ class Simulation:
         self._heap: list = []
         self._seq = 0
         self._grad = grad_and_value(self._loss)
-        self._on_step = None
+        self._started, self._stepped = False, None
 
     # --- the event queue ------------------------------------------------------------------------
     def _at(self, t: float, kind: str, *args) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, args))
         self._seq += 1
 
-    def run(self, on_step=None) -> Simulation:
-        """Simulate until every peer has finished; `on_step(sim, peer)` is called after each step."""
-        self._on_step = on_step
-        for r in range(self.n):
-            self._at(self.compute.draw(r), "computed", r)
-        while self._heap:
+    def advance(self) -> int | None:
+        """Simulate until some peer takes a step; return that peer (None once every peer has finished)."""
+        if not self._started:
+            self._started = True
+            for r in range(self.n):
+                self._at(self.compute.draw(r), "computed", r)
+        self._stepped = None
+        while self._heap and self._stepped is None:
             t, _, kind, args = heapq.heappop(self._heap)
             self.now = t
             getattr(self, "_on_" + kind)(*args)
+        return self._stepped
+
+    def done(self) -> bool:
+        return self._started and not self._heap
+
+    def run(self) -> Simulation:
+        """Simulate until every peer has finished."""
+        while not self.done():
+            self.advance()
         return self
 
     # --- peer i's main thread -------------------------------------------------------------------
@@ -207,8 +214,7 @@ class Simulation:
                 self._finish(i)
         else:
             self._at(self.now + self.compute.draw(i), "computed", i)
-        if self._on_step is not None:
-            self._on_step(self, i)
+        self._stepped = i
 
     def _should_stop(self, i: int) -> bool:
         if self.budget == "steps":

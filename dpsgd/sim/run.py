@@ -7,18 +7,16 @@ products with W, the means), which every peer shares; nothing waits, so `comm_ov
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch.func import functional_call, vmap
 
-from dpsgd import checkpoint, data, metrics
-from dpsgd.build import Peer
+from dpsgd import metrics
+from dpsgd.build import class_histograms, describe
+from dpsgd.training import adpsgd_summary, binned, run_loop
 
-from .fleet import Fleet
+from .fleet import Fleet, FleetCommunicator
 
 PEER_CHUNK = 64  # peers evaluated in one vectorized call
 
@@ -80,150 +78,111 @@ def traffic(bytes_sent: torch.Tensor, bytes_received: torch.Tensor, comm_time_s:
     }
 
 
-def describe(cfg: dict, n: int, topology) -> dict:
-    """The first keys of summary.json, written by `dpsgd.build.Peer.describe` itself (it reads only the
-    topology of the peer, and the communicator's size and backend)."""
-    return Peer.describe(SimpleNamespace(topology=topology), cfg, Roster(n))
+class FleetRun:
+    """A synchronous algorithm on the fleet, for dpsgd.training.run_loop: records cover every peer."""
+
+    writer = True
+
+    def __init__(self, cfg: dict):
+        self.fleet = fleet = Fleet(cfg)
+        self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.total_steps
+        self._test = fleet.split.x_test.to(fleet.device), fleet.split.y_test.to(fleet.device)
+
+    def describe(self, cfg: dict) -> dict:
+        return describe(cfg, self.fleet.topology, self.comm)
+
+    def begin(self, state: dict | None) -> None:
+        return None
+
+    def done(self) -> bool:
+        return self.step_count >= self.total_steps
+
+    def train_step(self) -> float:
+        self.step_count += 1
+        return float(self.fleet.train_step().double().mean())
+
+    def record(self, train_loss: float, wall_s: float) -> dict:
+        fleet, step = self.fleet, self.step_count
+        return {"step": step, "epoch": step / fleet.steps_per_epoch,
+                "samples": step * fleet.batches.batch_size * fleet.n, "wall_time_s": wall_s, "emulated_time_s": None,
+                **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss),
+                **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s)}
+
+    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
+        return last
+
+    def summary(self, final: dict, wall_s: float) -> dict:
+        return {"class_histograms": class_histograms(self.fleet.split, self.fleet.shares)}
+
+    def state(self, extra: dict) -> None:
+        return None
+
+
+class EventsRun(FleetRun):
+    """AD-PSGD on the event simulator (virtual time), for dpsgd.training.run_loop: a record at every
+    `log_every`-th step of peer 0, each covering every peer, with the virtual time as `emulated_time_s`."""
+
+    def __init__(self, cfg: dict):
+        from .events import Simulation
+
+        self.sim = sim = Simulation(cfg)
+        self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
+        self.step_count, self.total_steps = 0, sim.total_steps
+
+    def describe(self, cfg: dict) -> dict:
+        return describe(cfg, self.sim.topology, self.comm)
+
+    def done(self) -> bool:
+        return self.sim.done()
+
+    def train_step(self) -> float | None:
+        peer = self.sim.advance()
+        if peer is None:
+            return None
+        self.step_count = self.sim.steps[0]
+        return self.sim.losses[peer][-1]
+
+    def record(self, train_loss: float, wall_s: float, progress: bool = True) -> dict:
+        sim = self.sim
+        samples = sum(sim.steps) * sim.batch_size
+        out = {"step": round(sum(sim.steps) / sim.n), "epoch": samples / len(sim.split.x_train), "samples": samples,
+               "wall_time_s": wall_s, "emulated_time_s": sim.now,
+               **snapshot_metrics(sim.model, sim.names, sim.live_params(), sim.split.x_test, sim.split.y_test,
+                                  train_loss),
+               **traffic(torch.tensor(sim.bytes_sent, dtype=torch.float64),
+                         torch.tensor(sim.bytes_received, dtype=torch.float64), sum(sim.wait_s) / sim.n),
+               "scope": "all peers"}
+        if progress:  # the keys of a real asynchronous run's records while its peers train
+            for key in ("comm_overlap_s", "emulated_wait_s"):
+                out.pop(key)
+        return out
+
+    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
+        self.sim.now = self.sim.end_time
+        return self.record(train_loss, wall_s, progress=False)
+
+    def summary(self, final: dict, wall_s: float) -> dict:
+        sim = self.sim
+        per_peer = {
+            "roles": list(sim.role), "steps_per_peer": sim.steps,
+            "samples_per_peer": [s * sim.batch_size for s in sim.steps],
+            "averagings_initiated_per_peer": sim.initiated, "averagings_served_per_peer": sim.served,
+            "staleness_mean_per_peer": [sum(k * c for k, c in enumerate(h)) / max(1, sum(h)) for h in sim.staleness],
+            "staleness_max_per_peer": [len(h) - 1 if h else 0 for h in sim.staleness],
+            "staleness_histogram_per_peer": [binned(h) for h in sim.staleness],
+            "wait_s_per_peer": sim.wait_s,
+            "samples_per_s_per_peer": [s * sim.batch_size / e if e > 0 else 0.0
+                                       for s, e in zip(sim.steps, sim.finished_at)],
+            "slowdown_s_per_peer": [0.0] * sim.n,
+        }
+        return {"adpsgd": adpsgd_summary(sim.budget, per_peer),
+                "class_histograms": class_histograms(sim.split, sim.shares)}
 
 
 def train_fleet(cfg: dict, out_dir: str | Path | None = None) -> dict:
-    """Run the experiment `cfg` on the fleet; write metrics.jsonl and summary.json to `out_dir`."""
-    if cfg["algorithm"]["name"] == "adpsgd":
-        return train_events(cfg, out_dir)
-    fleet = Fleet(cfg)
-    n, split, model = fleet.n, fleet.split, fleet.model
-    x_test, y_test = split.x_test.to(fleet.device), split.y_test.to(fleet.device)
-    steps_per_epoch, total_steps = fleet.steps_per_epoch, fleet.total_steps
-    batch_size = fleet.batches.batch_size
-    log_every = int(cfg.get("log_every") or steps_per_epoch)
-    target = cfg.get("target_accuracy")
-    out_dir = Path(out_dir) if out_dir is not None else None
-    log_file = (out_dir / "metrics.jsonl").open("w") if out_dir is not None else None
+    """Run the experiment `cfg` with every peer in this process; write metrics.jsonl and summary.json to
+    `out_dir`. An asynchronous algorithm runs on the event simulator (dpsgd.sim.events)."""
+    from dpsgd.build import check_algorithm
 
-    running = torch.zeros(n, dtype=torch.float64)
-    seen, record, reached = 0, {}, {}
-    start = time.perf_counter()
-    for step in range(1, total_steps + 1):
-        running += fleet.train_step().double().cpu()
-        seen += 1
-        if step % log_every == 0 or step == total_steps:
-            record = {
-                "step": step,
-                "epoch": step / steps_per_epoch,
-                "samples": step * batch_size * n,
-                "wall_time_s": time.perf_counter() - start,
-                "emulated_time_s": None,
-                **snapshot_metrics(model, fleet.names, fleet.params, x_test, y_test, float((running / seen).mean())),
-                **traffic(fleet.bytes_sent, fleet.bytes_received, fleet.comm_time_s),
-            }
-            running.zero_()
-            seen = 0
-            if target is not None and not reached and record["test_accuracy"] >= target:
-                reached = {"steps_to_target": step, "time_to_target_s": record["wall_time_s"],
-                           "samples_to_target": record["samples"], "mb_sent_to_target": record["mb_sent_per_peer"]}
-            if log_file is not None:
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
-    wall = time.perf_counter() - start
-    summary = {
-        **describe(cfg, n, fleet.topology),
-        "steps": total_steps,
-        **{k: v for k, v in record.items() if k != "step"},
-        "wall_time_s": wall,
-        "emulated_s_per_step": None,
-        "samples_per_s": total_steps * batch_size * n / wall,
-        **({"target_accuracy": target, **(reached or {"steps_to_target": None, "time_to_target_s": None})}
-           if target is not None else {}),
-        "class_histograms": [data.class_histogram(split.y_train[s], split.num_classes) for s in fleet.shares],
-    }
-    if log_file is not None:
-        log_file.close()
-        checkpoint.write_json_atomic(out_dir / "summary.json", summary)
-    return summary
-
-
-HISTOGRAM_BINS = 16  # as dpsgd.training_async: staleness 0..15, the last bin holding 15 and more
-
-
-def train_events(cfg: dict, out_dir: str | Path | None = None) -> dict:
-    """AD-PSGD on the event simulator, with the files and keys of `dpsgd.training_async`; records carry
-    every peer's metrics at each `log_every`-th step of peer 0 and the virtual time (`emulated_time_s`)."""
-    from .events import Simulation
-
-    sim = Simulation(cfg)
-    n, split, model = sim.n, sim.split, sim.model
-    log_every = int(cfg.get("log_every") or sim.steps_per_epoch)
-    out_dir = Path(out_dir) if out_dir is not None else None
-    log_file = (out_dir / "metrics.jsonl").open("w") if out_dir is not None else None
-    start = time.perf_counter()
-
-    def record(train_loss: float) -> dict:
-        samples = sum(sim.steps) * sim.batch_size
-        return {
-            "step": round(sum(sim.steps) / n),
-            "epoch": samples / len(split.x_train),
-            "samples": samples,
-            "wall_time_s": time.perf_counter() - start,
-            "emulated_time_s": sim.now,
-            **snapshot_metrics(model, sim.names, sim.live_params(), split.x_test, split.y_test, train_loss),
-            **traffic(torch.tensor(sim.bytes_sent, dtype=torch.float64),
-                      torch.tensor(sim.bytes_received, dtype=torch.float64), sum(sim.wait_s) / n),
-            "scope": "all peers",
-        }
-
-    def on_step(sim, peer):
-        if log_file is not None and peer == 0 and sim.steps[0] % log_every == 0:
-            recent = [sum(ls[-log_every:]) / len(ls[-log_every:]) for ls in sim.losses if ls]
-            progress = record(sum(recent) / len(recent))
-            for key in ("comm_overlap_s", "emulated_wait_s"):  # the keys of training_async's records while peers train
-                progress.pop(key)
-            log_file.write(json.dumps(progress) + "\n")
-            log_file.flush()
-
-    sim.run(on_step)
-    sim.now = sim.end_time
-    last = [ls[-1] for ls in sim.losses if ls]
-    final = record(sum(last) / len(last) if last else float("nan"))
-    wall = time.perf_counter() - start
-    final["wall_time_s"] = wall
-    hists = [h[: HISTOGRAM_BINS - 1] + [0] * (HISTOGRAM_BINS - 1 - len(h[: HISTOGRAM_BINS - 1]))
-             + [sum(h[HISTOGRAM_BINS - 1 :])] for h in sim.staleness]
-    total_hist = [sum(col) for col in zip(*hists)]
-    steps_total = sum(total_hist)
-    elapsed = [sim.finished_at[r] for r in range(n)]
-    adpsgd = {
-        "budget": sim.budget,
-        "averagings": sum(sim.initiated),
-        "staleness_mean": sum(k * c for k, c in enumerate(total_hist)) / steps_total if steps_total else 0.0,
-        "staleness_max": max((len(h) - 1 for h in sim.staleness if h), default=0),
-        "staleness_histogram": total_hist,
-        "wait_s_mean": sum(sim.wait_s) / n,
-        "roles": list(sim.role),
-        "steps_per_peer": list(sim.steps),
-        "samples_per_peer": [s * sim.batch_size for s in sim.steps],
-        "averagings_initiated_per_peer": list(sim.initiated),
-        "averagings_served_per_peer": list(sim.served),
-        "staleness_mean_per_peer": [sum(k * c for k, c in enumerate(h)) / max(1, sum(h)) for h in sim.staleness],
-        "staleness_max_per_peer": [len(h) - 1 if h else 0 for h in sim.staleness],
-        "staleness_histogram_per_peer": hists,
-        "wait_s_per_peer": list(sim.wait_s),
-        "samples_per_s_per_peer": [s * sim.batch_size / e if e > 0 else 0.0 for s, e in zip(sim.steps, elapsed)],
-        "slowdown_s_per_peer": [0.0] * n,
-    }
-    summary = {
-        **describe(cfg, n, sim.topology),
-        "steps": final["step"],
-        **{k: v for k, v in final.items() if k not in ("step", "scope")},
-        "wall_time_s": wall,  # the virtual time is the last record's emulated_time_s
-        "samples_per_s": final["samples"] / wall,
-        **({"target_accuracy": cfg["target_accuracy"], "steps_to_target": None, "time_to_target_s": None}
-           if cfg.get("target_accuracy") is not None else {}),
-        "adpsgd": adpsgd,
-        "class_histograms": [data.class_histogram(split.y_train[s], split.num_classes) for s in sim.shares],
-    }
-    if log_file is not None:
-        totals = {k: v for k, v in adpsgd.items() if not k.endswith("_per_peer")}
-        log_file.write(json.dumps({**final, "adpsgd": totals}) + "\n")
-        log_file.close()
-        checkpoint.write_json_atomic(out_dir / "summary.json", summary)
-    return summary
+    asynchronous = getattr(check_algorithm(cfg), "asynchronous", False)
+    return run_loop(EventsRun(cfg) if asynchronous else FleetRun(cfg), cfg, out_dir)

@@ -1,0 +1,71 @@
+"""The optimizer contract on one peer: (1) every algorithm, built on a model seeded by this peer's rank,
+leaves the peers holding rank 0's parameters (`broadcast_initial`); (2) a user's algorithm from outside
+the package (tests/plugins.py, named by `_target_`) trains 20 steps of the experiment `config()`.
+
+Imported by tests/test_contract.py (local backend) and run as a script under real launchers:
+`python tests/peers/contract_peer.py BACKEND OUT_DIR` writes OUT_DIR/rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))  # plugins.py: the user's own module
+
+import topologies  # noqa: E402
+from dpsgd.build import BASE_KEYS, build_peer  # noqa: E402
+from dpsgd.optim import ALGORITHMS, build  # noqa: E402
+
+CONF = TESTS.parent / "conf"
+STEPS = 20
+TOPOLOGY = {"sgp": "directed_exponential"}  # the rest run on a ring
+
+
+def config(peers: int = 4, backend: str = "local") -> dict:
+    def load(group, name):
+        return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+    return {"algorithm": {"name": "alternating", "_target_": "plugins.AlternatingGossip", "lr": 0.1,
+                          "momentum": 0.9, "period": 7}, "topology": load("topology", "ring"),
+            "model": load("model", "mlp"), "data": load("data", "digits"), "backend": {"name": backend},
+            "network": load("network", "loopback"), "peers": peers, "seed": 3, "epochs": 1, "batch_size": 16,
+            "log_every": 10, "device": "cpu", "comm": {"timeout_s": 60}}
+
+
+def initial_parameters(comm) -> dict:
+    """Each algorithm's parameters right after construction, on a model seeded by this rank."""
+    out = {}
+    for name in ALGORITHMS:
+        torch.manual_seed(1000 + comm.rank)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+        options = {k: v for k, v in yaml.safe_load((CONF / "algorithm" / f"{name}.yaml").read_text()).items()
+                   if k not in BASE_KEYS}
+        topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
+        opt = build(name, torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, comm=comm, **options)
+        if opt.asynchronous:
+            opt.set_budget(steps=0, samples=0)
+            opt.finish()  # its communication threads end with the closing handshake
+        out[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    return out
+
+
+def plugin_parameters(comm) -> list[float]:
+    peer = build_peer(comm, config(comm.size, comm.backend))
+    for _ in range(STEPS):
+        peer.train_step()
+    return torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()]).tolist()
+
+
+def all_trajectories(comm) -> dict:
+    return {"initial": initial_parameters(comm), "plugin": plugin_parameters(comm)}
+
+
+if __name__ == "__main__":
+    from runner import main
+
+    main(all_trajectories)
