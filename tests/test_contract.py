@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from peers import contract_peer as peer
 
 from dpsgd.comm import run_local
 from dpsgd.launch import spawn
 from dpsgd.optim import ALGORITHMS
 from dpsgd.sim import Fleet
-from peers import contract_peer as peer
 
 N = 4
 SCRIPT = str(Path(__file__).parent / "peers" / "contract_peer.py")
