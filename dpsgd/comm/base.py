@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -489,19 +489,23 @@ class _All(Pending):
         return sorted({p for part in self._parts for p in part.peers_outstanding()})
 
 
-def poll_until(test, deadline: float, outstanding=list) -> None:
+def poll_until(test, deadline: float, outstanding=list, abort: Callable[[], bool] | None = None) -> bool:
     """Wait for `test()` to be true without spinning a core: sleep between polls for 1/20 of the
     time waited so far, from 20 us up to 1 ms (waiting ranks that spin halve the speed of
     computing ones on small machines). A wait thus notices completion at most about 5% late, and a
     long wait costs about a hundred quick polls, then one per millisecond. Quick polls matter for
     MPI's non-blocking collectives: their rounds progress only while each rank polls, so 1 ms
-    sleeps from the start made a 1 MiB all-reduce on 4 ranks 4x slower than a blocking one."""
+    sleeps from the start made a 1 MiB all-reduce on 4 ranks 4x slower than a blocking one.
+    True once `test()` is; False if `abort()` becomes true first (it is asked before the deadline)."""
     start = time.monotonic()
     while not test():
+        if abort is not None and abort():
+            return False
         now = time.monotonic()
         if now > deadline:
             raise PeerTimeoutError(f"peers {outstanding()} did not answer")
         time.sleep(min(_POLL_MAX_S, max(_POLL_MIN_S, (now - start) / 20)))
+    return True
 
 
 _POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3

@@ -1,0 +1,190 @@
+"""AD-PSGD's averaging protocol: x_i, x_j <- (x_i + x_j) / 2 with one neighbour j, atomic (both sides
+hold their lock across the exchange), run by one communication thread per peer on its own duplicated
+communicator (`comm.duplicate()`: MPI Dup, a new gloo group, a local namespace).
+
+Peers split into active and passive sets (`topology.bipartite()`); only active peers start an
+averaging, and only with passive neighbours:
+- active: after each step the main thread orders one averaging, which the thread performs while the
+  main thread computes the next gradient (lock i held: send x_i, receive x_j, x_i <- (x_i + x_j) / 2);
+- passive: the thread serves requests from any active neighbour (lock j held: reply x_j,
+  x_j <- (x_j + x_i) / 2).
+A passive thread never waits for anybody while holding its lock, and active peers wait only for
+passive ones, so no cycle of waits can form. Both sides compute (x_i + x_j) * 0.5 with the same
+operands, so they hold bit-identical values afterwards and the sum of all parameters is conserved.
+
+At the end an active thread finishes its averaging in flight and sends DONE to each partner; a
+passive thread serves until every active partner said DONE. Messages (dtype of the parameters): a
+request is [code, sender, averaging id, x_i...] with code AVERAGE or DONE, tag TAG_REQUEST; the
+reply is x_j, tag TAG_REPLY.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from dpsgd.comm import Communicator, PeerTimeoutError
+from dpsgd.comm.base import poll_until
+from dpsgd.seeds import partner_seed
+from topologies import Topology
+
+TAG_REQUEST, TAG_REPLY = 11, 12
+AVERAGE, DONE = 0.0, 1.0
+HEADER = 3  # code, sender, averaging id
+
+
+def partner_rng(seed: int, rank: int) -> random.Random:
+    """The generator an active peer draws its partners from."""
+    return random.Random(partner_seed(seed, rank))
+
+
+def roles(topology, rank: int, size: int) -> tuple[str, frozenset[int]]:
+    """Peer `rank`'s role ("active", "passive" or "alone") and the peers it may average with."""
+    if size == 1:
+        return "alone", frozenset()
+    active, passive = topology.bipartite()  # raises a clear ValueError for non-bipartite graphs
+    me_active = rank in active
+    other = passive if me_active else active
+    if topology.period is None:  # random schedules: any peer of the other side may be drawn
+        partners = set(other)
+    else:
+        partners = set()
+        for t in range(topology.period):
+            nb = topology.neighbors(rank, t)
+            partners |= set(nb.recv) | set(nb.send)
+    partners.discard(rank)
+    if not partners:
+        return "alone", frozenset()
+    return ("active" if me_active else "passive"), frozenset(partners)
+
+
+def choose_partner(topology, rank: int, partners: frozenset[int], rng: random.Random, step: int) -> int | None:
+    """The partner of an active peer's `step`-th averaging (None: no neighbour at that step)."""
+    if topology.period is None:
+        candidates = sorted(partners)
+    else:
+        nb = topology.neighbors(rank, step)
+        candidates = sorted((set(nb.recv) | set(nb.send)) & partners)
+    return rng.choice(candidates) if candidates else None
+
+
+class Averaging:
+    """One peer's side of the protocol: its role and partners, the communicator its thread talks on
+    (`link`), and its counters. The thread averages `live` (x_i) under `lock`; `version` counts the
+    averagings applied to it, `events` (when not None) logs them. `jitter()` is called with the lock
+    held (random delays, for tests); the thread ends early once `aborted` is set."""
+
+    def __init__(self, comm: Communicator, topology: Topology | None, *, seed: int, live: torch.Tensor,
+                 lock: threading.Lock, events: list | None, jitter: Callable[[], None], aborted: threading.Event):
+        self.comm, self.topology, self.live, self.lock = comm, topology, live, lock
+        self.events, self.jitter, self.aborted = events, jitter, aborted
+        self.role, self.partners = roles(topology, comm.rank, comm.size)
+        self.rng = partner_rng(seed, comm.rank)
+        self.link = comm.duplicate() if comm.size > 1 else None  # collective: every peer makes it
+        self.version = 0  # averagings applied to x_i so far (changed under the lock)
+        self.initiated = 0  # averagings this peer started (active)
+        self.served = 0  # averagings this peer answered (passive)
+        self.orders: queue.SimpleQueue = queue.SimpleQueue()  # "average" or "done", from the main thread
+        self.idle = threading.Event()  # no averaging in flight
+        self.idle.set()
+        # emulated network (dpsgd.netem): an averaging ordered at t completes at t + request + reply
+        self.network = getattr(comm, "network", None)
+        self.done_at: float | None = None
+
+    # --- the main thread ---------------------------------------------------------------------
+    def order(self) -> None:
+        """One averaging, performed while the next gradient is computed (call it once `idle` is set)."""
+        net = self.network
+        if net is not None and net.active and self.partners:
+            message = net.link.message_time(self.live.nbytes)
+            self.done_at = net.clock.now() + 2 * message + net.jitter()
+        self.idle.clear()
+        self.orders.put("average")
+
+    def stop(self) -> None:
+        """The active thread ends after the averaging in flight (and says DONE unless aborted)."""
+        self.orders.put("done")
+
+    def wait_emulated(self) -> None:
+        """Emulated network in model mode: wait on the emulated clock until the averaging in flight
+        completes, x_i being locked until then (in sleep mode the active thread really waits)."""
+        net = self.network
+        if net is not None and net.active and net.clock.mode == "model" and self.done_at is not None:
+            self.comm.stats.emulated_wait_s += net.clock.wait_until(self.done_at)
+
+    # --- the communication thread -----------------------------------------------------------------
+    def _average_in(self, other: torch.Tensor, event: tuple) -> None:
+        """x_i <- (x_i + x_j) / 2, with the lock held."""
+        self.live.add_(other).mul_(0.5)
+        self.version += 1
+        if self.events is not None:
+            self.events.append(("avg", *event))
+
+    def run_active(self) -> None:
+        """Active peer: one averaging per order of the main thread; DONE to every partner at the end."""
+        link, rank = self.link, self.comm.rank
+        request = torch.empty(HEADER + self.live.numel(), dtype=self.live.dtype)
+        reply = torch.empty_like(self.live)
+        while True:
+            try:
+                order = self.orders.get(timeout=0.05)
+            except queue.Empty:
+                if self.aborted.is_set():
+                    return
+                continue
+            if order == "done" or self.aborted.is_set():
+                break
+            partner = choose_partner(self.topology, rank, self.partners, self.rng, self.initiated)
+            if partner is not None:
+                with self.lock:  # held across the exchange: x_i cannot change until both sides averaged
+                    self.jitter()
+                    request[0], request[1], request[2] = AVERAGE, float(rank), float(self.initiated)
+                    request[HEADER:].copy_(self.live)
+                    recv = link.start_recv(reply, partner, TAG_REPLY)
+                    send = link.start_send(request, partner, TAG_REQUEST)
+                    link.wait_request("AD-PSGD averaging (request sent)", send, [partner])
+                    link.wait_request("AD-PSGD averaging (awaiting the reply)", recv, [partner])
+                    if self.done_at is not None and self.network.clock.mode == "sleep":
+                        self.network.clock.wait_until(self.done_at)
+                    self._average_in(reply, (rank, self.initiated, partner))
+                self.initiated += 1
+            self.idle.set()
+        if self.aborted.is_set():
+            return
+        done = torch.zeros(HEADER + self.live.numel(), dtype=self.live.dtype)
+        done[0], done[1] = DONE, float(rank)
+        sends = [(p, link.start_send(done, p, TAG_REQUEST)) for p in sorted(self.partners)]
+        for p, send in sends:
+            link.wait_request("AD-PSGD closing handshake (DONE)", send, [p])
+
+    def run_passive(self) -> None:
+        """Passive peer: answer averaging requests from any active neighbour until all said DONE."""
+        link, rank = self.link, self.comm.rank
+        waiting_for = set(self.partners)
+        incoming = torch.empty(HEADER + self.live.numel(), dtype=self.live.dtype)
+        while waiting_for:
+            recv = link.start_recv(incoming, None, TAG_REQUEST)
+            try:
+                if not poll_until(recv.test, time.monotonic() + self.comm.timeout_s, abort=self.aborted.is_set):
+                    return
+            except PeerTimeoutError:
+                raise PeerTimeoutError(
+                    f"rank {rank}: AD-PSGD's communication thread heard nothing for {self.comm.timeout_s:g} s from "
+                    f"active neighbour(s) {sorted(waiting_for)}, which have not said DONE; a peer died or hangs "
+                    f"(raise comm.timeout_s if peers are just slow)") from None
+            code, sender, avg_id = incoming[0].item(), int(incoming[1].item()), int(incoming[2].item())
+            if code == DONE:
+                waiting_for.discard(sender)
+                continue
+            with self.lock:
+                self.jitter()
+                answer = self.live.clone()
+                self._average_in(incoming[HEADER:], (sender, avg_id, rank))
+            self.served += 1
+            send = link.start_send(answer, sender, TAG_REPLY)
+            link.wait_request("AD-PSGD averaging (sending the reply)", send, [sender])

@@ -1,0 +1,115 @@
+"""What ends an AD-PSGD run, which has no global step: `steps` per peer, wall-clock `seconds`, or a total
+of `samples` across peers.
+
+A samples budget across several peers is kept by rank 0: it runs a coordinator thread on a duplicated
+communicator (`control`); every other peer reports its samples after each step and reads the answer,
+"go on" or "stop", at its next step (the answer is awaited one step late, so it has long arrived).
+Messages (float64): [sender, samples, final] to rank 0 with TAG_PROGRESS, and its answer [stop] with
+TAG_ANSWER.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from dpsgd.comm import Communicator, PeerTimeoutError
+from dpsgd.comm.base import poll_until
+
+BUDGETS = ("steps", "samples", "seconds")
+TAG_PROGRESS, TAG_ANSWER = 13, 14
+
+
+class Budget:
+    """The budget named `kind` and the amounts `set` gives (only `kind`'s ends the run). `wait(test,
+    what, then)` is the main thread's bounded wait (it raises naming `what`); the coordinator thread
+    ends early once `aborted` is set."""
+
+    def __init__(self, kind: str, seconds: float | None, comm: Communicator, *,
+                 wait: Callable[[Callable[[], bool], str, str], None], aborted: threading.Event):
+        if kind not in BUDGETS:
+            raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
+        self.kind, self.comm, self.wait, self.aborted = kind, comm, wait, aborted
+        self.amounts = {"steps": None, "samples": None, "seconds": None if seconds is None else float(seconds)}
+        # collective and in the same order on every peer: every peer makes the same duplicates
+        self.control = comm.duplicate() if comm.size > 1 and kind == "samples" else None
+        self.coordinating = self.control is not None and comm.rank == 0
+        self.stop = threading.Event()  # the shared samples budget is spent (rank 0: by its coordinator)
+        self.own_samples = 0  # rank 0's samples, as of its last report
+        self._answer = None  # (request, buffer, send) of the coordinator's answer to our last report
+
+    def set(self, **amounts: float | None) -> None:
+        for kind, amount in amounts.items():
+            if amount is not None:
+                self.amounts[kind] = float(amount) if kind == "seconds" else int(amount)
+
+    def require(self) -> None:
+        if self.amounts[self.kind] is None:
+            raise ValueError(f"ADPSGD(budget={self.kind!r}) needs set_budget({self.kind}=...) before training")
+
+    def spent(self, steps: int, samples: int, seconds: float) -> bool:
+        """True once this peer's share is spent (never blocks)."""
+        self.require()
+        if self.control is not None:
+            return self.stop.is_set()
+        return {"steps": steps, "samples": samples, "seconds": seconds}[self.kind] >= self.amounts[self.kind]
+
+    # --- the shared samples budget: the main thread's side -------------------------------------------
+    def report(self, samples: int, final: bool) -> None:
+        """After each step (`final`: at the end). Rank 0 counts in-process; the others send [rank,
+        samples, final] and read the answer to their previous report first."""
+        if self.control is None:
+            return
+        if self.comm.rank == 0:
+            self.own_samples = samples
+            if final:
+                self.stop.set()
+            return
+        self._read_answer()
+        msg = torch.tensor([float(self.comm.rank), float(samples), 1.0 if final else 0.0], dtype=torch.float64)
+        send = self.control.start_send(msg, 0, TAG_PROGRESS)
+        answer = torch.zeros(1, dtype=torch.float64)
+        self._answer = (self.control.start_recv(answer, 0, TAG_ANSWER), answer, send)
+        if final:
+            self._read_answer()
+
+    def _read_answer(self) -> None:
+        if self._answer is None:
+            return
+        request, answer, send = self._answer
+        self.wait(lambda: send.test() and request.test(), "coordinator (rank 0) did not answer",
+                  "; it died or hangs (raise comm.timeout_s if it is slow)")
+        self._answer = None
+        if answer.item() > 0:
+            self.stop.set()
+
+    # --- rank 0's coordinator thread ----------------------------------------------------------------
+    def coordinate(self) -> None:
+        """Add up every peer's samples, answer each report with go on / stop, and end once every other
+        peer sent its final report."""
+        control, n, timeout_s = self.control, self.comm.size, self.comm.timeout_s
+        reported = {p: 0.0 for p in range(1, n)}
+        final: set[int] = set()
+        msg = torch.zeros(3, dtype=torch.float64)
+        while len(final) < n - 1:
+            recv = control.start_recv(msg, None, TAG_PROGRESS)
+            try:
+                if not poll_until(recv.test, time.monotonic() + timeout_s, abort=self.aborted.is_set):
+                    return
+            except PeerTimeoutError:
+                raise PeerTimeoutError(
+                    f"rank 0: AD-PSGD's coordinator heard nothing for {timeout_s:g} s from peer(s) "
+                    f"{sorted(set(reported) - final)}; a peer died or hangs (raise comm.timeout_s if peers "
+                    f"are just slow)") from None
+            sender = int(msg[0].item())
+            reported[sender] = max(reported[sender], msg[1].item())
+            if msg[2].item() > 0:
+                final.add(sender)
+            if sum(reported.values()) + self.own_samples >= self.amounts["samples"]:
+                self.stop.set()
+            answer = torch.tensor([1.0 if self.stop.is_set() else 0.0], dtype=torch.float64)
+            send = control.start_send(answer, sender, TAG_ANSWER)
+            control.wait_request("AD-PSGD coordinator answer", send, [sender])

@@ -1,0 +1,265 @@
+"""The AD-PSGD optimizer: one peer's steps, beside its averaging thread (`averaging`). The peer keeps
+its *live* parameters x_i (a flat buffer guarded by a lock) apart from the model's parameters, which
+hold the *snapshot* x_hat_i the gradient is computed at. A step of peer i:
+
+1. forward/backward on the snapshot x_hat_i, while x_i may change underneath (averagings);
+2. `step()`: d_i = base(x_hat_i, g_i) - x_hat_i, then under the lock x_i <- x_i + d_i and the new
+   snapshot x_hat_i <- x_i. The increment goes to the live copy exactly once, whatever averagings
+   happened meanwhile; their number is the step's *staleness*;
+3. an active peer then orders one averaging with a neighbour, done by its communication thread
+   while the next gradient is computed.
+Every wait has the communicator's deadline (`comm.timeout_s`); past it, the error names the peer and
+what was awaited.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import torch
+
+from dpsgd.comm import CommError, Communicator, PeerTimeoutError
+from dpsgd.comm.base import flatten, poll_until, unflatten
+from dpsgd.seeds import protocol_jitter_seed
+from topologies import Topology
+
+from ..base import DistributedOptimizer
+from .averaging import Averaging
+from .budget import Budget
+
+
+class ADPSGD(DistributedOptimizer):
+    """AD-PSGD. `budget` names what ends the run ('steps' per peer, total 'samples' across peers, or
+    wall-clock 'seconds'); the training loop fills in the amounts with `set_budget`. `seed` drives
+    the choice of neighbours; `jitter_s` adds random delays (up to that many seconds) inside the
+    protocol, for tests; `record_events` logs every change to the live parameters, in order."""
+
+    asynchronous = True
+
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
+                 broadcast_initial: bool = True, budget: str = "steps", seconds: float | None = None, seed: int = 0,
+                 jitter_s: float = 0.0, record_events: bool = False):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        if comm.size > 1:
+            self.require_topology()
+        self._abort = threading.Event()  # set on a thread's error or by abort(): the threads end early
+        self.run_budget = Budget(budget, seconds, comm, wait=self._wait, aborted=self._abort)
+        self.budget = budget
+        self.samples_per_step = 1
+        self.jitter_s = float(jitter_s)
+        self._jitter_rng = random.Random(protocol_jitter_seed(seed, comm.rank))
+        self.record_events = bool(record_events)
+        self.events: list[tuple] = []  # ("step", k), ("avg", active, averaging id, passive): in order
+        with torch.no_grad():
+            self.live = flatten(self.params()).clone()  # x_i: changed only under self.lock
+        self.lock = threading.Lock()
+        self.averaging = Averaging(comm, topology, seed=seed, live=self.live, lock=self.lock,
+                                   events=self.events if self.record_events else None, jitter=self._jitter,
+                                   aborted=self._abort)
+        self.role = self.averaging.role  # "active", "passive" or "alone" (no neighbour to average with)
+        if comm.size > 1 and comm.backend == "mpi":
+            comm.require_thread_multiple("ADPSGD (a communication thread beside the computing one)")
+        self._snap_version = 0  # averaging.version when the snapshot was taken
+
+        # counters
+        self.samples = 0
+        self.staleness_histogram: list[int] = []
+        self.wait_s = 0.0  # main thread blocked: lock, previous averaging, coordinator answer
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self._finished = False
+
+    # --- set-up -----------------------------------------------------------------------------
+    def set_budget(self, steps: int | None = None, samples: int | None = None, seconds: float | None = None,
+                   samples_per_step: int | None = None) -> None:
+        """The amounts of the budgets (only the one named by `budget` ends the run)."""
+        self.run_budget.set(steps=steps, samples=samples, seconds=seconds)
+        if samples_per_step is not None:
+            self.samples_per_step = int(samples_per_step)
+
+    def start(self) -> None:
+        """Start the communication threads and the clock (call it after a barrier, on every peer)."""
+        if self.started_at is not None:
+            return
+        if self.run_budget.coordinating:
+            self.run_budget.require()
+        self.started_at = time.monotonic()
+        if self.role == "active":
+            self._spawn(self.averaging.run_active, "averager")
+        elif self.role == "passive":
+            self._spawn(self.averaging.run_passive, "server")
+        if self.run_budget.coordinating:
+            self._spawn(self.run_budget.coordinate, "coordinator")
+
+    def _spawn(self, target, what: str) -> None:
+        def run():
+            try:
+                target()
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self._errors.append(exc)
+                self._abort.set()
+
+        t = threading.Thread(target=run, name=f"adpsgd-{what}-{self.comm.rank}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    # --- the main thread --------------------------------------------------------------------
+    def should_stop(self) -> bool:
+        """True once this peer's share of the budget is spent (never blocks)."""
+        self.start()
+        self._raise_thread_error()
+        return self.run_budget.spent(self.step_count, self.samples, time.monotonic() - self.started_at)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._closure_loss(closure)
+        self.start()
+        self._raise_thread_error()
+        params = self.params()
+        before = flatten(params)  # the snapshot x_hat the gradient was taken at
+        self.base.step()
+        after = flatten(params)
+        self._jitter()
+        self.averaging.wait_emulated()  # x_i is locked until the averaging in flight completes
+        t0 = time.monotonic()
+        with self.lock:
+            self.wait_s += time.monotonic() - t0
+            stale = self.averaging.version - self._snap_version
+            if stale == 0:
+                self.live.copy_(after)  # nothing changed x_i meanwhile: x_i + d_i is exactly `after`
+            else:
+                self.live.add_(after.sub_(before))
+            self._snap_version = self.averaging.version
+            if self.record_events:
+                self.events.append(("step", self.step_count))
+            snapshot = self.live.clone()
+        self._load_into_model(snapshot)  # outside the lock: only this thread touches the model
+        if stale >= len(self.staleness_histogram):
+            self.staleness_histogram.extend([0] * (stale + 1 - len(self.staleness_histogram)))
+        self.staleness_histogram[stale] += 1
+        self.step_count += 1
+        self.samples += self.samples_per_step
+        if self.role == "active":  # one averaging per step, overlapping the next gradient; one in flight
+            self._wait(self.averaging.idle.is_set, "averaging did not finish",
+                       f" (neighbours {sorted(self.averaging.partners)}); a neighbour died or hangs "
+                       f"(raise comm.timeout_s if it is slow)")
+            self.averaging.order()
+        self.run_budget.report(self.samples, final=False)
+        return loss
+
+    def _wait(self, test, what: str, then: str) -> None:
+        """Wait for `test()` within the communicator's deadline, counted in `wait_s`; a communication
+        thread's error is raised instead, and past the deadline an error saying that `what`."""
+        t0 = time.monotonic()
+        try:
+            done = poll_until(test, t0 + self.comm.timeout_s, abort=self._abort.is_set)
+        except PeerTimeoutError:
+            done = False
+        if not done:
+            self._raise_thread_error()
+            raise PeerTimeoutError(f"rank {self.comm.rank}: AD-PSGD's {what} within {self.comm.timeout_s:g} s{then}")
+        self.wait_s += time.monotonic() - t0
+
+    def _load_into_model(self, flat: torch.Tensor) -> None:
+        params = self.params()
+        for p, value in zip(params, unflatten(flat, params)):
+            p.copy_(value)
+
+    def finish(self) -> None:
+        """End this peer's part: finish the averaging in flight, tell passive neighbours we are done,
+        serve until our active neighbours are done, join every thread; then copy x_i into the model.
+        After it, every peer may run collectives on `comm` again."""
+        if self._finished:
+            return
+        self.start()
+        self.finished_at = time.monotonic()
+        try:
+            self.run_budget.report(self.samples, final=True)
+            if self.role == "active":
+                self.averaging.stop()
+            deadline = time.monotonic() + 2 * self.comm.timeout_s
+            for t in self._threads:
+                while t.is_alive():
+                    t.join(timeout=0.05)
+                    self._raise_thread_error()
+                    if time.monotonic() > deadline:
+                        raise PeerTimeoutError(f"rank {self.comm.rank}: AD-PSGD's {t.name} thread did not end within "
+                                               f"{2 * self.comm.timeout_s:g} s")
+            self._raise_thread_error()
+        except BaseException:
+            self.abort()
+            raise
+        self._finished = True
+        self.averaging.wait_emulated()  # the run ends when its last averaging does
+        with torch.no_grad(), self.lock:
+            self._load_into_model(self.live)
+        self._merge_link_stats()
+        for link in (self.averaging.link, self.run_budget.control):
+            if link is not None:
+                link.close()
+
+    def abort(self) -> None:
+        """Stop the communication threads without the closing handshake (after an error)."""
+        self._abort.set()
+        self.averaging.stop()
+
+    def _raise_thread_error(self) -> None:
+        if self._errors:
+            exc = self._errors[0]
+            if isinstance(exc, CommError):
+                raise exc
+            raise CommError(f"rank {self.comm.rank}: AD-PSGD's communication thread failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+    def _jitter(self) -> None:
+        if self.jitter_s > 0:
+            time.sleep(self._jitter_rng.uniform(0, self.jitter_s))
+
+    # --- measurement and state ------------------------------------------------------------------
+    def _merge_link_stats(self) -> None:
+        """The averaging traffic is the algorithm's: add it to the communicator's counters (once: finish)."""
+        if self.averaging.link is None:
+            return
+        s, link, a = self.comm.stats, self.averaging.link.stats, self.averaging
+        s.bytes_sent += link.bytes_sent
+        s.bytes_received += link.bytes_received
+        s.messages_sent += link.messages_sent
+        s.comm_time_s += self.wait_s
+        s.calls["adpsgd_average"] = s.calls.get("adpsgd_average", 0) + a.initiated + a.served
+
+    def measurements(self) -> dict:
+        """This peer's figures: steps, averagings initiated and served, staleness, waiting, throughput."""
+        hist = self.staleness_histogram
+        steps = sum(hist)
+        end = self.finished_at or time.monotonic()
+        elapsed = end - self.started_at if self.started_at is not None else 0.0
+        return {
+            "role": self.role,
+            "steps": self.step_count,
+            "samples": self.samples,
+            "averagings_initiated": self.averaging.initiated,
+            "averagings_served": self.averaging.served,
+            "staleness_mean": sum(k * c for k, c in enumerate(hist)) / steps if steps else 0.0,
+            "staleness_max": max((k for k, c in enumerate(hist) if c), default=0),
+            "staleness_histogram": list(hist),
+            "wait_s": self.wait_s,
+            "elapsed_s": elapsed,
+            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+        }
+
+    def algorithm_state(self):
+        with self.lock:
+            return {**super().algorithm_state(), "live": self.live.clone(), "samples": self.samples,
+                    "staleness_histogram": list(self.staleness_histogram)}
+
+    def load_algorithm_state(self, state):
+        super().load_algorithm_state(state)
+        with self.lock:
+            self.live.copy_(state["live"])
+        self.samples = int(state.get("samples", 0))
+        self.staleness_histogram = list(state.get("staleness_histogram", []))
