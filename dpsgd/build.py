@@ -128,8 +128,8 @@ class Peer:
     x_test: torch.Tensor
     y_test: torch.Tensor
     model: torch.nn.Module
-    topology: object
-    optimizer: object
+    topology: topologies.Topology
+    optimizer: DistributedOptimizer
     loss_fn: object
     network: netem.NetworkEmulator  # attached to the communicator: link costs, clock, compute slowdown
     steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set

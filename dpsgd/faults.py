@@ -19,6 +19,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dpsgd.seeds import message_loss_seed
+
 KILL_MODES = ("exit", "hang")
 
 
@@ -71,7 +73,7 @@ class FaultInjector:
 
     def __init__(self, plan: FaultPlan, comm, seed: int = 0):
         self.plan, self.comm, self.step = plan, comm, 0
-        self._rng = random.Random(seed * 100_003 + comm.rank)  # which messages are lost: seeded per sender
+        self._rng = random.Random(message_loss_seed(seed, comm.rank))
         if plan.drop_messages:
             comm.drop_message = self._drop
 

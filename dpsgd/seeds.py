@@ -22,3 +22,8 @@ def link_jitter_seed(seed: int, rank: int) -> int:
 def protocol_jitter_seed(seed: int, rank: int) -> int:
     """Random delays injected into AD-PSGD's protocol (tests)."""
     return seed * 104729 + rank + 1
+
+
+def message_loss_seed(seed: int, rank: int) -> int:
+    """Which of peer `rank`'s messages an injected fault loses (dpsgd.faults)."""
+    return seed * 100_003 + rank

@@ -331,3 +331,26 @@ def test_configs_build_their_algorithm(name):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_torch_step_hooks_fire_around_every_algorithms_step():
+    def peer(comm):
+        calls = []
+        for name in ALGORITHMS:
+            if name == "adpsgd":
+                continue  # asynchronous: its step needs its budget and threads (test_adpsgd)
+            w = torch.nn.Parameter(torch.ones(3))
+            options = {k: v for k, v in yaml.safe_load((CONF / f"{name}.yaml").read_text()).items()
+                       if k not in BASE_KEYS}
+            topology = topologies.make("directed_exponential" if name == "sgp" else "ring", comm.size)
+            opt = build(name, torch.optim.SGD([w], lr=0.1), topology=topology, comm=comm, **options)
+            opt.register_step_pre_hook(lambda o, args, kwargs, n=name: calls.append(("pre", n, o.step_count)))
+            opt.register_step_post_hook(lambda o, args, kwargs, n=name: calls.append(("post", n, o.step_count)))
+            w.grad = torch.ones(3)
+            opt.step()
+        return calls
+
+    calls = run_local(N, peer)[0]
+    expected = [(when, name, count) for name in ALGORITHMS if name != "adpsgd"
+                for when, count in (("pre", 0), ("post", 1))]
+    assert calls == expected

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dpsgd.comm.base import ring_allreduce_bytes
 from experiments.bench import common
 
 LIMIT = 1.05
@@ -37,7 +38,9 @@ def batches(rank: int, batch: int, seed: int, dtype, count: int = POOL):
     """`count` (inputs, labels) batches of peer `rank`; any peer can make any peer's batches."""
     import torch
 
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    from dpsgd.seeds import batch_seed
+
+    g = torch.Generator().manual_seed(batch_seed(seed, rank))
     return [(torch.randn(batch, INPUTS, generator=g, dtype=dtype), torch.randint(0, CLASSES, (batch,), generator=g))
             for _ in range(count)]
 
@@ -139,7 +142,7 @@ def worker(args) -> None:
                 faults[name].append(df)
     medians = {name: common.median(common.slowest(world, t)) for name, t in times.items()}
     comms["mpi"].close()
-    sent = common.ring_allreduce_bytes(4 * nparams, world.Get_size())
+    sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
     common.finish_ranks(world, args.worker, {
         "peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch,
         "reps": args.reps, "warmup": args.warmup, "step_s": medians, "floor": floor,

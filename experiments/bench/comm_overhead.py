@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dpsgd.comm.base import ring_allreduce_bytes
 from experiments.bench import common
 
 LIMIT = 1.10
@@ -144,7 +145,7 @@ def worker(args) -> None:
             for op in OPS:
                 tk = common.slowest(world, times[(backend, op, "toolkit")])
                 raw = common.slowest(world, times[(backend, op, "raw")])
-                sent = 2 * x.nbytes if op != "allreduce_mean" else common.ring_allreduce_bytes(x.nbytes, n)
+                sent = 2 * x.nbytes if op != "allreduce_mean" else ring_allreduce_bytes(x.nbytes, n)
                 rows.append({
                     "backend": backend, "op": op, "mb": mb, "bytes": x.nbytes, "reps": reps,
                     "toolkit_s": common.median(tk), "raw_s": common.median(raw),

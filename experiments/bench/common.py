@@ -214,11 +214,6 @@ def floor_s(nbytes_sent: float, floor: dict) -> float:
     return nbytes_sent / floor["bytes_per_s"]
 
 
-def ring_allreduce_bytes(nbytes: int, n: int) -> float:
-    """Bytes each rank sends in a bandwidth-optimal all-reduce of `nbytes`."""
-    return 2 * (n - 1) / n * nbytes
-
-
 def floor_line(floor: dict) -> str:
     return (f"loopback floor: raw MPI Sendrecv of {floor['nbytes'] / 2**20:.0f} MiB between {floor['pairs']} pairs "
             f"of ranks at once: {floor['bytes_per_s'] / 1e9:.2f} GB/s per rank "

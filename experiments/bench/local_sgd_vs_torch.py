@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dpsgd.comm.base import ring_allreduce_bytes
 from experiments.bench import common
 from experiments.bench.allreduce_vs_ddp import POOL, batches, flat_params, make_model, train_step
 
@@ -129,7 +130,7 @@ def worker(args) -> None:
     step_s = {phase: {name: common.median(common.slowest(world, t)) if t else None for name, t in times.items()}
               for phase, times in (("warmup", warm), ("local", local))}
     comms["mpi"].close()
-    sent = common.ring_allreduce_bytes(4 * nparams, world.Get_size())
+    sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
     common.finish_ranks(world, args.worker, {
         "peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch,
         "period": args.period, "warmup_steps": args.warmup_steps, "skip": args.skip, "windows": args.windows,
