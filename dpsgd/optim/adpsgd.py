@@ -109,6 +109,8 @@ class ADPSGD(DistributedOptimizer):
     the choice of neighbours; `jitter_s` adds random delays (up to that many seconds) inside the
     protocol, for tests; `record_events` logs every change to the live parameters, in order."""
 
+    asynchronous = True
+
     def __init__(self, base: torch.optim.Optimizer, comm, topology=None, budget: str = "steps",
                  seconds: float | None = None, seed: int = 0, jitter_s: float = 0.0, record_events: bool = False):
         super().__init__(base, comm)

@@ -18,6 +18,8 @@ STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside
 class DistributedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses implement `step()` with `self.base.step()` and communication."""
 
+    asynchronous = False  # True: peers never wait for a global step (AD-PSGD: pairs active with passive peers)
+
     def __init__(self, base: torch.optim.Optimizer, comm: Communicator):
         if not isinstance(base, torch.optim.Optimizer):
             raise TypeError(
