@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from dpsgd import launch
 from dpsgd.comm import DEFAULT_TIMEOUT_S
@@ -76,9 +75,8 @@ class MPIBackend(Backend):
             return str(exc)
         return None
 
-    def spawn(self, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
-              log_dir: Path | None = None, codes_out: list | None = None) -> int:
-        return launch.spawn_mpi(n, argv, timeout_s, env, log_dir)  # one mpiexec process: no exit code per rank
+    def spawn(self, n: int, argv: list[str], *args, codes_out: list | None = None, **kwargs) -> int:
+        return launch.spawn_mpi(n, argv, *args, **kwargs)  # one mpiexec process: no exit code per rank
 
 
 register(MPIBackend())

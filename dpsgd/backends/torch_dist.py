@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 from dpsgd import launch
 from dpsgd.comm import DEFAULT_TIMEOUT_S
@@ -61,9 +60,7 @@ class TorchBackend(Backend):
                     "wheel from pytorch.org, or choose backend=local or backend=mpi")
         return None
 
-    def spawn(self, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
-              log_dir: Path | None = None, codes_out: list | None = None) -> int:
-        return launch.spawn_torch(n, argv, timeout_s, env, log_dir, codes_out)
+    spawn = staticmethod(launch.spawn_torch)
 
 
 register(TorchBackend())
