@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dpsgd import backends
 from dpsgd.seeds import message_loss_seed
 
 KILL_MODES = ("exit", "hang")
@@ -60,11 +61,15 @@ class FaultPlan:
             raise ValueError(f"faults.delay_s must be a number of seconds >= 0, got {plan.delay_s!r}")
         if not _is_number(plan.drop_messages) or not 0 <= plan.drop_messages <= 1:
             raise ValueError(f"faults.drop_messages must be a fraction in [0, 1], got {plan.drop_messages!r}")
-        if backend == "fleet" and (plan.kill_peer is not None or plan.delay_peer is not None or plan.drop_messages):
-            raise ValueError("faults need real peers and backend=fleet simulates them; use backend=local, mpi or torch")
-        if plan.drop_messages and backend != "local":
-            raise ValueError(f"faults.drop_messages works on backend=local only (got backend={backend}); "
-                             f"on processes, kill or hang a peer instead (faults.kill_peer)")
+        if plan.kill_peer is not None or plan.delay_peer is not None or plan.drop_messages:
+            record = backends.get(backend)
+            if not record.real_peers:
+                raise ValueError(f"faults need real peers and backend={backend} simulates them; use "
+                                 f"backend={_one_of([n for n in backends.names() if backends.get(n).real_peers])}")
+            if plan.drop_messages and not record.threads:
+                raise ValueError(f"faults.drop_messages works on backend="
+                                 f"{_one_of([n for n in backends.names() if backends.get(n).threads])} only (got "
+                                 f"backend={backend}); on processes, kill or hang a peer instead (faults.kill_peer)")
         return plan
 
 
@@ -96,18 +101,18 @@ class FaultInjector:
         return self.step >= self.plan.at_step and self._rng.random() < self.plan.drop_messages
 
     def _kill(self, step: int) -> None:
-        rank, local = self.comm.rank, self.comm.backend == "local"
+        rank, thread = self.comm.rank, backends.get(self.comm.backend).threads  # a thread cannot be killed
         what = "exited" if self.plan.kill_mode == "exit" else "hung"
         message = (f"peer {rank} {what} at step {step} (injected by faults.kill_peer={rank}, "
                    f"faults.at_step={self.plan.at_step}, faults.kill_mode={self.plan.kill_mode})")
-        if self.plan.kill_mode == "exit" and local:
+        if self.plan.kill_mode == "exit" and thread:
             raise InjectedFault(message)
-        if not local:
+        if not thread:
             print(f"fault: {message}", file=sys.stderr, flush=True)  # the last line of this peer's log
         if self.plan.kill_mode == "exit":
             os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would: no handler, no message
-        while True:  # hang: answer nothing until the launcher (or, on local, the failed world) stops us
-            if local:
+        while True:  # hang: answer nothing until the launcher (or, for a thread, the failed world) stops us
+            if thread:
                 self.comm.world.check(rank, f"hang injected at step {step}")
             time.sleep(0.05)
 
@@ -118,3 +123,8 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _one_of(choices: list[str]) -> str:
+    """'local, mpi or torch'."""
+    return " or ".join(filter(None, (", ".join(choices[:-1]), choices[-1])))

@@ -1,5 +1,5 @@
-"""Start peers: spawn them on this machine (mpiexec from the MPI wheel, or n torch.distributed
-processes), or tell whether this process already is one rank of a launched world.
+"""Start peers on this machine: mpiexec from the MPI wheel, or n torch.distributed processes (which
+backend does which, and how a launched rank is recognised, is each record's in dpsgd.backends).
 
 Everything a runtime needs on one machine (loopback only, one torch thread per peer, ranks
 beyond the core count) is set here, so users never set it by hand.
@@ -21,20 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpsgd.comm.mpi import in_mpi_world
-from dpsgd.comm.torch_dist import in_torch_world
 from dpsgd.supervisor import Supervisor
 
 ERROR_FILE = "rank{rank}.error"  # a peer that fails writes its one-line error here (experiments.peer)
-
-
-def launched_world() -> str | None:
-    """'mpi' under mpiexec/srun, 'torch' under torchrun, None for a plain process."""
-    if in_mpi_world():
-        return "mpi"
-    if in_torch_world():
-        return "torch"
-    return None
 
 
 def peer_env(extra: dict | None = None) -> dict:
@@ -150,15 +139,6 @@ def spawn_torch(n: int, argv: list[str], timeout_s: float | None = None, env: di
                 f.close()
 
 
-def spawn(backend: str, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
-          log_dir: Path | None = None) -> int:
-    if backend == "mpi":
-        return spawn_mpi(n, argv, timeout_s, env, log_dir)
-    if backend == "torch":
-        return spawn_torch(n, argv, timeout_s, env, log_dir)
-    raise ValueError(f"cannot spawn processes for backend {backend!r}; valid: mpi, torch")
-
-
 @dataclass
 class Outcome:
     """How a run of peer processes ended."""
@@ -168,18 +148,16 @@ class Outcome:
     seconds: float
 
 
-def run_peers(backend: str, n: int, argv: list[str], log_dir: Path, env: dict | None = None) -> Outcome:
-    """Start n peers, follow them, and on the first failure stop all of them and say who failed."""
+def run_peers(spawn, n: int, argv: list[str], log_dir: Path, env: dict | None = None) -> Outcome:
+    """Start n peers with `spawn` (a backend's: spawn(n, argv, env=, log_dir=, codes_out=) -> exit code),
+    follow them, and on the first failure stop all of them and say who failed."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    codes: list = []  # torch: each process's exit code when the first failure was seen
+    codes: list = []  # each process's exit code when the first failure was seen, where the spawner knows them
     with Supervisor() as sup:
         env = {**(env or {}), **sup.env()}
-        if backend == "torch":
-            code = spawn_torch(n, argv, env=env, log_dir=log_dir, codes_out=codes)
-        else:
-            code = spawn(backend, n, argv, env=env, log_dir=log_dir)
+        code = spawn(n, argv, env=env, log_dir=log_dir, codes_out=codes)
         # the supervisor reads closings in its own thread: let it see the last of them
         settle = time.monotonic() + 1.0
         while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:

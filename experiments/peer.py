@@ -13,25 +13,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-import dpsgd.comm
-from dpsgd import supervisor
+from dpsgd import backends, supervisor
+from dpsgd.backends import error_line
 from dpsgd.launch import ERROR_FILE
 from dpsgd.training import train
-
-
-def init_comm(cfg: dict):
-    backend = cfg["backend"]
-    options = {}
-    if backend["name"] == "torch":
-        options["dist_backend"] = backend.get("dist_backend") or ("nccl" if cfg.get("device") == "cuda" else "gloo")
-    return dpsgd.comm.init(backend["name"], timeout_s=float(cfg["comm"]["timeout_s"]), **options)
-
-
-def error_line(rank: int, exc: BaseException) -> str:
-    """'rank 2: PeerTimeoutError: neighbor_average timed out ... at step 41; ...': one line."""
-    text = (str(exc).strip().splitlines() or [""])[0]
-    text = text.removeprefix(f"rank {rank}: ")
-    return f"rank {rank}: {type(exc).__name__}: {text}"
 
 
 def run_peer(comm, cfg: dict, run_dir: Path | None) -> dict:
@@ -59,7 +44,7 @@ def main() -> None:
     run_dir = Path(sys.argv[1])
     cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     torch.set_num_threads(1)
-    comm = init_comm(cfg)
+    comm = backends.connect(cfg)
     run_peer(comm, cfg, run_dir)
     comm.close()
     # the results are written and the group is down: leave without the interpreter's teardown, where

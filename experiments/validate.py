@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -34,9 +32,9 @@ def check_group_overrides(argv: list[str]) -> None:
 def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -> None:
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a
     user's launcher, in every rank before it joins the others)."""
-    from dpsgd import data, models
+    from dpsgd import backends, data, models
     from dpsgd.build import build_model, build_peer, build_topology, check_algorithm, load_data
-    from dpsgd.comm import BACKENDS, LocalCommunicator, LocalWorld
+    from dpsgd.comm import LocalCommunicator, LocalWorld
     from dpsgd.faults import FaultPlan
     from dpsgd.optim import BASE_OPTIMIZERS
 
@@ -47,7 +45,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         raise ConfigError(f"the launcher started {world_size} processes but peers={peers}; "
                           f"pass peers={world_size} or start {peers} processes")
     try:
-        check_algorithm(cfg)
+        algorithm = check_algorithm(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_choice("algorithm.optimizer", cfg["algorithm"].get("optimizer", "sgd"), BASE_OPTIMIZERS)
@@ -63,11 +61,15 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         raise ConfigError(f"algorithm.ratio (the fraction of entries a compressor sends) must be in (0, 1], "
                           f"got {ratio!r}")
     backend = cfg["backend"].get("name")
-    _check_choice("backend", backend, (*BACKENDS, "fleet"))
-    if backend == "fleet":
-        _check_fleet(cfg)
-    elif not launched:
-        check_backend_installed(backend)
+    _check_choice("backend", backend, backends.names())
+    record = backends.get(backend)
+    if not record.checkpoints and ((cfg.get("checkpoint") or {}).get("every") or cfg.get("resume")):
+        keeping = ", ".join(n for n in backends.names() if backends.get(n).checkpoints)
+        raise ConfigError(f"backend={backend} keeps no checkpoints; set checkpoint.every=0 and resume=false, "
+                          f"or use a backend that does ({keeping})")
+    problem = None if launched else record.missing()  # under a launcher the runtime is already loaded
+    if problem:
+        raise ConfigError(problem)
     if not cfg["model"].get("_target_"):
         _check_choice("model", cfg["model"].get("name"), models.MODELS)
     _check_choice("dataset", cfg["data"].get("name"), data.DATASETS)
@@ -87,7 +89,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         raise ConfigError(str(exc)) from None
     try:
         topology = build_topology(cfg, peers)
-        if cfg["algorithm"]["name"] == "adpsgd" and peers > 1:
+        if getattr(algorithm, "asynchronous", False) and peers > 1:
             topology.bipartite()  # AD-PSGD pairs active with passive peers: every edge must cross
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
@@ -130,52 +132,12 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_backend_installed(backend: str) -> None:
-    """The driver will start mpiexec or torch processes: say now, and how to fix it, if it cannot."""
-    if backend == "mpi":
-        problem = mpi_import_error()
-        if problem:
-            raise ConfigError(f"backend=mpi needs mpi4py and an MPI runtime, but {problem}; install both with "
-                              f"`pip install mpi4py mpich` (or load your cluster's MPI and `pip install mpi4py`), "
-                              f"or choose backend=local or backend=torch")
-        from dpsgd.launch import mpiexec
-
-        try:
-            mpiexec()
-        except RuntimeError as exc:
-            raise ConfigError(str(exc)) from None
-    elif backend == "torch":
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            raise ConfigError("backend=torch needs torch.distributed, which this torch build lacks; install a torch "
-                              "wheel from pytorch.org, or choose backend=local or backend=mpi")
-
-
-def mpi_import_error() -> str | None:
-    """Why mpi4py cannot load an MPI library here, or None. Tried in a child process: loading MPI
-    into the driver would initialize it there."""
-    probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI"
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    if proc.returncode == 0:
-        return None
-    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-    return f"`from mpi4py import MPI` fails ({lines[-1] if lines else f'exit code {proc.returncode}'})"
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_fleet(cfg: dict) -> None:
-    """What the fleet (dpsgd.sim) cannot do: checkpoints."""
-    if (cfg.get("checkpoint") or {}).get("every") or cfg.get("resume"):
-        raise ConfigError("backend=fleet keeps no checkpoints (a fleet run is minutes); set checkpoint.every=0 "
-                          "and resume=false, or use backend=local")
 
 
 def _check_choice(what: str, value, valid) -> None:

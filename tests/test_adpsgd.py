@@ -17,8 +17,9 @@ import torch
 from peers import adpsgd_peer as ap
 
 import topologies
+from dpsgd.backends import spawn
 from dpsgd.comm import PeerTimeoutError, run_local
-from dpsgd.launch import peer_env, spawn
+from dpsgd.launch import peer_env
 from dpsgd.netem import ComputeSlowdown, NetworkEmulator
 from dpsgd.optim import ADPSGD
 

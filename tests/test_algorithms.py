@@ -20,9 +20,9 @@ from peers import suite_peer as s
 from reference import grads
 
 import topologies
+from dpsgd.backends import spawn
 from dpsgd.build import BASE_KEYS
 from dpsgd.comm import run_local
-from dpsgd.launch import spawn
 from dpsgd.optim import ALGORITHMS, D2, DPSGD, SGP, Choco, GradientTracking, build
 
 N = 4

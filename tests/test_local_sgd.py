@@ -17,8 +17,8 @@ from peers import local_sgd_peer as peer
 from peers import quadratic as q
 from reference import grads, sgd_increment
 
+from dpsgd.backends import spawn
 from dpsgd.comm import run_local
-from dpsgd.launch import spawn
 from dpsgd.optim import ALGORITHMS, BMUF, AllReduce, DiLoCo, LocalSGD, SlowMo, build
 
 N = 4

@@ -13,8 +13,8 @@ import torch
 from peers import quadratic as q
 
 import topologies
+from dpsgd.backends import spawn
 from dpsgd.comm import run_local
-from dpsgd.launch import spawn
 
 N = 4
 PEER_SCRIPT = str(Path(__file__).parent / "peers" / "quadratic.py")

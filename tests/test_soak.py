@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpsgd.backends import spawn
 from dpsgd.comm import run_local
-from dpsgd.launch import spawn
 from tests.peers.soak_peer import open_fds, soak
 
 PEER_SCRIPT = str(Path(__file__).resolve().parent / "peers" / "soak_peer.py")

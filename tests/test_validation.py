@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import experiments.validate as validate_module
+import dpsgd.backends.mpi as mpi_backend
 from dpsgd import launch
 from experiments.validate import ConfigError, check_same_run, validate
 
@@ -64,7 +64,7 @@ def test_world_size_must_agree_with_the_launcher():
 
 
 def test_mpi_not_installed_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(validate_module, "mpi_import_error",
+    monkeypatch.setattr(mpi_backend, "mpi_import_error",
                         lambda: "`from mpi4py import MPI` fails (ModuleNotFoundError: No module named 'mpi4py')")
     with pytest.raises(ConfigError) as info:
         validate(config("backend=mpi"))
@@ -73,16 +73,16 @@ def test_mpi_not_installed_says_how_to_install(monkeypatch):
 
 
 def test_mpi_runtime_missing_is_detected_in_a_child_process(monkeypatch):
-    assert validate_module.mpi_import_error() is None  # the MPICH wheel is installed here
+    assert mpi_backend.mpi_import_error() is None  # the MPICH wheel is installed here
     # a child that cannot import mpi4py stands for a machine without it
-    monkeypatch.setattr(validate_module.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+    monkeypatch.setattr(mpi_backend.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 1, "", "Traceback...\nRuntimeError: cannot load MPI library\n"))
     expected = "`from mpi4py import MPI` fails (RuntimeError: cannot load MPI library)"
-    assert validate_module.mpi_import_error() == expected
+    assert mpi_backend.mpi_import_error() == expected
 
 
 def test_mpiexec_missing_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(validate_module, "mpi_import_error", lambda: None)
+    monkeypatch.setattr(mpi_backend, "mpi_import_error", lambda: None)
 
     def no_mpiexec():
         raise RuntimeError("no mpiexec found: install an MPI runtime wheel (`pip install mpich`) or use backend=torch")

@@ -12,9 +12,7 @@ from .base import (
     PeerFailedError,
     PeerTimeoutError,
 )
-from .local import LocalCommunicator, LocalWorld, current_peer, run_local
-
-BACKENDS = ("local", "mpi", "torch")
+from .local import LocalCommunicator, LocalWorld, run_local
 
 __all__ = [
     "BACKENDS", "DEFAULT_TIMEOUT_S", "CommError", "CommStats", "Communicator", "Handle",
@@ -23,21 +21,21 @@ __all__ = [
 
 
 def init(backend: str = "local", timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> Communicator:
-    """A communicator for this process.
+    """A communicator for this process, from the backend's record (dpsgd.backends).
 
     - `local`: inside `run_local`, this thread's peer; elsewhere a world of one peer.
     - `mpi`: this rank of the MPI world (start the processes with mpiexec/srun).
     - `torch`: this rank of torch.distributed (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT);
       options `dist_backend` ('gloo' or 'nccl'; default nccl when CUDA is present) and `init_method`.
     """
-    if backend == "local":
-        return current_peer() or LocalCommunicator(LocalWorld(1), 0, timeout_s)
-    if backend == "mpi":
-        from .mpi import MPICommunicator
+    from dpsgd import backends
 
-        return MPICommunicator(timeout_s=timeout_s, **options)
-    if backend == "torch":
-        from .torch_dist import TorchCommunicator
+    return backends.get(backend).connect(timeout_s, **options)
 
-        return TorchCommunicator(timeout_s=timeout_s, **options)
-    raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+
+def __getattr__(name: str):
+    if name == "BACKENDS":  # the registered backends' names (dpsgd.backends, which imports this package)
+        from dpsgd import backends
+
+        return tuple(backends.names())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,8 +8,6 @@ and halve the speed of the peers still computing on a small machine.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, Pending, Request, poll_until
@@ -25,14 +23,6 @@ def load_mpi():
             f"`pip install mpi4py mpich`, or choose backend=local or backend=torch"
         ) from exc
     return MPI
-
-
-def in_mpi_world() -> bool:
-    """True when this process was started by mpiexec/srun as one rank of several."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        if int(os.environ.get(var, "1") or 1) > 1:
-            return True
-    return False
 
 
 def _as_buffer(t: torch.Tensor):

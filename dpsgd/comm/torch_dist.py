@@ -21,11 +21,6 @@ from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, P
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def in_torch_world() -> bool:
-    """True when a launcher (torchrun, our spawner) gave this process a rank of several."""
-    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ
-
-
 class _Works(Pending):
     def __init__(self, works: list, peers: list[int]):
         self._works, self._peers = works, peers

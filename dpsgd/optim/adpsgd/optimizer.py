@@ -59,7 +59,7 @@ class ADPSGD(DistributedOptimizer):
                                    events=self.events if self.record_events else None, jitter=self._jitter,
                                    aborted=self._abort)
         self.role = self.averaging.role  # "active", "passive" or "alone" (no neighbour to average with)
-        if comm.size > 1 and comm.backend == "mpi":
+        if comm.size > 1 and hasattr(comm, "require_thread_multiple"):  # MPI: threads need THREAD_MULTIPLE
             comm.require_thread_multiple("ADPSGD (a communication thread beside the computing one)")
         self._snap_version = 0  # averaging.version when the snapshot was taken
 

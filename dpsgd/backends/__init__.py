@@ -1,0 +1,119 @@
+"""Backends as records: everything the toolkit asks of a backend, in one `Backend` per module.
+
+A record says how to make this process's communicator (`connect`), whether a launcher (mpiexec,
+srun, torchrun) made this process one rank of its world (`world`), how the driver starts the peers
+of a run (`start`, `spawn`), whether it can run here (`missing`) and what it can do (`threads`,
+`processes`, `checkpoints`); the rest of the code asks these, never a backend's name. A new
+backend is one module here that calls `register(...)` and one config file, conf/backend/NAME.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dpsgd.comm import Communicator
+from dpsgd.launch import run_peers
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+class RunFailed(RuntimeError):
+    """The peers of a run failed; the message is the one line for the user (who failed, why, where the logs are)."""
+
+
+class Backend:
+    """One backend. Subclasses set `name` and override what differs from these defaults."""
+
+    name: str = "?"
+    threads = False  # peers are threads of this process: a killed one raises, messages can be dropped (faults)
+    processes = False  # peers are processes the driver spawns (`spawn`), which faults can kill or hang
+    checkpoints = True  # runs keep checkpoints and resume from them
+
+    @property
+    def real_peers(self) -> bool:
+        """Peers that faults can kill, hang or delay (a simulation has none)."""
+        return self.threads or self.processes
+
+    def connect(self, timeout_s: float, **options) -> Communicator:
+        """This process's communicator (`dpsgd.comm.init`)."""
+        raise NotImplementedError
+
+    def options(self, cfg: dict) -> dict:
+        """The `connect` options a run's config sets."""
+        return {}
+
+    def world(self) -> tuple[int, int] | None:
+        """(rank, size) when a launcher made this process one rank of its world, else None."""
+        return None
+
+    def share(self, data: bytes, timeout_s: float) -> bytes:
+        """Rank 0's `data` in every rank of a launched world, before any communicator exists."""
+        raise NotImplementedError
+
+    def exit(self) -> None:
+        """End a launched rank whose results are written (default: the interpreter's own exit)."""
+
+    def missing(self) -> str | None:
+        """Why the driver cannot start this backend's peers here (one line, with the fix), or None."""
+        return None
+
+    def spawn(self, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
+              log_dir: Path | None = None, codes_out: list | None = None) -> int:
+        """Run `argv` (a python command line without the interpreter) on n processes of one world on this
+        machine; the exit code (dpsgd.launch: the first failure stops all)."""
+        valid = ", ".join(n for n in names() if get(n).processes)
+        raise ValueError(f"cannot spawn processes for backend {self.name!r}; valid: {valid}")
+
+    def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
+        """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
+        return its summary; `argv` is one peer process's command line. Raises RunFailed."""
+        logs = run_dir / "logs"
+        progress = {"DPSGD_PROGRESS": "1" if sys.stdout.isatty() else "0"}  # the peers' stdout is a pipe
+        outcome = run_peers(self.spawn, cfg["peers"], argv, logs, env=progress)
+        if outcome.code != 0:
+            raise RunFailed(f"{outcome.failure}; all peers stopped after {outcome.seconds:.1f} s (logs: {logs})")
+        return json.loads((run_dir / "summary.json").read_text())
+
+
+def register(backend: Backend) -> Backend:
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def launched() -> Backend | None:
+    """The backend whose launcher made this process one rank of its world, or None (a plain process)."""
+    return next((b for b in _REGISTRY.values() if b.world() is not None), None)
+
+
+def connect(cfg: dict) -> Communicator:
+    """The communicator of one peer of the run `cfg`."""
+    backend = get(cfg["backend"]["name"])
+    return backend.connect(float(cfg["comm"]["timeout_s"]), **backend.options(cfg))
+
+
+def spawn(name: str, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
+          log_dir: Path | None = None) -> int:
+    """`argv` on n processes of backend `name` on this machine (see Backend.spawn)."""
+    return get(name).spawn(n, argv, timeout_s, env, log_dir)
+
+
+def error_line(rank: int, exc: BaseException) -> str:
+    """'rank 2: PeerTimeoutError: neighbor_average timed out ... at step 41; ...': one line."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text.removeprefix(f"rank {rank}: ")
+    return f"rank {rank}: {type(exc).__name__}: {text}"
+
+
+from . import local, mpi, torch_dist, fleet  # noqa: E402,F401,I001 - the built-in backends register themselves

@@ -1,0 +1,48 @@
+"""The `local` backend: peers as threads of this process (dpsgd.comm.local), no launcher."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+
+from dpsgd.comm import DEFAULT_TIMEOUT_S, LocalCommunicator, LocalWorld, run_local
+from dpsgd.comm.local import current_peer
+
+from . import Backend, RunFailed, error_line, register
+
+
+class _PeerError(RuntimeError):
+    """A peer failed; the message is its one line (rank, error type, message)."""
+
+
+def _peer(comm, cfg: dict, run_dir: Path) -> dict:
+    from dpsgd.training import train
+
+    try:
+        return train(comm, cfg, run_dir)
+    except Exception as exc:  # noqa: BLE001 - one line for the user, the traceback to the logs
+        raise _PeerError(error_line(comm.rank, exc)) from exc
+
+
+class LocalBackend(Backend):
+    name = "local"
+    threads = True
+
+    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options):
+        """Inside `run_local`, this thread's peer; elsewhere a world of one peer."""
+        return current_peer() or LocalCommunicator(LocalWorld(1), 0, timeout_s)
+
+    def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
+        start = time.monotonic()
+        try:
+            return run_local(cfg["peers"], _peer, cfg, run_dir, timeout_s=float(cfg["comm"]["timeout_s"]))[0]
+        except _PeerError as exc:  # the first peer that failed; the others were released at once
+            logs = run_dir / "logs"
+            logs.mkdir(exist_ok=True)
+            (logs / "traceback.log").write_text("".join(traceback.format_exception(exc.__cause__ or exc)))
+            raise RunFailed(f"{exc}; all peers stopped after {time.monotonic() - start:.1f} s (traceback: "
+                            f"{logs / 'traceback.log'})") from None
+
+
+register(LocalBackend())

@@ -1,0 +1,82 @@
+"""The `mpi` backend: mpi4py (dpsgd.comm.mpi). The driver starts `mpiexec -n peers` from the MPI wheel;
+under a user's mpiexec or srun every rank joins that world."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from dpsgd import launch
+from dpsgd.comm import DEFAULT_TIMEOUT_S
+
+from . import Backend, register
+
+
+def in_mpi_world() -> bool:
+    """True when this process was started by mpiexec/srun as one rank of several."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        if int(os.environ.get(var, "1") or 1) > 1:
+            return True
+    return False
+
+
+def mpi_import_error() -> str | None:
+    """Why mpi4py cannot load an MPI library here, or None. Tried in a child process: loading MPI
+    into the driver would initialize it there."""
+    probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    if proc.returncode == 0:
+        return None
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    return f"`from mpi4py import MPI` fails ({lines[-1] if lines else f'exit code {proc.returncode}'})"
+
+
+class MPIBackend(Backend):
+    name = "mpi"
+    processes = True
+
+    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options):
+        """This rank of the MPI world (start the processes with mpiexec/srun)."""
+        from dpsgd.comm.mpi import MPICommunicator
+
+        return MPICommunicator(timeout_s=timeout_s, **options)
+
+    def world(self) -> tuple[int, int] | None:
+        if not in_mpi_world():
+            return None
+        from dpsgd.comm.mpi import load_mpi
+
+        world = load_mpi().COMM_WORLD
+        return world.Get_rank(), world.Get_size()
+
+    def share(self, data: bytes, timeout_s: float) -> bytes:
+        """As fixed-size bytes (nothing received is unpickled), waiting by polling: PeerTimeoutError
+        when a rank never arrives."""
+        from mpi4py import MPI
+
+        from dpsgd.comm.base import poll_until
+
+        buf = bytearray(data)
+        request = MPI.COMM_WORLD.Ibcast(buf, root=0)
+        poll_until(request.Test, time.monotonic() + timeout_s)
+        return bytes(buf)
+
+    def missing(self) -> str | None:
+        problem = mpi_import_error()
+        if problem:
+            return (f"backend=mpi needs mpi4py and an MPI runtime, but {problem}; install both with "
+                    f"`pip install mpi4py mpich` (or load your cluster's MPI and `pip install mpi4py`), "
+                    f"or choose backend=local or backend=torch")
+        try:
+            launch.mpiexec()
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+    def spawn(self, n: int, argv: list[str], *args, codes_out: list | None = None, **kwargs) -> int:
+        return launch.spawn_mpi(n, argv, *args, **kwargs)  # one mpiexec process: no exit code per rank
+
+
+register(MPIBackend())

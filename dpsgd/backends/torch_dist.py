@@ -1,0 +1,66 @@
+"""The `torch` backend: torch.distributed (dpsgd.comm.torch_dist), gloo on CPU, nccl on GPU. The driver
+spawns `peers` processes; under torchrun (RANK, WORLD_SIZE) every rank joins that world."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+from dpsgd import launch
+from dpsgd.comm import DEFAULT_TIMEOUT_S
+
+from . import Backend, register
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    processes = True
+
+    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options):
+        """This rank of torch.distributed (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); options
+        `dist_backend` ('gloo' or 'nccl'; default nccl when CUDA is present) and `init_method`."""
+        from dpsgd.comm.torch_dist import TorchCommunicator
+
+        return TorchCommunicator(timeout_s=timeout_s, **options)
+
+    def options(self, cfg: dict) -> dict:
+        default = "nccl" if cfg.get("device") == "cuda" else "gloo"
+        return {"dist_backend": cfg["backend"].get("dist_backend") or default}
+
+    def world(self) -> tuple[int, int] | None:
+        size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        return (int(os.environ["RANK"]), size) if size > 1 and "RANK" in os.environ else None
+
+    def share(self, data: bytes, timeout_s: float) -> bytes:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=timedelta(seconds=timeout_s))
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+        dist.broadcast(t, src=0)
+        return bytes(t.tolist())
+
+    def exit(self) -> None:
+        # results written, group down: skip the interpreter's teardown, where gloo's threads can abort
+        # the process ("terminate called without an active exception"), as in experiments.peer
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def missing(self) -> str | None:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return ("backend=torch needs torch.distributed, which this torch build lacks; install a torch "
+                    "wheel from pytorch.org, or choose backend=local or backend=mpi")
+        return None
+
+    spawn = staticmethod(launch.spawn_torch)
+
+
+register(TorchBackend())
