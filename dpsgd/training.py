@@ -79,7 +79,7 @@ class RunLog:
         summary = {
             **describe,
             "steps": final["step"],
-            **{k: v for k, v in final.items() if k not in ("step", "scope", "adpsgd")},
+            **{k: v for k, v in final.items() if k not in ("step", "scope")},
             "wall_time_s": wall_s,
             "emulated_s_per_step": emulated / final["step"] if emulated and final["step"] else None,
             "samples_per_s": final["samples"] / wall_s,
@@ -105,6 +105,7 @@ def run_loop(run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | Non
     last: dict = {}
     logged = None
     with _progress(run) as bar:
+        task = bar.add_task("train", total=run.total_steps, completed=run.step_count, status="") if bar else None
         while not run.done():
             loss = run.train_step()
             if loss is None:
@@ -118,8 +119,11 @@ def run_loop(run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | Non
                     last = record
                     log.write(record, track=record.get("scope") != "rank 0")
                     running, seen = 0.0, 0
-                    bar.status(record)
-            bar.advance(step)
+                    if bar and record["test_accuracy"] is not None:
+                        status = f"acc {record['test_accuracy']:.3f}  loss {record['train_loss']:.3f}"
+                        bar.update(task, status=status)
+            if bar:
+                bar.update(task, completed=step)
             if ckpt_every and step % ckpt_every == 0 and step < run.total_steps:
                 kept = run.state({"running": running, "seen": seen, "elapsed": time.perf_counter() - start,
                                   "reached": log.reached})
@@ -135,39 +139,15 @@ def run_loop(run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | Non
     return log.summary(run.describe(cfg), final, extra, max(wall, final["wall_time_s"]))
 
 
-class _Bar:
-    """A progress bar on rank 0 when stdout is a terminal (quiet in CI and pipes)."""
+def _progress(run: Run):
+    """A progress bar on the writer when stdout is a terminal (quiet in CI and pipes)."""
+    if not run.writer or os.environ.get("CI") or \
+            os.environ.get("DPSGD_PROGRESS", "1" if sys.stdout.isatty() else "0") != "1":
+        return nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    def __init__(self, bar, total: int, completed: int):
-        self._bar = bar
-        self._task = bar.add_task("train", total=total, completed=completed, status="") if bar else None
-
-    def status(self, record: dict) -> None:
-        if self._bar and record.get("test_accuracy") is not None:
-            self._bar.update(self._task, status=f"acc {record['test_accuracy']:.3f}  loss {record['train_loss']:.3f}")
-
-    def advance(self, step: int) -> None:
-        if self._bar:
-            self._bar.update(self._task, completed=step)
-
-
-class _progress:
-    def __init__(self, run: Run):
-        show = run.writer and os.environ.get("DPSGD_PROGRESS", "1" if sys.stdout.isatty() else "0") == "1" \
-            and not os.environ.get("CI")
-        self._ctx = nullcontext(None)
-        if show:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._ctx = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[status]}"), transient=True)
-        self._run = run
-
-    def __enter__(self) -> _Bar:
-        return _Bar(self._ctx.__enter__(), self._run.total_steps, self._run.step_count)
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+    return Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    TextColumn("{task.fields[status]}"), transient=True)
 
 
 # --- real peers ---------------------------------------------------------------------------------
