@@ -30,9 +30,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
-# the tests that start no OS process (no mpiexec, torch.distributed or app subprocess): under a minute
+# the tests that start no OS process (no mpiexec, torch.distributed or app subprocess): about a minute;
+# --forbid-processes fails one that does (it is then missing the `processes` marker: tests/conftest.py)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not processes" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not processes" --forbid-processes $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff format --check $(FORMAT_PATHS)
