@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments.bench import allreduce_vs_ddp, comm_overhead, local_sgd_vs_torch
 
+pytestmark = pytest.mark.processes  # every benchmark spawns its ranks under mpiexec
 COMMON_KEYS = {"benchmark", "date", "machine", "command", "targets", "floor"}
 
 

@@ -8,25 +8,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from runs import assert_same_numbers, summary
 
-from dpsgd.launch import mpiexec, peer_env
+from dpsgd.launch import mpiexec
 
-ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["epochs=3", "log_every=5"]
 
 
-def train(args, run_dir: Path, launcher: list[str] | None = None, timeout=180):
-    cmd = (launcher or []) + [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def test_default_experiment_local_writes_outputs(tmp_path):
+def test_default_experiment_local_writes_outputs(app, tmp_path):
     run_dir = tmp_path / "run"
-    proc = train(["backend=local"], run_dir)
+    proc = app(["backend=local"], run_dir)
     assert proc.returncode == 0, proc.stderr
     s = summary(run_dir)
     assert s["algorithm"] == "dpsgd" and s["topology"] == "ring" and s["peers"] == 4
@@ -52,18 +45,18 @@ LAUNCHES = {
 
 
 @pytest.fixture(scope="module")
-def local_reference(tmp_path_factory):
+def local_reference(app, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("local") / "run"
-    proc = train(["backend=local", *SHORT], run_dir)
+    proc = app(["backend=local", *SHORT], run_dir)
     assert proc.returncode == 0, proc.stderr
     return summary(run_dir)
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_same_numbers_on_every_backend(launch, local_reference, tmp_path):
+def test_same_numbers_on_every_backend(app, launch, local_reference, tmp_path):
     args, launcher = LAUNCHES[launch]
     run_dir = tmp_path / "run"
-    proc = train(args + SHORT, run_dir, launcher() if launcher else None)
+    proc = app(args + SHORT, run_dir, launcher() if launcher else None)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = summary(run_dir)
     assert s["steps"] == local_reference["steps"]
@@ -75,8 +68,8 @@ def test_same_numbers_on_every_backend(launch, local_reference, tmp_path):
         assert logs == ["train_rank0.log", "train_rank1.log", "train_rank2.log", "train_rank3.log"], logs
 
 
-def test_single_peer_runs(tmp_path):
-    proc = train(["peers=1", "backend=mpi", *SHORT], tmp_path / "run")
+def test_single_peer_runs(app, tmp_path):
+    proc = app(["peers=1", "backend=mpi", *SHORT], tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     s = summary(tmp_path / "run")
     assert s["peers"] == 1 and s["consensus_distance"] == 0 and s["mb_sent_per_peer"] == 0
@@ -91,9 +84,9 @@ def test_single_peer_runs(tmp_path):
     (["topology.name=nope", "backend=local"], ["topology 'nope'", "ring"]),
     (["topology=one_peer_exponential", "peers=6", "topology.name=hypercube"], ["hypercube", "power of 2"]),
 ])
-def test_bad_input_one_line_and_no_outputs(args, words, tmp_path):
+def test_bad_input_one_line_and_no_outputs(app, args, words, tmp_path):
     run_dir = tmp_path / "run"
-    proc = train(args, run_dir, timeout=60)
+    proc = app(args, run_dir, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -102,9 +95,9 @@ def test_bad_input_one_line_and_no_outputs(args, words, tmp_path):
     assert not run_dir.exists()
 
 
-def test_world_size_must_match_peers(tmp_path):
+def test_world_size_must_match_peers(app, tmp_path):
     run_dir = tmp_path / "run"
-    proc = train(["backend=mpi", "peers=4"], run_dir, [mpiexec(), "-n", "2"], timeout=60)
+    proc = app(["backend=mpi", "peers=4"], run_dir, [mpiexec(), "-n", "2"], timeout=60)
     assert proc.returncode != 0
     assert "started 2 processes but peers=4" in proc.stderr
     assert not (run_dir / "summary.json").exists()
@@ -112,14 +105,12 @@ def test_world_size_must_match_peers(tmp_path):
 
 
 
-def test_killed_run_resumes_to_the_same_numbers(tmp_path):
+def test_killed_run_resumes_to_the_same_numbers(app, tmp_path):
     args = ["backend=local", "epochs=60", "log_every=10", "checkpoint.every=20"]
     full = tmp_path / "full"
-    assert train(args, full).returncode == 0
+    assert app(args, full).returncode == 0
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=peer_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = app.start(args, run_dir, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not list(run_dir.glob("checkpoints/*/COMPLETE")) and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -127,9 +118,9 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path):
     proc.wait()
     assert not (run_dir / "summary.json").exists(), "the run ended before it could be killed"
 
-    again = train(args, run_dir)  # the folder holds a run: refused without resume=true
+    again = app(args, run_dir)  # the folder holds a run: refused without resume=true
     assert again.returncode == 2 and "resume=true" in again.stderr and (run_dir / "checkpoints").exists()
-    resumed = train(args + ["resume=true"], run_dir)
+    resumed = app(args + ["resume=true"], run_dir)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_numbers(full, run_dir)
 

@@ -8,38 +8,37 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from runs import assert_same_numbers
 
 from dpsgd import checkpoint
 from dpsgd.comm import PeerTimeoutError, run_local
 from dpsgd.faults import FaultInjector, FaultPlan, InjectedFault
-from dpsgd.launch import first_failure, peer_env
+from dpsgd.launch import first_failure
 from dpsgd.supervisor import Supervisor
 from dpsgd.training import train
 
-ROOT = Path(__file__).resolve().parent.parent
+
+@pytest.fixture
+def config(hydra_config):
+    """`config(*overrides)`: the app's config on the local backend, 2 epochs, a record every 5 steps."""
+    return lambda *overrides: hydra_config("epochs=2", "log_every=5", *overrides)
 
 
-def config(*overrides: str) -> dict:
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["backend=local", "epochs=2", "log_every=5", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
+@pytest.fixture
+def cli(app):
+    """`cli(args, run_dir)` runs the app; returns the process, its wall time and the moment (time.time) it ended."""
 
+    def run(args: list[str], run_dir: Path, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float, float]:
+        start = time.monotonic()
+        proc = app(args, run_dir, timeout=timeout)
+        return proc, time.monotonic() - start, time.time()
 
-def cli(args: list[str], run_dir: Path, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float, float]:
-    """Run the app; returns the process, its wall time and the moment (time.time) it ended."""
-    cmd = [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - start, time.time()
+    return run
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -69,7 +68,7 @@ def test_lost_messages_only_on_local():
         FaultPlan.from_config({"drop_messages": 0.1}, peers=4, backend="mpi")
 
 
-def test_no_fault_configured_changes_nothing():
+def test_no_fault_configured_changes_nothing(config):
     cfg = config("peers=4")
     plain = run_local(4, train, cfg, None)[0]
     delayed = run_local(4, train, config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.01",
@@ -79,14 +78,14 @@ def test_no_fault_configured_changes_nothing():
     assert delayed["wall_time_s"] > plain["wall_time_s"]
 
 
-def test_delay_past_the_timeout_names_the_slow_peer():
+def test_delay_past_the_timeout_names_the_slow_peer(config):
     cfg = config("peers=4", "faults.delay_peer=2", "faults.delay_s=1.5", "faults.at_step=3")
     with pytest.raises(PeerTimeoutError) as info:
         run_local(4, train, cfg, None, timeout_s=0.5)
     assert "waiting for peer(s) [2] at step 3" in str(info.value)
 
 
-def test_lost_messages_are_a_timeout_naming_the_sender():
+def test_lost_messages_are_a_timeout_naming_the_sender(config):
     cfg = config("peers=4", "faults.drop_messages=1.0", "faults.at_step=4")
     start = time.monotonic()
     with pytest.raises(PeerTimeoutError) as info:
@@ -109,7 +108,7 @@ def test_dropping_is_seeded_and_starts_at_at_step():
     assert draws == [b._drop(0) for _ in range(200)] and 60 < sum(draws) < 140
 
 
-def test_killed_local_peer_stops_the_world_at_once():
+def test_killed_local_peer_stops_the_world_at_once(config):
     cfg = config("peers=4", "faults.kill_peer=3", "faults.at_step=5")
     start = time.monotonic()
     with pytest.raises(InjectedFault, match="peer 3 exited at step 5"):
@@ -128,7 +127,7 @@ def test_killed_local_peer_stops_the_world_at_once():
     (["faults.drop_messages=1.0", "faults.at_step=5"],
      ["PeerTimeoutError: neighbor_average timed out after 2 s", "at step 5"]),
 ])
-def test_local_fault_ends_the_run_with_one_line(args, words, tmp_path):
+def test_local_fault_ends_the_run_with_one_line(cli, args, words, tmp_path):
     proc, seconds, _ = cli(["backend=local", "comm.timeout_s=2", "epochs=2", *args], tmp_path / "run")
     assert proc.returncode == 1, proc.stderr
     line = one_error_line(proc)
@@ -145,7 +144,7 @@ def test_local_fault_ends_the_run_with_one_line(args, words, tmp_path):
     ("torch", "exit", ["peer 1 died at step 5 without an error message (killed by SIGKILL)",
                        "its log ends: fault: peer 1 exited at step 5"]),
 ])
-def test_process_fault_ends_the_run_with_one_line(backend, mode, words, tmp_path):
+def test_process_fault_ends_the_run_with_one_line(cli, backend, mode, words, tmp_path):
     """A peer process that dies (SIGKILL) or hangs: the whole run ends, well within 2x comm.timeout_s
     of the fault, with one line naming the peer and the step (a dead MPI peer: the 8-peer test below)."""
     timeout_s, run_dir = 4, tmp_path / "run"
@@ -219,7 +218,7 @@ class _RunsCode:
 # --- resume after a crash: the numbers of an uninterrupted run ------------------------------------
 
 @pytest.mark.timeout(200)
-def test_local_peer_killed_then_torn_checkpoint_then_resume_gives_same_numbers(tmp_path):
+def test_local_peer_killed_then_torn_checkpoint_then_resume_gives_same_numbers(cli, tmp_path):
     args = ["backend=local", "epochs=12", "log_every=10", "checkpoint.every=10"]
     full = tmp_path / "full"
     assert cli(args, full)[0].returncode == 0
@@ -230,11 +229,11 @@ def test_local_peer_killed_then_torn_checkpoint_then_resume_gives_same_numbers(t
     # the newest checkpoint is torn too (a peer died while writing): step 20 is used
     pt = run_dir / "checkpoints" / "step_00000030" / "rank2.pt"
     pt.write_bytes(pt.read_bytes()[:100])
-    assert_resumes_to_the_same_numbers(args, full, run_dir)
+    assert_resumes_to_the_same_numbers(cli, args, full, run_dir)
 
 
 @pytest.mark.timeout(400)
-def test_kill_one_of_8_mpi_peers_ends_the_run_and_resume_finishes_it(tmp_path):
+def test_kill_one_of_8_mpi_peers_ends_the_run_and_resume_finishes_it(cli, tmp_path):
     """The issue's acceptance test: one of 8 MPI peers dies mid-run; the run ends within 2x
     comm.timeout_s with one line naming it; resume=true ends with the uninterrupted run's numbers."""
     timeout_s = 10
@@ -252,10 +251,10 @@ def test_kill_one_of_8_mpi_peers_ends_the_run_and_resume_finishes_it(tmp_path):
           f"(run {seconds:.1f} s in all); limit {2 * timeout_s} s\n{line}")
     assert ended - fault_at < 2 * timeout_s
     assert checkpoint.complete_steps(run_dir, 8) == [20, 30]
-    assert_resumes_to_the_same_numbers(args, full, run_dir)
+    assert_resumes_to_the_same_numbers(cli, args, full, run_dir)
 
 
-def assert_resumes_to_the_same_numbers(args: list[str], full: Path, run_dir: Path) -> None:
+def assert_resumes_to_the_same_numbers(cli, args: list[str], full: Path, run_dir: Path) -> None:
     """resume=true in `run_dir` ends with the numbers of the uninterrupted run in `full`."""
     resumed, _, _ = cli(args + ["resume=true"], run_dir)
     assert resumed.returncode == 0, resumed.stderr
@@ -328,12 +327,11 @@ def test_supervisor_hears_steps_and_deaths():
 
 
 @pytest.mark.timeout(200)
-def test_mpi_rank_killed_from_outside_is_named(tmp_path):
+def test_mpi_rank_killed_from_outside_is_named(app, tmp_path):
     """No injection: `kill -9` of one rank (as the OOM killer would) mid-run."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "experiments.train", "backend=mpi", "peers=2", "epochs=300", "comm.timeout_s=10",
-           f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=peer_env(), stderr=subprocess.PIPE, text=True)
+    args = ["backend=mpi", "peers=2", "epochs=300", "comm.timeout_s=10"]
+    proc = app.start(args, run_dir, stderr=subprocess.PIPE, text=True)
     victim, deadline = None, time.monotonic() + 150
     while victim is None and time.monotonic() < deadline:
         time.sleep(0.2)

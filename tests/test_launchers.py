@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dpsgd.launch import peer_env
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def sweep(launcher: str, sweep_dir: Path, *extra: str, timeout: int = 300):
-    cmd = [sys.executable, "-m", "experiments.train", "-m", f"hydra/launcher={launcher}",
-           "algorithm=allreduce,dpsgd", "epochs=2", f"hydra.sweep.dir={sweep_dir}", *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=timeout)
+def sweep(app, launcher: str, sweep_dir: Path, *extra: str, timeout: int = 300):
+    args = ["-m", f"hydra/launcher={launcher}", "algorithm=allreduce,dpsgd", "epochs=2", f"hydra.sweep.dir={sweep_dir}",
+            *extra]
+    return app(args, timeout=timeout)
 
 
-def test_submitit_local_runs_a_sweep(tmp_path):
-    proc = sweep("local_submitit", tmp_path, "backend=local")
+def test_submitit_local_runs_a_sweep(app, tmp_path):
+    proc = sweep(app, "local_submitit", tmp_path, "backend=local")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.parent.name for p in tmp_path.glob("*/summary.json")) == ["0", "1"]
 
@@ -39,23 +34,22 @@ def _slurm_up() -> str | None:
 
 
 @pytest.mark.timeout(900)
-def test_slurm_runs_a_two_run_sweep(tmp_path):
+def test_slurm_runs_a_two_run_sweep(app, tmp_path):
     reason = _slurm_up()
     if reason:
         pytest.skip(reason)
-    proc = sweep("slurm", tmp_path, "peers=2", timeout=880)
+    proc = sweep(app, "slurm", tmp_path, "peers=2", timeout=880)
     assert proc.returncode == 0, proc.stderr
     assert len(list(tmp_path.glob("*/summary.json"))) == 2
 
 
 @pytest.mark.timeout(300)
-def test_srun_starts_the_ranks_of_one_run(tmp_path):
+def test_srun_starts_the_ranks_of_one_run(app, tmp_path):
     reason = _slurm_up()
     if reason:
         pytest.skip(reason)
-    cmd = ["srun", "-n", "2", "--mpi=pmi2", sys.executable, "-m", "experiments.train", "backend=mpi", "peers=2",
-           "epochs=2", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=280)
+    srun = ["srun", "-n", "2", "--mpi=pmi2"]
+    proc = app(["backend=mpi", "peers=2", "epochs=2"], tmp_path, srun, timeout=280)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "summary.json").exists()
     assert sorted(p.name for p in tmp_path.glob("*.log")) == ["train_rank0.log", "train_rank1.log"]

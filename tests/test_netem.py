@@ -4,17 +4,13 @@ stragglers under all-reduce and AD-PSGD."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import topologies
 from dpsgd.comm import run_local
-from dpsgd.launch import peer_env
 from dpsgd.netem import ComputeSlowdown, Link, NetworkEmulator
 from dpsgd.optim import ADPSGD, DPSGD, AllReduce
 
@@ -202,19 +198,17 @@ def test_sleep_mode_straggler_paces_every_peer_under_allreduce():
 
 
 @pytest.mark.timeout(180)
-def test_emulated_step_time_of_real_mpi_peers(tmp_path):
+def test_emulated_step_time_of_real_mpi_peers(app, tmp_path):
     """Real processes: 4 mpi peers of one-peer D-PSGD and of all-reduce under ethernet_1g report the
     closed-form emulated step time (a given compute_time is each step's compute in model mode)."""
-    root = Path(__file__).resolve().parent.parent
     link = Link(1e-4, 1.25e8)
     params = 64 * 64 + 64 + 64 * 10 + 10  # the default MLP on digits
     for algorithm, topology, comm_s in (("dpsgd", "one_peer_exponential", link.message_time(4 * params)),
                                         ("allreduce", "ring", link.allreduce_time(4 * params, 4))):
         run_dir = tmp_path / algorithm
-        cmd = [sys.executable, "-m", "experiments.train", f"algorithm={algorithm}", f"topology={topology}",
-               "network=ethernet_1g", "network.compute_time=0.002", "epochs=2", "peers=4", "backend=mpi",
-               f"hydra.run.dir={run_dir}"]
-        proc = subprocess.run(cmd, cwd=root, env=peer_env(), capture_output=True, text=True, timeout=150)
+        args = [f"algorithm={algorithm}", f"topology={topology}", "network=ethernet_1g", "network.compute_time=0.002",
+                "epochs=2", "peers=4", "backend=mpi"]
+        proc = app(args, run_dir, timeout=150)
         assert proc.returncode == 0, proc.stderr[-2000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["emulated_s_per_step"] == pytest.approx(0.002 + comm_s, rel=1e-6)

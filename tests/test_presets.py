@@ -11,6 +11,9 @@ from omegaconf import OmegaConf
 
 from experiments.validate import validate
 
+# validate() of an MPI preset probes mpi4py in a child process (experiments.validate.mpi_import_error)
+pytestmark = pytest.mark.processes
+
 CONF = Path(__file__).resolve().parent.parent / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 

@@ -7,16 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dpsgd.launch import peer_env
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_sweep_to_table_and_plots(tmp_path):
+def test_sweep_to_table_and_plots(app, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", "algorithm=allreduce,dpsgd",
-                           "backend=local", "epochs=2", "log_every=4", f"hydra.sweep.dir={sweep}"],
-                          cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=180)
+    proc = app(["-m", "algorithm=allreduce,dpsgd", "backend=local", "epochs=2", "log_every=4",
+                f"hydra.sweep.dir={sweep}"])
     assert proc.returncode == 0, proc.stderr
     report = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)

@@ -7,20 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import dpsgd.backends.mpi as mpi_backend
 from dpsgd import launch
 from experiments.validate import ConfigError, check_same_run, validate
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def config(*overrides: str) -> dict:
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["backend=local", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -42,36 +34,38 @@ def config(*overrides: str) -> dict:
     (["topology=torus", "peers=5", "topology.rows=2"], "topology 'torus' with peers=5"),
     (["algorithm=adpsgd", "topology=ring", "peers=5"], "AD-PSGD needs a bipartite graph"),
     (["faults.kill_peer=4"], "faults.kill_peer must be a peer rank in [0, 4) or null, got 4"),
-    (["backend=mpi", "faults.drop_messages=0.1"], "faults.drop_messages works on backend=local only"),
+    pytest.param(["backend=mpi", "faults.drop_messages=0.1"], "faults.drop_messages works on backend=local only",
+                 marks=pytest.mark.processes),  # validate() probes mpi4py in a child process
 ])
-def test_bad_config_is_one_line(overrides, words):
+def test_bad_config_is_one_line(hydra_config, overrides, words):
     with pytest.raises(ConfigError) as info:
-        validate(config(*overrides))
+        validate(hydra_config(*overrides))
     message = str(info.value)
     assert words in message, message
     assert "\n" not in message
 
 
-def test_every_algorithm_config_validates():
+def test_every_algorithm_config_validates(hydra_config):
     for algorithm in sorted(p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml")):
         topology = "one_peer_directed_exponential" if algorithm == "sgp" else "ring"
-        validate(config(f"algorithm={algorithm}", f"topology={topology}"))
+        validate(hydra_config(f"algorithm={algorithm}", f"topology={topology}"))
 
 
-def test_world_size_must_agree_with_the_launcher():
+def test_world_size_must_agree_with_the_launcher(hydra_config):
     with pytest.raises(ConfigError, match="the launcher started 4 processes but peers=8; pass peers=4"):
-        validate(config("peers=8"), world_size=4)
+        validate(hydra_config("peers=8"), world_size=4)
 
 
-def test_mpi_not_installed_says_how_to_install(monkeypatch):
+def test_mpi_not_installed_says_how_to_install(hydra_config, monkeypatch):
     monkeypatch.setattr(mpi_backend, "mpi_import_error",
                         lambda: "`from mpi4py import MPI` fails (ModuleNotFoundError: No module named 'mpi4py')")
     with pytest.raises(ConfigError) as info:
-        validate(config("backend=mpi"))
+        validate(hydra_config("backend=mpi"))
     assert "pip install mpi4py mpich" in str(info.value) and "No module named 'mpi4py'" in str(info.value)
-    validate(config("backend=mpi"), launched=True)  # under a launcher MPI is already loaded
+    validate(hydra_config("backend=mpi"), launched=True)  # under a launcher MPI is already loaded
 
 
+@pytest.mark.processes
 def test_mpi_runtime_missing_is_detected_in_a_child_process(monkeypatch):
     assert mpi_backend.mpi_import_error() is None  # the MPICH wheel is installed here
     # a child that cannot import mpi4py stands for a machine without it
@@ -81,7 +75,7 @@ def test_mpi_runtime_missing_is_detected_in_a_child_process(monkeypatch):
     assert mpi_backend.mpi_import_error() == expected
 
 
-def test_mpiexec_missing_says_how_to_install(monkeypatch):
+def test_mpiexec_missing_says_how_to_install(hydra_config, monkeypatch):
     monkeypatch.setattr(mpi_backend, "mpi_import_error", lambda: None)
 
     def no_mpiexec():
@@ -89,28 +83,23 @@ def test_mpiexec_missing_says_how_to_install(monkeypatch):
 
     monkeypatch.setattr(launch, "mpiexec", no_mpiexec)
     with pytest.raises(ConfigError, match="pip install mpich"):
-        validate(config("backend=mpi"))
+        validate(hydra_config("backend=mpi"))
 
 
-def test_torch_without_distributed(monkeypatch):
+def test_torch_without_distributed(hydra_config, monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="backend=torch needs torch.distributed"):
-        validate(config("backend=torch"))
+        validate(hydra_config("backend=torch"))
 
 
-def test_resume_refuses_a_different_config(tmp_path):
-    saved = config("peers=8")
+def test_resume_refuses_a_different_config(hydra_config, tmp_path):
+    saved = hydra_config("peers=8")
     with pytest.raises(ConfigError) as info:
-        check_same_run(saved, config("peers=4", "resume=true"), tmp_path)
+        check_same_run(saved, hydra_config("peers=4", "resume=true"), tmp_path)
     assert "peers=8 there, 4 here" in str(info.value)
-    check_same_run(saved, config("peers=8", "resume=true", "comm.timeout_s=5", "faults.kill_peer=1"), tmp_path)
-
-
-def cli(args: list[str], run_dir: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    cmd = (launcher or []) + [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=ROOT, env=launch.peer_env(), capture_output=True, text=True, timeout=120)
+    check_same_run(saved, hydra_config("peers=8", "resume=true", "comm.timeout_s=5", "faults.kill_peer=1"), tmp_path)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -118,27 +107,27 @@ def cli(args: list[str], run_dir: Path, launcher: list[str] | None = None) -> su
     (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1"),
     (["faults.kill_peer=7"], "faults.kill_peer must be a peer rank in [0, 4)"),
 ])
-def test_app_refuses_bad_input_with_exit_code_2(args, words, tmp_path):
-    proc = cli(["backend=local", *args], tmp_path / "run")
+def test_app_refuses_bad_input_with_exit_code_2(app, args, words, tmp_path):
+    proc = app(["backend=local", *args], tmp_path / "run", timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_app_never_overwrites_a_finished_run(tmp_path):
+def test_app_never_overwrites_a_finished_run(app, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "summary.json").write_text("{}")
-    proc = cli(["backend=local", "epochs=1"], run_dir)
+    proc = app(["backend=local", "epochs=1"], run_dir, timeout=120)
     assert proc.returncode == 2 and "already holds a run; pass resume=true" in proc.stderr
     assert (run_dir / "summary.json").read_text() == "{}"
 
 
 @pytest.mark.timeout(120)
-def test_torchrun_world_size_must_agree(tmp_path):
+def test_torchrun_world_size_must_agree(app, tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                 "127.0.0.1", "--master-port", str(launch.free_port()), "--no-python"]
-    proc = cli(["backend=torch", "peers=4", "comm.timeout_s=30"], tmp_path / "run", launcher)
+    proc = app(["backend=torch", "peers=4", "comm.timeout_s=30"], tmp_path / "run", launcher, timeout=120)
     assert proc.returncode != 0
     assert "the launcher started 2 processes but peers=4; pass peers=2" in proc.stderr

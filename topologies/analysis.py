@@ -124,8 +124,7 @@ def consensus_steps(topology: Topology, eps: float = 1e-3, *, max_steps: int = 1
     if _within(np.eye(n), eps):
         return 0
     period = topology.period
-    doubly = period is not None and all(is_doubly_stochastic(topology._matrix(t)) for t in range(period))
-    if not doubly:
+    if period is None or not all(is_doubly_stochastic(topology._matrix(t)) for t in range(period)):
         p = np.eye(n)
         for t in range(max_steps):
             p = topology._matrix(t) @ p

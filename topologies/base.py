@@ -48,9 +48,7 @@ def check_matrix(w, *, directed: bool, label: str = "mixing matrix") -> np.ndarr
     bad = np.argwhere(w < 0)
     if bad.size:
         i, j = bad[0]
-        raise ValueError(
-            f"{label} is not non-negative: W[{i}, {j}] = {w[i, j]:.6g}; gossip weights must be >= 0"
-        )
+        raise ValueError(f"{label} is not non-negative: W[{i}, {j}] = {w[i, j]:.6g}; gossip weights must be >= 0")
     if not directed:
         rows = w.sum(axis=1)
         i = int(np.argmax(np.abs(rows - 1.0)))
@@ -145,24 +143,18 @@ class Topology:
             if len(schedule) == 0:
                 raise ValueError(f"{name!r}: a schedule needs at least one mixing matrix")
             self._matrices = [
-                check_matrix(
-                    w, directed=directed, label=f"{name!r} at step {t}" if len(schedule) > 1 else repr(name)
-                )
+                check_matrix(w, directed=directed, label=f"{name!r} at step {t}" if len(schedule) > 1 else repr(name))
                 for t, w in enumerate(schedule)
             ]
             shapes = {w.shape for w in self._matrices}
             if len(shapes) > 1:
-                raise ValueError(
-                    f"{name!r}: all matrices of a schedule must have the same shape; got {sorted(shapes)}"
-                )
+                raise ValueError(f"{name!r}: all matrices of a schedule must have the same shape; got {sorted(shapes)}")
             for w in self._matrices:
                 w.flags.writeable = False  # cached: callers get copies
             self.period = len(self._matrices)
             self.n = self._matrices[0].shape[0]
             self._window = self.period
-            check_connected(
-                links_of(self._matrices), directed=self.directed, label=repr(name), steps=self.period
-            )
+            check_connected(links_of(self._matrices), directed=self.directed, label=repr(name), steps=self.period)
         if split is not None:
             self._check_split(split)
 
@@ -178,7 +170,7 @@ class Topology:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be an integer >= 0; got {step!r}")
         if self._matrices is not None:
-            return self._matrices[int(step) % self.period]
+            return self._matrices[int(step) % len(self._matrices)]
         return self._random_matrix(int(step))
 
     def mixing_matrix(self, step: int = 0) -> np.ndarray:
@@ -195,9 +187,7 @@ class Topology:
         def positive(weights: np.ndarray) -> dict[int, float]:
             return {int(j): float(weights[j]) for j in np.flatnonzero(weights > 0) if j != rank}
 
-        return Neighbors(
-            recv=positive(w[rank, :]), send=positive(w[:, rank]), self_weight=float(w[rank, rank])
-        )
+        return Neighbors(recv=positive(w[rank, :]), send=positive(w[:, rank]), self_weight=float(w[rank, rank]))
 
     def _steps_to_inspect(self) -> range:
         """The steps whose links define the graph: one period, or the validated window of a random one."""
@@ -255,9 +245,7 @@ class Topology:
         w = self._matrix(step)
         graph = nx.Graph() if np.array_equal(w, w.T) else nx.DiGraph()
         graph.add_nodes_from((i, {"self_weight": float(w[i, i])}) for i in range(self.n))
-        graph.add_weighted_edges_from(
-            (int(j), int(i), float(w[i, j])) for i, j in np.argwhere(w > 0) if i != j
-        )
+        graph.add_weighted_edges_from((int(j), int(i), float(w[i, j])) for i, j in np.argwhere(w > 0) if i != j)
         return graph
 
     def __repr__(self) -> str:

@@ -51,8 +51,10 @@ def _hyper_hypercube(m: int, k: int) -> list[np.ndarray]:
     """k-peer hyper-hypercube on m peers (every prime factor of m <= k + 1)."""
     if m == 1:
         return [np.eye(1)]
+    factors = _factors(m, k)
+    assert factors is not None, "callers check that every prime factor of m is <= k + 1"
     rounds, stride, idx = [], 1, np.arange(m)
-    for f in _factors(m, k):
+    for f in factors:
         firsts = idx[(idx // stride) % f == 0]
         clique = np.full((f, f), 1.0 / f)
         rounds.append(_embed(m, [(first + stride * np.arange(f), clique) for first in firsts]))
@@ -136,6 +138,4 @@ def base_k(n: int, *, k: int = 1, inner_edges: bool = True) -> Topology:
     peers per step. inner_edges: let peers that would sit idle in a step average among themselves
     (no effect on exactness; more mixing while training)."""
     k = options.count("base_k", "k (peers per step)", k, 1)
-    return Topology(
-        "base_k", schedule(n, int(k), bool(inner_edges)), options={"k": int(k), "inner_edges": inner_edges}
-    )
+    return Topology("base_k", schedule(n, int(k), bool(inner_edges)), options={"k": int(k), "inner_edges": inner_edges})

@@ -19,11 +19,7 @@ def directed_exponential(n: int, *, self_weight: float | None = None) -> Topolog
     """Static: peer j sends to j + 2^k (mod n) for every 2^k < n. Each sender splits its value evenly
     over itself and its receivers, or keeps `self_weight` and splits the rest over the receivers."""
     hops = exponential_hops(n)
-    s = (
-        1.0 / (len(hops) + 1)
-        if self_weight is None
-        else options.self_weight("directed_exponential", self_weight)
-    )
+    s = 1.0 / (len(hops) + 1) if self_weight is None else options.self_weight("directed_exponential", self_weight)
     idx = np.arange(n)
     w = s * np.eye(n) if hops else np.eye(n)
     for hop in hops:
@@ -40,6 +36,4 @@ def one_peer_directed_exponential(n: int, *, self_weight: float = 0.5) -> Topolo
         w = s * np.eye(n)
         w[(idx + hop) % n, idx] += 1.0 - s
         matrices.append(w)
-    return Topology(
-        "one_peer_directed_exponential", matrices or [np.eye(n)], directed=True, options={"self_weight": s}
-    )
+    return Topology("one_peer_directed_exponential", matrices or [np.eye(n)], directed=True, options={"self_weight": s})

@@ -36,17 +36,13 @@ __all__ = [
 _TRIES = 1000  # draws of a random graph before giving up on connectivity
 
 
-def weighted(
-    name: str, links: np.ndarray, *, weights: str | None, self_weight: float | None, **resolved
-) -> Topology:
+def weighted(name: str, links: np.ndarray, *, weights: str | None, self_weight: float | None, **resolved) -> Topology:
     """A static topology from a symmetric bool adjacency matrix and a weight choice; `resolved` records
     the options whose defaults the builder worked out (the torus shape, a random graph's p and seed)."""
     if weights is not None and self_weight is not None:
         raise ValueError(f"{name}: give weights or self_weight, not both")
     if self_weight is not None:
-        return Topology(
-            name, [self_weighted(links, options.self_weight(name, self_weight))], options=resolved
-        )
+        return Topology(name, [self_weighted(links, options.self_weight(name, self_weight))], options=resolved)
     scheme = weights or "metropolis_hastings"
     if scheme not in SCHEMES:
         raise ValueError(f"{name}: unknown weights {scheme!r}; choose one of {', '.join(SCHEMES)}")
@@ -101,17 +97,16 @@ def _torus_shape(n: int, rows: int | None, cols: int | None) -> tuple[int, int]:
                 "accept that, use 'ring', or choose a composite n (e.g. 16 = 4 x 4)"
             )
         return rows, n // rows
-    given = rows if rows is not None else cols
     if rows is not None and cols is not None:
         if rows * cols != n:
-            raise ValueError(
-                f"torus: rows x cols must equal n; got {rows} x {cols} = {rows * cols} for n={n}"
-            )
+            raise ValueError(f"torus: rows x cols must equal n; got {rows} x {cols} = {rows * cols} for n={n}")
         return rows, cols
+    given = rows if rows is not None else cols
+    assert given is not None  # both None is handled above
     if n % given:
         divisors = [d for d in range(1, n + 1) if n % d == 0]
         raise ValueError(f"torus: {given} does not divide n={n}; valid rows or cols: {divisors}")
-    return (rows, n // rows) if rows is not None else (n // cols, cols)
+    return (given, n // given) if rows is not None else (n // given, given)
 
 
 def torus(

@@ -9,7 +9,7 @@ __all__ = ["count", "self_weight"]
 
 def self_weight(who: str, value) -> float:
     """A self weight: a number in [0, 1) (a peer that keeps everything never mixes)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
         raise ValueError(f"{who}: self_weight must be a number in [0, 1) (1 would never mix); got {value!r}")
     return float(value)
 

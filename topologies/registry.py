@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from .base_k import base_k
 
 __all__ = ["BUILDERS", "make", "names", "options_of"]
 
-BUILDERS = {
+BUILDERS: dict[str, Callable[..., Topology]] = {
     "complete": graphs.complete,
     "ring": graphs.ring,
     "torus": graphs.torus,

@@ -1,0 +1,159 @@
+"""Shared fixtures, and the `processes` marker that `make test-fast` leaves out.
+
+Fixtures:
+  app          the Hydra app run as a user runs it, in a subprocess: `app(args, run_dir)`
+  hydra_config the app's composed config (conf/, `backend=local` first) as a dict, in process
+
+The marker `processes` (registered in pyproject.toml) is on every test that starts OS processes:
+mpiexec, torch.distributed ranks, the app or a benchmark in a subprocess. It is applied here, at
+collection, to the tests that
+  - carry it already (`@pytest.mark.processes`, or a module's `pytestmark`), or
+  - use the `app` fixture (directly or through another fixture), or
+  - call a process starter (`spawn(...)`, `subprocess.run(...)`, `Popen(...)`, ...) in their body or in a
+    function of their module that they call (followed to any depth).
+`make test-fast` (`-m "not slow and not processes"`) runs the rest: the in-process tests. To check the
+split, `pytest --forbid-processes -m "not slow and not processes"` fails any selected test that starts a
+process (it stops fork, posix_spawn and subprocess in the tests left unmarked).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# calls that start OS processes
+_STARTERS = re.compile(
+    r"\b(spawn|spawn_mpi|spawn_torch|spawn_ranks|run_peers)\(|\bsubprocess\.(run|Popen|call|check_call|check_output)\b"
+    r"|\bPopen\(|\bos\.(fork|system|posix_spawnp?|exec\w*)\("
+)
+_CALLED = re.compile(r"\b([A-Za-z_]\w*)\(")
+
+
+# --- fixtures -----------------------------------------------------------------------------------------
+
+
+class App:
+    """`[LAUNCHER...] python -m experiments.train ARGS [hydra.run.dir=RUN_DIR]` from the repository root,
+    with the environment the toolkit gives its peers (dpsgd.launch.peer_env)."""
+
+    root = ROOT
+
+    @staticmethod
+    def command(args: list[str], run_dir: Path | None = None, launcher: list[str] | None = None) -> list[str]:
+        run = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
+        return [*(launcher or []), sys.executable, "-m", "experiments.train", *args, *run]
+
+    @staticmethod
+    def env() -> dict:
+        from dpsgd.launch import peer_env
+
+        return peer_env()
+
+    def __call__(
+        self, args: list[str], run_dir: Path | None = None, launcher: list[str] | None = None, timeout: float = 180
+    ) -> subprocess.CompletedProcess:
+        """Run it to the end; stdout and stderr are captured as text."""
+        cmd = self.command(args, run_dir, launcher)
+        return subprocess.run(cmd, cwd=ROOT, env=self.env(), capture_output=True, text=True, timeout=timeout)
+
+    def start(self, args: list[str], run_dir: Path, **popen) -> subprocess.Popen:
+        """Start it and return at once (popen: subprocess.Popen's keyword arguments)."""
+        return subprocess.Popen(self.command(args, run_dir), cwd=ROOT, env=self.env(), **popen)
+
+
+@pytest.fixture(scope="session")
+def app() -> App:
+    """The Hydra app in a subprocess; a test that uses it is marked `processes`."""
+    return App()
+
+
+@pytest.fixture(scope="session")
+def hydra_config():
+    """`hydra_config(*overrides)`: the app's config composed from conf/ with `backend=local` and the
+    overrides (later ones win), resolved to a plain dict."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    def composed(*overrides: str) -> dict:
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=["backend=local", *overrides])
+        return OmegaConf.to_container(cfg, resolve=True)
+
+    return composed
+
+
+# --- the `processes` marker ---------------------------------------------------------------------------
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _starts_processes(fn, module: types.ModuleType | None, seen: set) -> bool:
+    """Whether `fn` calls a process starter, itself or through a function of `module` it calls."""
+    if fn in seen:
+        return False
+    seen.add(fn)
+    source = _source(fn)
+    if _STARTERS.search(source):
+        return True
+    for name in set(_CALLED.findall(source)):
+        helper = getattr(module, name, None)
+        if inspect.isfunction(helper) and helper.__module__ == module.__name__:
+            if _starts_processes(helper, module, seen):
+                return True
+    return False
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--forbid-processes",
+        action="store_true",
+        help="fail a test not marked `processes` that starts an OS process (checks the marking)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    verdicts: dict = {}
+    for item in items:
+        if item.get_closest_marker("processes"):
+            continue
+        fn = getattr(item, "function", None)
+        if fn is None:
+            continue
+        if fn not in verdicts:
+            verdicts[fn] = _starts_processes(fn, getattr(item, "module", None), set())
+        if verdicts[fn] or "app" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.processes)
+
+
+@pytest.fixture(autouse=True)
+def _no_processes_unless_marked(request, monkeypatch):
+    """With --forbid-processes: starting a process in a test not marked `processes` is an error."""
+    if not request.config.getoption("--forbid-processes") or request.node.get_closest_marker("processes"):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts an OS process but is not marked `processes`")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse)
+    import multiprocessing.util
+
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refuse)
+    yield
