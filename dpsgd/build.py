@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +131,7 @@ class Peer:
     model: torch.nn.Module
     topology: topologies.Topology
     optimizer: DistributedOptimizer
-    loss_fn: object
+    loss_fn: Callable[..., torch.Tensor]
     network: netem.NetworkEmulator  # attached to the communicator: link costs, clock, compute slowdown
     steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set
     total_steps: int
@@ -146,7 +147,7 @@ class Peer:
         """One minibatch: forward, backward (under the compute emulation), the optimizer's step;
         returns the minibatch loss."""
         x, y = self.batches.next()
-        if getattr(self.optimizer, "overlap", False):
+        if self.optimizer.overlap:
             self.optimizer.start_communication()  # x^k travels while the gradient is computed
         self.network.start_compute()
         self.optimizer.zero_grad()

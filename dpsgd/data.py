@@ -147,10 +147,8 @@ def _read_files(name: str, root: str | None) -> Split:
         raise DataNotFoundError(f"{name}: data.root {base} is not a folder")
     if name == "mnist":
         hint = "put the four MNIST IDX files (train-images-idx3-ubyte, ...; .gz is fine) there"
-        for sub in (base, base / "MNIST" / "raw", base / "mnist"):
-            if any(sub.glob("train-images*")):
-                base = sub
-                break
+        base = next((sub for sub in (base, base / "MNIST" / "raw", base / "mnist") if any(sub.glob("train-images*"))),
+                    base)
         parts = [_read_idx(_find(base, [f], "mnist", hint)) for f in (
             "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
         x_tr, y_tr, x_te, y_te = parts
@@ -165,9 +163,10 @@ def _read_files(name: str, root: str | None) -> Split:
             img = lambda r: r[:, 1:].reshape(-1, 3, 32, 32) / 255.0  # noqa: E731
             return _split(img(train), train[:, 0], img(test), test[:, 0], 10)
         if (folder / "data_batch_1").exists():
-            train = [_cifar_py_batch(folder / f"data_batch_{i}") for i in range(1, 6)]
+            batches = [_cifar_py_batch(folder / f"data_batch_{i}") for i in range(1, 6)]
             x_te, y_te = _cifar_py_batch(folder / "test_batch")
-            return _split(np.concatenate([b[0] for b in train]), np.concatenate([b[1] for b in train]), x_te, y_te, 10)
+            return _split(np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]), x_te, y_te,
+                          10)
     raise DataNotFoundError(f"cifar10: no data_batch_1.bin or data_batch_1 under {base}; {hint} "
                             f"(nothing is downloaded at run time)")
 

@@ -82,9 +82,10 @@ def traffic(comm: Communicator) -> dict:
     non-blocking exchanges ran behind computation (e.g. D-PSGD with overlap); with an emulated network
     (dpsgd.netem), the emulated time (the latest peer's clock) and the emulated time spent waiting."""
     s, net = comm.stats, comm.network
-    emulating = net is not None and net.active
+    clock = net.clock if net is not None and net.active else None
+    emulating = clock is not None
     table = gather_scalars(comm, [s.bytes_sent, s.bytes_received, s.comm_time_s, s.overlap_s,
-                                  net.clock.elapsed() if emulating else 0.0, s.emulated_wait_s])
+                                  clock.elapsed() if clock is not None else 0.0, s.emulated_wait_s])
     return {
         "emulated_time_s": float(table[:, 4].max()) if emulating else None,
         "emulated_wait_s": float(table[:, 5].mean()) if emulating else None,

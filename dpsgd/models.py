@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from math import prod
+from typing import cast
 
 import torch
 from torch import nn
@@ -110,5 +111,6 @@ class TinyTransformer(nn.Module):
 
     def forward(self, tokens):
         t = tokens.shape[1]
+        mask = cast(torch.Tensor, self.mask)  # a registered buffer
         h = self.embed(tokens) + self.position[:t]
-        return self.head(self.norm(self.encoder(h, mask=self.mask[:t, :t], is_causal=True)))
+        return self.head(self.norm(self.encoder(h, mask=mask[:t, :t], is_causal=True)))

@@ -20,6 +20,7 @@ import struct
 import tempfile
 import threading
 import time
+from typing import cast
 
 ENV = "DPSGD_SUPERVISOR"
 _FRAME = struct.Struct("<iq")  # rank, step
@@ -69,7 +70,7 @@ class Supervisor:
                     sel.register(conn, selectors.EVENT_READ)
                     pending[conn] = [b"", None]
                     continue
-                conn = key.fileobj
+                conn = cast(socket.socket, key.fileobj)
                 try:
                     data = conn.recv(4096)
                 except OSError:
@@ -136,6 +137,7 @@ def report_finished() -> None:
     with _lock:
         if _reporter is not None:
             _reporter.send(_FINISHED)
-            with contextlib.suppress(OSError):
-                _reporter._sock.close()
+            if _reporter._sock is not None:
+                with contextlib.suppress(OSError):
+                    _reporter._sock.close()
             _reporter = None

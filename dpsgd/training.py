@@ -17,11 +17,12 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from dpsgd import checkpoint, metrics
 from dpsgd.build import Peer, build_peer
 from dpsgd.comm import Communicator
+from dpsgd.optim import AsynchronousOptimizer
 
 HISTOGRAM_BINS = 16  # AD-PSGD's staleness 0..15, the last bin holding 15 and more
 
@@ -86,7 +87,7 @@ class RunLog:
             **target,
             **extra,
         }
-        if self._file is not None:
+        if self._file is not None and self.out_dir is not None:
             self._file.close()
             checkpoint.write_json_atomic(self.out_dir / "summary.json", summary)
         return summary
@@ -127,7 +128,7 @@ def run_loop(run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | Non
             if ckpt_every and step % ckpt_every == 0 and step < run.total_steps:
                 kept = run.state({"running": running, "seen": seen, "elapsed": time.perf_counter() - start,
                                   "reached": log.reached})
-                if kept is not None:
+                if kept is not None and out_dir is not None:
                     checkpoint.save(run.comm, out_dir, step, kept)
     wall = time.perf_counter() - start
     final = run.final(last, running / seen if seen else float("nan"), wall)
@@ -182,7 +183,7 @@ class SynchronousRun:
         self.peer.before_step(self.step_count)
         return self.peer.train_step()
 
-    def record(self, train_loss: float, wall_s: float) -> dict:
+    def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
         peer, step = self.peer, self.step_count
         return {"step": step, "epoch": step / peer.steps_per_epoch,
@@ -196,7 +197,7 @@ class SynchronousRun:
     def summary(self, final: dict, wall_s: float) -> dict:
         return {"class_histograms": self.peer.class_histograms()}
 
-    def state(self, extra: dict) -> dict:
+    def state(self, extra: dict) -> dict | None:
         peer = self.peer
         return {"step": self.step_count, "model": peer.model.state_dict(), "optimizer": peer.optimizer.state_dict(),
                 "batches": peer.batches.state_dict(), "comm_stats": self.comm.stats.as_dict(),
@@ -210,7 +211,8 @@ class AsynchronousRun(SynchronousRun):
 
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
         super().__init__(peer, comm, writer)
-        self.opt = peer.optimizer
+        self.opt = cast(AsynchronousOptimizer, peer.optimizer)
+        self.per_peer: dict[str, list] = {}
         self.opt.set_budget(steps=peer.total_steps, samples=peer.total_steps * peer.batches.batch_size * comm.size,
                             samples_per_step=peer.batches.batch_size)
 
@@ -280,7 +282,7 @@ class AsynchronousRun(SynchronousRun):
     def summary(self, final: dict, wall_s: float) -> dict:
         return {"adpsgd": adpsgd_summary(self.opt.budget, self.per_peer), **super().summary(final, wall_s)}
 
-    def state(self, extra: dict) -> None:
+    def state(self, extra: dict) -> dict | None:
         return None
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from peers import contract_peer as peer
 
+from dpsgd.backends import spawn
 from dpsgd.comm import run_local
-from dpsgd.launch import spawn
 from dpsgd.optim import ALGORITHMS
 from dpsgd.sim import Fleet
 

@@ -13,10 +13,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from topologies import Neighbors, Topology
+
+if TYPE_CHECKING:
+    from dpsgd.netem import NetworkEmulator
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -168,9 +172,9 @@ class Communicator(ABC):
         self._counting = True
         self._tag = 0
         self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
-        self.network = None  # a dpsgd.netem.NetworkEmulator: see attach_network
+        self.network: NetworkEmulator | None = None  # see attach_network
 
-    def attach_network(self, network) -> None:
+    def attach_network(self, network: NetworkEmulator) -> None:
         """Emulate `network` (a `dpsgd.netem.NetworkEmulator`) in every counted operation: messages carry
         their emulated arrival time and waits advance (or, in sleep mode, really wait for) the clock."""
         self.network = network
@@ -215,14 +219,14 @@ class Communicator(ABC):
                     messages=2 * (self.size - 1))
         pending = self._start_allreduce_sum(buf) if self.size > 1 else _Done()
         arrival = None
-        if self._emulating() and self.size > 1:
+        net = self._emulation()
+        if net is not None and self.size > 1:
             # every peer's start time, summed into its own slot: the reduction completes at the latest
-            net = self.network
             started = torch.zeros(self.size, dtype=torch.float64, device=buf.device)
             started[self.rank] = net.clock.now() + net.jitter()
             pending = _All([pending, self._start_allreduce_sum(started)])
 
-            def arrival():
+            def arrival(net=net):
                 return float(started.max()) + net.link.allreduce_time(buf.nbytes, self.size)
 
         def finish():
@@ -388,16 +392,17 @@ class Communicator(ABC):
             self._counting = saved
 
     # --- shared machinery ---------------------------------------------------------------
-    def _emulating(self) -> bool:
-        return self.network is not None and self._counting and self.network.active
+    def _emulation(self) -> NetworkEmulator | None:
+        return self.network if self.network is not None and self._counting and self.network.active else None
 
     def _start_stamped_exchange(self, buf: torch.Tensor, send_to: list[int], recv_from: list[int]):
         """Start an exchange of `buf`; returns (pending, received(peer) -> tensor, arrival or None). With an
         emulated network each message carries 8 more bytes: when, on the sender's clock, it arrives."""
-        if not self._emulating():
+        net = self._emulation()
+        if net is None:
             ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
             return ex, lambda peer: ex.received[peer], None
-        sent_at = self.network.send_stamp(buf.nbytes, len(send_to))
+        sent_at = net.send_stamp(buf.nbytes, len(send_to))
         stamp = torch.tensor([sent_at], dtype=torch.float64, device=buf.device).view(torch.uint8)
         ex = self._start_exchange(torch.cat([buf.view(torch.uint8), stamp]), send_to, recv_from, self._next_tag())
 
@@ -411,6 +416,7 @@ class Communicator(ABC):
 
     def _wait_for_arrival(self, t: float) -> None:
         start = time.monotonic()
+        assert self.network is not None  # an arrival is known only with an emulated network
         waited = self.network.clock.wait_until(t)
         if self._counting:
             self.stats.emulated_wait_s += waited

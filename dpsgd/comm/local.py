@@ -16,7 +16,16 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, PeerTimeoutError, Pending, Request
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    CommError,
+    Communicator,
+    Exchange,
+    PeerFailedError,
+    PeerTimeoutError,
+    Pending,
+    Request,
+)
 
 _POLL_S = 0.05  # how often a blocked receive looks whether another peer failed
 
@@ -100,10 +109,9 @@ class _LocalAllreduce(Pending):
 
     def wait(self, deadline: float) -> None:
         self._ex.wait(deadline)
-        total = None
-        for r in range(self._size):
-            x = self._buf if r == self._rank else self._ex.received[r]
-            total = x.clone() if total is None else total.add_(x)
+        total = torch.zeros_like(self._buf)
+        for r in range(self._size):  # rank order: the same bits on every peer (0 + x is exact)
+            total.add_(self._buf if r == self._rank else self._ex.received[r])
         self._buf.copy_(total)
 
     def peers_outstanding(self) -> list[int]:
@@ -177,7 +185,7 @@ class LocalCommunicator(Communicator):
     def _start_recv(self, buf, source, tag) -> Request:
         return _LocalRecv(self, buf, source, self._key(tag))
 
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+    def _start_exchange(self, buf, send_to, recv_from, tag) -> _LocalExchange:
         self.world.check(self.rank, "send")
         tag = self._key(tag)
         for peer in send_to:
@@ -187,8 +195,7 @@ class LocalCommunicator(Communicator):
 
     def _start_allreduce_sum(self, buf) -> Pending:
         others = [r for r in range(self.size) if r != self.rank]
-        ex = self._start_exchange(buf, others, others, self._next_tag())
-        return _LocalAllreduce(ex, buf, self.rank, self.size)
+        return _LocalAllreduce(self._start_exchange(buf, others, others, self._next_tag()), buf, self.rank, self.size)
 
     def barrier(self) -> None:
         start = time.monotonic()
@@ -239,5 +246,5 @@ def run_local(n: int, fn: Callable[..., Any], *args, timeout_s: float = DEFAULT_
     for t in threads:
         t.join()
     if world.failed_rank is not None:
-        raise errors[world.failed_rank]
+        raise errors[world.failed_rank] or CommError(f"peer {world.failed_rank} failed")
     return results

@@ -28,6 +28,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses implement `step()` with `self.base.step()` and communication."""
 
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
+    overlap: bool = False  # True: the training loop calls start_communication() before the forward pass
 
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
                  broadcast_initial: bool = True):
@@ -69,6 +70,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         self.base.add_param_group(param_group)
 
+    def start_communication(self) -> None:
+        """Start this step's exchange before the gradient is computed, where the algorithm can (`overlap`)."""
+
     def _closure_loss(self, closure):
         if closure is None:
             return None
@@ -88,16 +92,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def check_mixing(self, step: int) -> None:
         """W(step) is the kind of stochastic the algorithm needs, or a one-line error saying what to use."""
-        kind = getattr(self, "_stochastic", None)
-        if kind is None or (self.topology.period is not None and step >= self.topology.period):
+        kind, topology = getattr(self, "_stochastic", None), self.topology
+        if kind is None or topology is None or (topology.period is not None and step >= topology.period):
             return
         what, axis, line, advice = _ADVICE[kind]
-        w = self.topology.mixing_matrix(step)
+        w = topology.mixing_matrix(step)
         if not (is_doubly_stochastic if kind == "doubly" else is_column_stochastic)(w):
             sums = w.sum(axis=axis)
             i = int(abs(sums - 1).argmax())
             raise ValueError(f"{type(self).__name__} needs {what} mixing matrices{self._why}; topology "
-                             f"{self.topology.name!r} at step {step} has {line} {i} summing to {sums[i]:.6g} {advice}")
+                             f"{topology.name!r} at step {step} has {line} {i} summing to {sums[i]:.6g} {advice}")
 
     def own_tensors(self, saved: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """Saved per-parameter state, copied onto the parameters' devices and dtypes (load_state_dict)."""
@@ -144,6 +148,7 @@ class AsynchronousOptimizer(Protocol):
 
     asynchronous: ClassVar[bool]
     step_count: int
+    budget: str  # what ends a peer's run: "steps", "samples" or "seconds"
 
     def set_budget(self, steps: int | None = None, samples: int | None = None, seconds: float | None = None,
                    samples_per_step: int | None = None) -> None: ...

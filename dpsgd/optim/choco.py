@@ -37,6 +37,8 @@ from .base import DistributedOptimizer
 
 
 class Choco(DistributedOptimizer):
+    topology: Topology  # required: gossip needs its mixing matrices
+
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
                  broadcast_initial: bool = True, compressor: str | compress.Compressor | None = None,
                  gamma: float = 0.5, ratio: float | None = None, levels: int | None = None, rescale: bool = True,

@@ -42,6 +42,8 @@ def lambda_min(w: np.ndarray) -> float:
 
 
 class D2(DistributedOptimizer):
+    topology: Topology  # required: gossip needs its mixing matrices
+
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
                  broadcast_initial: bool = True, lazy_mixing: bool | str = False):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator
+from dpsgd.comm import Communicator, Handle
 from topologies import Topology
 
 from .base import DistributedOptimizer, snapshot
@@ -34,6 +34,8 @@ ORDERS = ("cta", "atc")
 
 
 class DPSGD(DistributedOptimizer):
+    topology: Topology  # required: gossip needs its mixing matrices
+
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
                  broadcast_initial: bool = True, order: str = "cta", qgm: bool = False, qgm_beta: float = 0.9,
                  qgm_mu: float | None = None, overlap: bool = False):
@@ -46,7 +48,7 @@ class DPSGD(DistributedOptimizer):
         self.order = order
         # overlap: the training loop calls start_communication() before the forward pass
         self.overlap = bool(overlap)
-        self._in_flight = None  # (x^k, handle) when the exchange was started early
+        self._in_flight: tuple[list[torch.Tensor], Handle] | None = None  # (x^k, handle) when started early
         self.qgm = bool(qgm)
         self.qgm_buffer: list[torch.Tensor] | None = None  # m_hat, the quasi-global momentum buffer
         if self.qgm:
@@ -77,6 +79,7 @@ class DPSGD(DistributedOptimizer):
             self._qgm_gradient(params)
         if self.order == "cta":
             self.start_communication()
+            assert self._in_flight is not None
             x_k, handle = self._in_flight
             self.base.step()  # p = x^k + d
             mixed = handle.wait()
@@ -103,6 +106,7 @@ class DPSGD(DistributedOptimizer):
     def _qgm_update(self, params, x_before) -> None:
         """m_hat <- mu m_hat + (1 - mu) (x^k - x^{k+1}) / lr, with each parameter's group lr."""
         lr_of = {id(p): group["lr"] for group in self.param_groups for p in group["params"]}
+        assert self.qgm_buffer is not None  # made by _qgm_gradient
         for p, x, m in zip(params, x_before, self.qgm_buffer):
             m.mul_(self.qgm_mu)
             if lr_of[id(p)] > 0:  # with lr 0 (frozen group) the movement is gossip alone: no direction to learn

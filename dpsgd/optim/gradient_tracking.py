@@ -30,6 +30,8 @@ from .base import DistributedOptimizer
 
 
 class GradientTracking(DistributedOptimizer):
+    topology: Topology  # required: gossip needs its mixing matrices
+
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
                  broadcast_initial: bool = True):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
@@ -44,13 +46,9 @@ class GradientTracking(DistributedOptimizer):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
         if self.correction is None:
             self.correction = [torch.zeros_like(p) for p in params]
-        for p, g, c in zip(params, grads, self.correction):
-            y = g + c  # y^k = W y^{k-1} + g^k - g^{k-1}
-            if p.grad is None:
-                p.grad = y
-            else:
-                p.grad.copy_(y)
-        trackers = [p.grad.detach().clone() for p in params]
+        trackers = [g + c for g, c in zip(grads, self.correction)]  # y^k = W y^{k-1} + g^k - g^{k-1}
+        for p, y in zip(params, trackers):
+            p.grad = y.clone()  # the base steps along y
         self.base.step()  # p = base(x^k, y^k)
         n = len(params)
         mixed = self.comm.mix([*params, *trackers], self.topology, self.step_count)

@@ -99,7 +99,7 @@ class LocalSGD(DistributedOptimizer):
                              f"(got group_size={group_size}, global_period={global_period}); set both or neither")
         if group_size is not None:
             _positive_int("group_size", group_size)
-            _positive_int("global_period", global_period)
+            global_period = _positive_int("global_period", global_period)
             if comm.size % group_size:
                 raise ValueError(f"LocalSGD group_size {group_size} does not divide the {comm.size} peers")
             if global_period % self.period:
@@ -148,6 +148,7 @@ class LocalSGD(DistributedOptimizer):
         if not group:
             averaged = self.comm.allreduce_mean(tensors)
         else:
+            assert self.group_size is not None  # group averaging is hierarchical averaging
             averaged = self.comm.group_mean(tensors, self.group_size)
         for s, a in zip(state, averaged[len(params):]):
             s.copy_(a)
@@ -161,6 +162,7 @@ class LocalSGD(DistributedOptimizer):
             self.base.state.clear()
 
     def _outer_step(self, x_avg: list[torch.Tensor]) -> None:
+        assert self._anchor is not None  # taken when the local phase began
         if self._outer_buffer is None:
             self._outer_buffer = [torch.zeros_like(a) for a in self._anchor]
         beta, alpha, i = self.outer_momentum, self.outer_lr, 0

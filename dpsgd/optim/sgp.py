@@ -30,6 +30,8 @@ from .base import DistributedOptimizer
 
 
 class SGP(DistributedOptimizer):
+    topology: Topology  # required: gossip needs its mixing matrices
+
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
                  broadcast_initial: bool = True):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
@@ -41,20 +43,21 @@ class SGP(DistributedOptimizer):
     def step(self, closure=None):
         loss = self._closure_loss(closure)
         params, peers = self.params(), self.comm.peer_shape
-        if self.x is None:
+        if self.x is None or self.w is None:
             self.x = [p.detach().clone() for p in params]
             self.w = torch.ones(*peers, 1, dtype=params[0].dtype, device=params[0].device)
+        xs, w = self.x, self.w
         self.check_mixing(self.step_count)
         z = [p.detach().clone() for p in params]
         self.base.step()  # p = z + d
-        for x, p, zk in zip(self.x, params, z):
+        for x, p, zk in zip(xs, params, z):
             x.add_(p).sub_(zk)  # x^{k+1/2} = x^k + d
-        mixed = self.comm.mix([*self.x, self.w], self.topology, self.step_count)
-        for x, m in zip(self.x, mixed):
+        mixed = self.comm.mix([*xs, w], self.topology, self.step_count)
+        for x, m in zip(xs, mixed):
             x.copy_(m)
-        self.w.copy_(mixed[-1])
-        for p, x in zip(params, self.x):
-            torch.div(x, self.w.view(*peers, *[1] * (x.dim() - len(peers))), out=p)  # z^{k+1}
+        w.copy_(mixed[-1])
+        for p, x in zip(params, xs):
+            torch.div(x, w.view(*peers, *[1] * (x.dim() - len(peers))), out=p)  # z^{k+1}
         self.step_count += 1
         return loss
 

@@ -121,7 +121,7 @@ class Simulation:
         self.steps = [0] * n
         self.initiated = [0] * n
         self.served = [0] * n
-        self.staleness = [[] for _ in range(n)]  # histogram per peer
+        self.staleness: list[list[int]] = [[] for _ in range(n)]  # histogram per peer
         self.wait_s = [0.0] * n
         self.bytes_sent = [0] * n
         self.bytes_received = [0] * n
@@ -131,14 +131,15 @@ class Simulation:
         self.increments: list[torch.Tensor] | None = [] if record_increments else None
         self.now = 0.0
         self._locked = [False] * n
-        self._waiting = [None] * n  # (time computed) of a step waiting for the lock
+        self._waiting: list[float | None] = [None] * n  # (time computed) of a step waiting for the lock
         self._stopping = [False] * n
         self._server_free = [0.0] * n
         self._samples = 0
         self._heap: list = []
         self._seq = 0
         self._grad = grad_and_value(self._loss)
-        self._started, self._stepped = False, None
+        self._started = False
+        self._stepped: int | None = None
 
     # --- the event queue ------------------------------------------------------------------------
     def _at(self, t: float, kind: str, *args) -> None:
@@ -220,7 +221,7 @@ class Simulation:
         if self.budget == "steps":
             return self.steps[i] >= self.budget_steps
         if self.budget == "seconds":
-            return self.now >= self.budget_seconds
+            return self.budget_seconds is not None and self.now >= self.budget_seconds
         return self._samples >= self.budget_samples
 
     # --- the communication threads --------------------------------------------------------------
@@ -254,8 +255,9 @@ class Simulation:
         self.version[i] += 1
         self.initiated[i] += 1
         self._locked[i] = False
-        if self._waiting[i] is not None:
-            self.wait_s[i] += self.now - self._waiting[i]
+        waiting = self._waiting[i]
+        if waiting is not None:
+            self.wait_s[i] += self.now - waiting
             self._waiting[i] = None
             self._step(i)
         elif self._stopping[i]:

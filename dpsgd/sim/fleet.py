@@ -161,7 +161,7 @@ class Fleet:
     def train_step(self) -> torch.Tensor:
         """Every peer's forward, backward and step; returns the (n,) minibatch losses."""
         x, y = self.batches.next()
-        if getattr(self.algorithm, "overlap", False):
+        if self.algorithm.overlap:
             self.algorithm.start_communication()
         losses = self._losses(tuple(self.params), x, y)  # (n,): peer i's loss depends on its own slice only,
         grads = torch.autograd.grad(losses.sum(), self.params)  # so the gradient of the sum is each peer's own

@@ -14,6 +14,7 @@ from torch.func import functional_call, vmap
 
 from dpsgd import metrics
 from dpsgd.build import class_histograms, describe
+from dpsgd.comm import Communicator
 from dpsgd.training import adpsgd_summary, binned, run_loop
 
 from .fleet import Fleet, FleetCommunicator
@@ -52,7 +53,8 @@ def snapshot_metrics(model, names: list[str], params: list[torch.Tensor], x_test
     """`dpsgd.metrics.snapshot_metrics` for stacked parameters: the averaged model's test metrics,
     every peer's own, the consensus distance and the mean train loss."""
     avg = [p.mean(0) for p in params]
-    sq_dist = sum(((p.double() - a.double()) ** 2).reshape(p.shape[0], -1).sum(1) for p, a in zip(params, avg))
+    sq_dist = torch.stack([((p.double() - a.double()) ** 2).reshape(p.shape[0], -1).sum(1)
+                           for p, a in zip(params, avg)]).sum(0)
     avg_loss, avg_correct, count = metrics.evaluate(model, dict(zip(names, avg)), x_test, y_test)
     own_loss, own_correct, own_count = evaluate_peers(model, names, params, x_test, y_test)
     peer_acc = own_correct / own_count
@@ -82,6 +84,7 @@ class FleetRun:
     """A synchronous algorithm on the fleet, for dpsgd.training.run_loop: records cover every peer."""
 
     writer = True
+    comm: Communicator
 
     def __init__(self, cfg: dict):
         self.fleet = fleet = Fleet(cfg)
@@ -97,7 +100,7 @@ class FleetRun:
     def done(self) -> bool:
         return self.step_count >= self.total_steps
 
-    def train_step(self) -> float:
+    def train_step(self) -> float | None:
         self.step_count += 1
         return float(self.fleet.train_step().double().mean())
 
@@ -114,7 +117,7 @@ class FleetRun:
     def summary(self, final: dict, wall_s: float) -> dict:
         return {"class_histograms": class_histograms(self.fleet.split, self.fleet.shares)}
 
-    def state(self, extra: dict) -> None:
+    def state(self, extra: dict) -> dict | None:
         return None
 
 

@@ -127,7 +127,8 @@ class Averaging:
 
     def run_active(self) -> None:
         """Active peer: one averaging per order of the main thread; DONE to every partner at the end."""
-        link, rank = self.link, self.comm.rank
+        link, rank, network = self.link, self.comm.rank, self.network
+        assert link is not None  # a thread runs only with partners
         request = torch.empty(HEADER + self.live.numel(), dtype=self.live.dtype)
         reply = torch.empty_like(self.live)
         while True:
@@ -149,8 +150,8 @@ class Averaging:
                     send = link.start_send(request, partner, TAG_REQUEST)
                     link.wait_request("AD-PSGD averaging (request sent)", send, [partner])
                     link.wait_request("AD-PSGD averaging (awaiting the reply)", recv, [partner])
-                    if self.done_at is not None and self.network.clock.mode == "sleep":
-                        self.network.clock.wait_until(self.done_at)
+                    if self.done_at is not None and network is not None and network.clock.mode == "sleep":
+                        network.clock.wait_until(self.done_at)
                     self._average_in(reply, (rank, self.initiated, partner))
                 self.initiated += 1
             self.idle.set()
@@ -165,6 +166,7 @@ class Averaging:
     def run_passive(self) -> None:
         """Passive peer: answer averaging requests from any active neighbour until all said DONE."""
         link, rank = self.link, self.comm.rank
+        assert link is not None  # a thread runs only with partners
         waiting_for = set(self.partners)
         incoming = torch.empty(HEADER + self.live.numel(), dtype=self.live.dtype)
         while waiting_for:

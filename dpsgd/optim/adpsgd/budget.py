@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from dpsgd.comm import Communicator, PeerTimeoutError
-from dpsgd.comm.base import poll_until
+from dpsgd.comm.base import Request, poll_until
 
 BUDGETS = ("steps", "samples", "seconds")
 TAG_PROGRESS, TAG_ANSWER = 13, 14
@@ -33,13 +33,15 @@ class Budget:
         if kind not in BUDGETS:
             raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
         self.kind, self.comm, self.wait, self.aborted = kind, comm, wait, aborted
-        self.amounts = {"steps": None, "samples": None, "seconds": None if seconds is None else float(seconds)}
+        self.amounts: dict[str, float | None] = {"steps": None, "samples": None,
+                                                 "seconds": None if seconds is None else float(seconds)}
         # collective and in the same order on every peer: every peer makes the same duplicates
         self.control = comm.duplicate() if comm.size > 1 and kind == "samples" else None
         self.coordinating = self.control is not None and comm.rank == 0
         self.stop = threading.Event()  # the shared samples budget is spent (rank 0: by its coordinator)
         self.own_samples = 0  # rank 0's samples, as of its last report
-        self._answer = None  # (request, buffer, send) of the coordinator's answer to our last report
+        # (request, buffer, send) of the coordinator's answer to our last report
+        self._answer: tuple[Request, torch.Tensor, Request] | None = None
 
     def set(self, **amounts: float | None) -> None:
         for kind, amount in amounts.items():
@@ -55,13 +57,16 @@ class Budget:
         self.require()
         if self.control is not None:
             return self.stop.is_set()
-        return {"steps": steps, "samples": samples, "seconds": seconds}[self.kind] >= self.amounts[self.kind]
+        amount = self.amounts[self.kind]
+        assert amount is not None  # require() said so
+        return {"steps": steps, "samples": samples, "seconds": seconds}[self.kind] >= amount
 
     # --- the shared samples budget: the main thread's side -------------------------------------------
     def report(self, samples: int, final: bool) -> None:
         """After each step (`final`: at the end). Rank 0 counts in-process; the others send [rank,
         samples, final] and read the answer to their previous report first."""
-        if self.control is None:
+        control = self.control
+        if control is None:
             return
         if self.comm.rank == 0:
             self.own_samples = samples
@@ -70,9 +75,9 @@ class Budget:
             return
         self._read_answer()
         msg = torch.tensor([float(self.comm.rank), float(samples), 1.0 if final else 0.0], dtype=torch.float64)
-        send = self.control.start_send(msg, 0, TAG_PROGRESS)
+        send = control.start_send(msg, 0, TAG_PROGRESS)
         answer = torch.zeros(1, dtype=torch.float64)
-        self._answer = (self.control.start_recv(answer, 0, TAG_ANSWER), answer, send)
+        self._answer = (control.start_recv(answer, 0, TAG_ANSWER), answer, send)
         if final:
             self._read_answer()
 
@@ -90,7 +95,8 @@ class Budget:
     def coordinate(self) -> None:
         """Add up every peer's samples, answer each report with go on / stop, and end once every other
         peer sent its final report."""
-        control, n, timeout_s = self.control, self.comm.size, self.comm.timeout_s
+        control, n, timeout_s, budget = self.control, self.comm.size, self.comm.timeout_s, self.amounts["samples"]
+        assert control is not None and budget is not None  # the coordinator runs for a samples budget only
         reported = {p: 0.0 for p in range(1, n)}
         final: set[int] = set()
         msg = torch.zeros(3, dtype=torch.float64)
@@ -108,7 +114,7 @@ class Budget:
             reported[sender] = max(reported[sender], msg[1].item())
             if msg[2].item() > 0:
                 final.add(sender)
-            if sum(reported.values()) + self.own_samples >= self.amounts["samples"]:
+            if sum(reported.values()) + self.own_samples >= budget:
                 self.stop.set()
             answer = torch.tensor([1.0 if self.stop.is_set() else 0.0], dtype=torch.float64)
             send = control.start_send(answer, sender, TAG_ANSWER)

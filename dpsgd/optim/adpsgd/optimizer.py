@@ -113,6 +113,7 @@ class ADPSGD(DistributedOptimizer):
         """True once this peer's share of the budget is spent (never blocks)."""
         self.start()
         self._raise_thread_error()
+        assert self.started_at is not None  # start() set it
         return self.run_budget.spent(self.step_count, self.samples, time.monotonic() - self.started_at)
 
     @torch.no_grad()
