@@ -8,9 +8,6 @@ TORCH_PIN := torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests
-# ruff format is checked on these; the rest joins once the rewrite of dpsgd/ lands (issue 13):
-# `ruff format dpsgd experiments tests`, then set FORMAT_PATHS := $(LINT_PATHS)
-FORMAT_PATHS := topologies
 
 .PHONY: setup run test test-fast lint typecheck clean soak bench
 
@@ -36,7 +33,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not processes" --forbid-processes $(ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff format --check $(FORMAT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy
 

@@ -32,8 +32,10 @@ def import_target(target: str, what: str):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{what}._target_={target!r} cannot be imported ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0]}); give 'package.module.Class' importable here") from None
+        raise ValueError(
+            f"{what}._target_={target!r} cannot be imported ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]}); give 'package.module.Class' importable here"
+        ) from None
 
 
 def topology_options(cfg_topology: dict) -> dict:
@@ -47,8 +49,9 @@ def build_topology(cfg: dict, n: int):
 
 def load_data(cfg: dict) -> data.Split:
     d = cfg["data"]
-    options = {k: d[k] for k in ("root", "num_samples", "num_features", "num_classes", "seq_len")
-               if d.get(k) is not None}
+    options = {
+        k: d[k] for k in ("root", "num_samples", "num_features", "num_classes", "seq_len") if d.get(k) is not None
+    }
     return data.load(d["name"], d.get("test_fraction", 0.2), int(cfg["seed"]), **options)
 
 
@@ -62,17 +65,25 @@ def fit_batch_size(cfg: dict) -> str | None:
     share = samples // int(cfg["peers"])
     if share < 1 or int(cfg["batch_size"]) <= share:
         return None  # fits, or no data for every peer at all: the partition says so
-    note = (f"batch_size {cfg['batch_size']} is more than each peer's share of {cfg['data']['name']} "
-            f"({samples} training samples / {cfg['peers']} peers = {share}); using batch_size={share}")
+    note = (
+        f"batch_size {cfg['batch_size']} is more than each peer's share of {cfg['data']['name']} "
+        f"({samples} training samples / {cfg['peers']} peers = {share}); using batch_size={share}"
+    )
     cfg["batch_size"] = share
     return note
 
 
 def partition(cfg: dict, split: data.Split, peers: int) -> list:
     d = cfg["data"]
-    return data.partition(split.y_train.numpy(), peers, int(cfg["seed"]), d.get("partition", "iid"),
-                          alpha=float(d.get("alpha", 0.5)), shards_per_peer=int(d.get("shards_per_peer", 2)),
-                          min_size=int(cfg["batch_size"]))
+    return data.partition(
+        split.y_train.numpy(),
+        peers,
+        int(cfg["seed"]),
+        d.get("partition", "iid"),
+        alpha=float(d.get("alpha", 0.5)),
+        shards_per_peer=int(d.get("shards_per_peer", 2)),
+        min_size=int(cfg["batch_size"]),
+    )
 
 
 def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
@@ -100,17 +111,24 @@ def check_algorithm(cfg: dict):
     if algo.get("_target_"):
         return import_target(algo["_target_"], "algorithm")
     if algo.get("name") not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algo.get('name')!r}; valid algorithms: {', '.join(ALGORITHMS)} "
-                         f"(or set algorithm._target_ to your own class)")
+        raise ValueError(
+            f"unknown algorithm {algo.get('name')!r}; valid algorithms: {', '.join(ALGORITHMS)} "
+            f"(or set algorithm._target_ to your own class)"
+        )
     return ALGORITHMS[algo["name"]]
 
 
 def base_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
     """The local optimizer the algorithm config names (its `optimizer`, `lr`, `momentum`, ...)."""
     algo = cfg["algorithm"]
-    return build_base(params, name=algo.get("optimizer", "sgd"), lr=float(algo["lr"]),
-                      momentum=float(algo.get("momentum", 0.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
-                      nesterov=bool(algo.get("nesterov", False)))
+    return build_base(
+        params,
+        name=algo.get("optimizer", "sgd"),
+        lr=float(algo["lr"]),
+        momentum=float(algo.get("momentum", 0.0)),
+        weight_decay=float(algo.get("weight_decay", 0.0)),
+        nesterov=bool(algo.get("nesterov", False)),
+    )
 
 
 def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
@@ -192,15 +210,28 @@ def build_peer(comm, cfg: dict) -> Peer:
     split = load_data(cfg)
     shares = partition(cfg, split, comm.size)
     share = shares[comm.rank]
-    batches = data.Batches(split.x_train[share].to(device), split.y_train[share].to(device),
-                           int(cfg["batch_size"]), seed=batch_seed(seed, comm.rank))
+    batches = data.Batches(
+        split.x_train[share].to(device),
+        split.y_train[share].to(device),
+        int(cfg["batch_size"]),
+        seed=batch_seed(seed, comm.rank),
+    )
     model = build_model(cfg, split).to(device)
     topology = build_topology(cfg, comm.size)
     optimizer = build_optimizer(cfg, model.parameters(), topology, comm)
     steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
-    return Peer(split=split, shares=shares, batches=batches, x_test=split.x_test.to(device),
-                y_test=split.y_test.to(device), model=model, topology=topology, optimizer=optimizer,
-                loss_fn=metrics.loss_function(split.y_train),
-                network=network,
-                steps_per_epoch=steps_per_epoch, total_steps=int(cfg["epochs"]) * steps_per_epoch,
-                faults=faults.FaultInjector.from_config(cfg, comm))
+    return Peer(
+        split=split,
+        shares=shares,
+        batches=batches,
+        x_test=split.x_test.to(device),
+        y_test=split.y_test.to(device),
+        model=model,
+        topology=topology,
+        optimizer=optimizer,
+        loss_fn=metrics.loss_function(split.y_train),
+        network=network,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=int(cfg["epochs"]) * steps_per_epoch,
+        faults=faults.FaultInjector.from_config(cfg, comm),
+    )

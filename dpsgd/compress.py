@@ -103,8 +103,10 @@ class Compressor(ABC):
     def _check(self, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
         want = self.nbytes(numel, dtype)
         if buf.dtype != torch.uint8 or buf.numel() != want:
-            raise ValueError(f"{self.name}: expected a uint8 buffer of {want} bytes for {numel} entries, "
-                             f"got {buf.numel()} elements of {buf.dtype}")
+            raise ValueError(
+                f"{self.name}: expected a uint8 buffer of {want} bytes for {numel} entries, "
+                f"got {buf.numel()} elements of {buf.dtype}"
+            )
 
 
 class _Sparse(Compressor):
@@ -218,8 +220,9 @@ class QSGD(Compressor):
 
     def __init__(self, levels: int = 16, seed: int = 0, rescale: bool = False):
         if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-            raise ValueError(f"qsgd: levels (s, the number of quantization levels) must be an integer >= 1, "
-                             f"got {levels!r}")
+            raise ValueError(
+                f"qsgd: levels (s, the number of quantization levels) must be an integer >= 1, got {levels!r}"
+            )
         self.levels, self.seed, self.rescale = levels, int(seed), bool(rescale)
         self.width = math.ceil(math.log2(2 * levels + 1))  # codes level * sign + s in [0, 2 s]
 
@@ -236,8 +239,7 @@ class QSGD(Compressor):
         norm = v.norm().reshape(1)
         scaled = v.abs() / norm * s if norm.item() > 0 else torch.zeros_like(v)
         low = scaled.floor()
-        u = torch.rand(v.numel(), generator=_generator(self.seed, key, torch.device("cpu")),
-                       dtype=v.dtype).to(v.device)
+        u = torch.rand(v.numel(), generator=_generator(self.seed, key, torch.device("cpu")), dtype=v.dtype).to(v.device)
         level = (low + (u < scaled - low).to(v.dtype)).clamp_(0, s).to(torch.int64)
         codes = torch.where(v < 0, -level, level) + s
         return torch.cat([_bytes_of(norm), pack_bits(codes, self.width)])
@@ -256,8 +258,9 @@ class QSGD(Compressor):
 COMPRESSORS = {"top_k": TopK, "random_k": RandomK, "sign": ScaledSign, "qsgd": QSGD}
 
 
-def make(name: str, *, ratio: float | None = None, levels: int | None = None, seed: int = 0,
-         rescale: bool = False) -> Compressor:
+def make(
+    name: str, *, ratio: float | None = None, levels: int | None = None, seed: int = 0, rescale: bool = False
+) -> Compressor:
     """The compressor `name` (a key of COMPRESSORS) with the options it takes."""
     if name == "top_k":
         return TopK(_check_ratio("top_k", ratio))

@@ -43,8 +43,16 @@ class DataNotFoundError(FileNotFoundError):
     """A file-based dataset whose files are not under `root`."""
 
 
-def load(name: str, test_fraction: float = 0.2, seed: int = 0, root: str | None = None,
-         num_samples: int = 2000, num_features: int = 32, num_classes: int = 10, seq_len: int = 32) -> Split:
+def load(
+    name: str,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    root: str | None = None,
+    num_samples: int = 2000,
+    num_features: int = 32,
+    num_classes: int = 10,
+    seq_len: int = 32,
+) -> Split:
     """The dataset `name` with a fixed held-out test split. Bundled or generated datasets are split
     by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets."""
     if name not in DATASETS:
@@ -68,8 +76,14 @@ def load(name: str, test_fraction: float = 0.2, seed: int = 0, root: str | None 
     elif name == "synthetic":
         from sklearn.datasets import make_classification
 
-        x, y = make_classification(n_samples=num_samples, n_features=num_features, n_informative=num_features // 2,
-                                   n_classes=num_classes, n_clusters_per_class=1, random_state=seed)
+        x, y = make_classification(
+            n_samples=num_samples,
+            n_features=num_features,
+            n_informative=num_features // 2,
+            n_classes=num_classes,
+            n_clusters_per_class=1,
+            random_state=seed,
+        )
         classes = num_classes
     else:
         from sklearn.datasets import make_regression
@@ -78,16 +92,22 @@ def load(name: str, test_fraction: float = 0.2, seed: int = 0, root: str | None 
         y, classes = (y / np.abs(y).max()).astype(np.float32), 0
     from sklearn.model_selection import train_test_split
 
-    x_tr, x_te, y_tr, y_te = train_test_split(x.astype(np.float32), y, test_size=test_fraction, random_state=seed,
-                                              stratify=y if classes else None)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x.astype(np.float32), y, test_size=test_fraction, random_state=seed, stratify=y if classes else None
+    )
     return _split(x_tr, y_tr, x_te, y_te, classes)
 
 
 def _split(x_tr, y_tr, x_te, y_te, classes: int) -> Split:
     t = torch.from_numpy
     label = (lambda y: t(np.array(y)).long()) if classes else (lambda y: t(np.array(y, dtype=np.float32)))
-    return Split(t(np.ascontiguousarray(x_tr, dtype=np.float32)), label(y_tr),
-                 t(np.ascontiguousarray(x_te, dtype=np.float32)), label(y_te), classes)
+    return Split(
+        t(np.ascontiguousarray(x_tr, dtype=np.float32)),
+        label(y_tr),
+        t(np.ascontiguousarray(x_te, dtype=np.float32)),
+        label(y_te),
+        classes,
+    )
 
 
 # --- a generated text corpus for language models -----------------------------------------------
@@ -147,28 +167,40 @@ def _read_files(name: str, root: str | None) -> Split:
         raise DataNotFoundError(f"{name}: data.root {base} is not a folder")
     if name == "mnist":
         hint = "put the four MNIST IDX files (train-images-idx3-ubyte, ...; .gz is fine) there"
-        base = next((sub for sub in (base, base / "MNIST" / "raw", base / "mnist") if any(sub.glob("train-images*"))),
-                    base)
-        parts = [_read_idx(_find(base, [f], "mnist", hint)) for f in (
-            "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
+        base = next(
+            (sub for sub in (base, base / "MNIST" / "raw", base / "mnist") if any(sub.glob("train-images*"))), base
+        )
+        parts = [
+            _read_idx(_find(base, [f], "mnist", hint))
+            for f in (
+                "train-images-idx3-ubyte",
+                "train-labels-idx1-ubyte",
+                "t10k-images-idx3-ubyte",
+                "t10k-labels-idx1-ubyte",
+            )
+        ]
         x_tr, y_tr, x_te, y_te = parts
         return _split(x_tr[:, None] / 255.0, y_tr, x_te[:, None] / 255.0, y_te, 10)
     hint = "put CIFAR-10's cifar-10-batches-bin (or cifar-10-batches-py) folder there"
     for sub in ("cifar-10-batches-bin", "cifar-10-batches-py", "."):
         folder = base / sub
         if (folder / "data_batch_1.bin").exists():
-            recs = [np.fromfile(folder / f, dtype=np.uint8).reshape(-1, 3073)
-                    for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]]
+            recs = [
+                np.fromfile(folder / f, dtype=np.uint8).reshape(-1, 3073)
+                for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+            ]
             train, test = np.concatenate(recs[:5]), recs[5]
             img = lambda r: r[:, 1:].reshape(-1, 3, 32, 32) / 255.0  # noqa: E731
             return _split(img(train), train[:, 0], img(test), test[:, 0], 10)
         if (folder / "data_batch_1").exists():
             batches = [_cifar_py_batch(folder / f"data_batch_{i}") for i in range(1, 6)]
             x_te, y_te = _cifar_py_batch(folder / "test_batch")
-            return _split(np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]), x_te, y_te,
-                          10)
-    raise DataNotFoundError(f"cifar10: no data_batch_1.bin or data_batch_1 under {base}; {hint} "
-                            f"(nothing is downloaded at run time)")
+            return _split(
+                np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]), x_te, y_te, 10
+            )
+    raise DataNotFoundError(
+        f"cifar10: no data_batch_1.bin or data_batch_1 under {base}; {hint} (nothing is downloaded at run time)"
+    )
 
 
 def _cifar_py_batch(path: Path):
@@ -179,14 +211,23 @@ def _cifar_py_batch(path: Path):
 
 
 # --- partitions -------------------------------------------------------------------------------
-def partition(labels: np.ndarray, peers: int, seed: int, scheme: str = "iid", alpha: float = 0.5,
-              shards_per_peer: int = 2, min_size: int = 1) -> list[np.ndarray]:
+def partition(
+    labels: np.ndarray,
+    peers: int,
+    seed: int,
+    scheme: str = "iid",
+    alpha: float = 0.5,
+    shards_per_peer: int = 2,
+    min_size: int = 1,
+) -> list[np.ndarray]:
     """Indices of each peer's share of the training set (every share has at least `min_size`)."""
     labels = np.asarray(labels)
     n = len(labels)
     if n // peers < max(1, min_size):
-        raise ValueError(f"{n} training samples cannot give {peers} peers {max(1, min_size)} each; "
-                         f"use fewer peers or a smaller batch_size")
+        raise ValueError(
+            f"{n} training samples cannot give {peers} peers {max(1, min_size)} each; "
+            f"use fewer peers or a smaller batch_size"
+        )
     rng = np.random.default_rng(seed)
     if scheme == "iid":
         share = n // peers  # equal shares: all-reduce of mean gradients is then exactly large-batch SGD
@@ -206,8 +247,10 @@ def partition(labels: np.ndarray, peers: int, seed: int, scheme: str = "iid", al
                     shares[r].extend(part.tolist())
             if min(len(s) for s in shares) >= min_size:
                 return [np.sort(np.array(s, dtype=np.int64)) for s in shares]
-        raise ValueError(f"dirichlet alpha={alpha} left a peer with fewer than {min_size} samples in 1000 draws; "
-                         f"raise alpha or lower batch_size")
+        raise ValueError(
+            f"dirichlet alpha={alpha} left a peer with fewer than {min_size} samples in 1000 draws; "
+            f"raise alpha or lower batch_size"
+        )
     if scheme == "shards":
         count = peers * shards_per_peer
         if shards_per_peer < 1 or n // count < 1:

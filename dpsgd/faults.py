@@ -64,12 +64,16 @@ class FaultPlan:
         if plan.kill_peer is not None or plan.delay_peer is not None or plan.drop_messages:
             record = backends.get(backend)
             if not record.real_peers:
-                raise ValueError(f"faults need real peers and backend={backend} simulates them; use "
-                                 f"backend={_one_of([n for n in backends.names() if backends.get(n).real_peers])}")
+                raise ValueError(
+                    f"faults need real peers and backend={backend} simulates them; use "
+                    f"backend={_one_of([n for n in backends.names() if backends.get(n).real_peers])}"
+                )
             if plan.drop_messages and not record.threads:
-                raise ValueError(f"faults.drop_messages works on backend="
-                                 f"{_one_of([n for n in backends.names() if backends.get(n).threads])} only (got "
-                                 f"backend={backend}); on processes, kill or hang a peer instead (faults.kill_peer)")
+                raise ValueError(
+                    f"faults.drop_messages works on backend="
+                    f"{_one_of([n for n in backends.names() if backends.get(n).threads])} only (got "
+                    f"backend={backend}); on processes, kill or hang a peer instead (faults.kill_peer)"
+                )
         return plan
 
 
@@ -103,8 +107,10 @@ class FaultInjector:
     def _kill(self, step: int) -> None:
         rank, thread = self.comm.rank, backends.get(self.comm.backend).threads  # a thread cannot be killed
         what = "exited" if self.plan.kill_mode == "exit" else "hung"
-        message = (f"peer {rank} {what} at step {step} (injected by faults.kill_peer={rank}, "
-                   f"faults.at_step={self.plan.at_step}, faults.kill_mode={self.plan.kill_mode})")
+        message = (
+            f"peer {rank} {what} at step {step} (injected by faults.kill_peer={rank}, "
+            f"faults.at_step={self.plan.at_step}, faults.kill_mode={self.plan.kill_mode})"
+        )
         if self.plan.kill_mode == "exit" and thread:
             raise InjectedFault(message)
         if not thread:

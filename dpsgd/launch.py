@@ -95,8 +95,9 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float | None, codes_out
         raise
 
 
-def spawn_mpi(n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
-              log_dir: Path | None = None) -> int:
+def spawn_mpi(
+    n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None, log_dir: Path | None = None
+) -> int:
     """Run `argv` (a python command line without the interpreter) on n MPI ranks of this machine.
     With `log_dir`, rank r's stderr goes to log_dir/rank{r}.log and mpiexec's own output (and the
     ranks' stdout) to log_dir/launcher.log."""
@@ -111,25 +112,42 @@ def spawn_mpi(n: int, argv: list[str], timeout_s: float | None = None, env: dict
     cmd += [sys.executable, *argv]
     out = (Path(log_dir) / "launcher.log").open("w") if log_dir is not None else None
     try:
-        proc = subprocess.Popen(cmd, env=peer_env(env), start_new_session=True, stdout=out,
-                                stderr=subprocess.STDOUT if out else None)
+        proc = subprocess.Popen(
+            cmd, env=peer_env(env), start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
         return _supervise([proc], timeout_s)
     finally:
         if out:
             out.close()
 
 
-def spawn_torch(n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
-                log_dir: Path | None = None, codes_out: list | None = None) -> int:
+def spawn_torch(
+    n: int,
+    argv: list[str],
+    timeout_s: float | None = None,
+    env: dict | None = None,
+    log_dir: Path | None = None,
+    codes_out: list | None = None,
+) -> int:
     """Run `argv` as n processes of one torch.distributed world on this machine (with `log_dir`,
     rank r's stderr goes to log_dir/rank{r}.log)."""
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
-            "LOCAL_WORLD_SIZE": str(n), "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    base = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "GLOO_SOCKET_IFNAME": "lo",
+        **(env or {}),
+    }
     logs = [(Path(log_dir) / f"rank{r}.log").open("w") if log_dir is not None else None for r in range(n)]
     try:
         procs = [
-            subprocess.Popen([sys.executable, *argv], start_new_session=True, stderr=logs[r],
-                             env=peer_env({**base, "RANK": str(r), "LOCAL_RANK": str(r)}))
+            subprocess.Popen(
+                [sys.executable, *argv],
+                start_new_session=True,
+                stderr=logs[r],
+                env=peer_env({**base, "RANK": str(r), "LOCAL_RANK": str(r)}),
+            )
             for r in range(n)
         ]
         return _supervise(procs, timeout_s, codes_out)
@@ -189,8 +207,10 @@ def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list
         step = sup.steps.get(rank)
         last = _last_line(log_dir / f"rank{rank}.log")
         reason = _exit_reason(log_dir, codes[rank] if codes and codes[rank] else code)
-        return (f"peer {rank} died {f'at step {step} ' if step else 'before its first step '}without an error "
-                f"message ({reason}){'; its log ends: ' + last if last else ''}")
+        return (
+            f"peer {rank} died {f'at step {step} ' if step else 'before its first step '}without an error "
+            f"message ({reason}){'; its log ends: ' + last if last else ''}"
+        )
     if first_error is not None:
         return first_error[1]
     return f"the peers failed without an error message ({_exit_reason(log_dir, code)})"

@@ -10,22 +10,33 @@ from torch.func import functional_call
 
 from dpsgd.comm import Communicator
 
-SNAPSHOT_KEYS = ("test_loss", "test_accuracy", "peer_test_accuracy_mean", "peer_test_accuracy_min",
-                 "peer_test_accuracy_max", "peer_test_loss_mean", "consensus_distance", "train_loss")
+SNAPSHOT_KEYS = (
+    "test_loss",
+    "test_accuracy",
+    "peer_test_accuracy_mean",
+    "peer_test_accuracy_min",
+    "peer_test_accuracy_max",
+    "peer_test_loss_mean",
+    "consensus_distance",
+    "train_loss",
+)
 
 
 def loss_function(y: torch.Tensor):
     """Cross-entropy for class labels (per token for sequences), mean squared error for real targets."""
     if y.is_floating_point():
-        return lambda out, target, reduction="mean": nn.functional.mse_loss(out.squeeze(-1), target,
-                                                                             reduction=reduction)
+        return lambda out, target, reduction="mean": nn.functional.mse_loss(
+            out.squeeze(-1), target, reduction=reduction
+        )
     return lambda out, target, reduction="mean": nn.functional.cross_entropy(
-        out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction=reduction)
+        out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction=reduction
+    )
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-             batch_size: int = 1024) -> tuple[float, float, int]:
+def evaluate(
+    model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, float, int]:
     """(sum of losses, number correct, count) of `model` with `params` on (x, y); for regression
     "correct" counts predictions within 0.1 of the target; for sequences, count is in tokens."""
     loss_fn, loss, correct, count = loss_function(y), 0.0, 0, 0
@@ -48,8 +59,9 @@ def gather_scalars(comm: Communicator, values: list[float]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def snapshot_metrics(comm: Communicator, model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor,
-                     train_loss: float) -> dict:
+def snapshot_metrics(
+    comm: Communicator, model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor, train_loss: float
+) -> dict:
     """Test metrics of the averaged model and of each peer's own, consensus distance, mean train loss."""
     names = [n for n, _ in model.named_parameters()]
     local = [p.detach() for p in model.parameters()]
@@ -61,8 +73,9 @@ def snapshot_metrics(comm: Communicator, model: nn.Module, x_test: torch.Tensor,
     lo, hi = comm.rank * len(x_test) // comm.size, (comm.rank + 1) * len(x_test) // comm.size
     avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test[lo:hi], y_test[lo:hi])
     own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x_test, y_test)
-    table = gather_scalars(comm, [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count,
-                                  sq_dist, train_loss])
+    table = gather_scalars(
+        comm, [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count, sq_dist, train_loss]
+    )
     total = table.sum(0)
     peer_acc = table[:, 3]
     return {
@@ -84,8 +97,17 @@ def traffic(comm: Communicator) -> dict:
     s, net = comm.stats, comm.network
     clock = net.clock if net is not None and net.active else None
     emulating = clock is not None
-    table = gather_scalars(comm, [s.bytes_sent, s.bytes_received, s.comm_time_s, s.overlap_s,
-                                  clock.elapsed() if clock is not None else 0.0, s.emulated_wait_s])
+    table = gather_scalars(
+        comm,
+        [
+            s.bytes_sent,
+            s.bytes_received,
+            s.comm_time_s,
+            s.overlap_s,
+            clock.elapsed() if clock is not None else 0.0,
+            s.emulated_wait_s,
+        ],
+    )
     return {
         "emulated_time_s": float(table[:, 4].max()) if emulating else None,
         "emulated_wait_s": float(table[:, 5].mean()) if emulating else None,

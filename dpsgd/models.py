@@ -23,9 +23,18 @@ MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer")
 _init_lock = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
 
 
-def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int,
-          hidden: list[int] | None = None, width: int = 16, groups: int = 2, dim: int = 64, layers: int = 2,
-          heads: int = 4) -> nn.Module:
+def build(
+    name: str,
+    input_shape: tuple[int, ...],
+    num_outputs: int,
+    seed: int,
+    hidden: list[int] | None = None,
+    width: int = 16,
+    groups: int = 2,
+    dim: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+) -> nn.Module:
     """Every peer calls this with the same seed and gets the same initial parameters.
     `num_outputs` is the class count (1 for regression; the vocabulary size for a language model)."""
     if name not in MODELS:
@@ -33,8 +42,10 @@ def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int,
     if name == "transformer" and len(input_shape) != 1:
         raise ValueError(f"model transformer needs token sequences (data=tiny_text), got inputs of shape {input_shape}")
     if name in ("cnn", "resnet20") and len(input_shape) != 3:
-        raise ValueError(f"model {name} needs images (channels, height, width), got inputs of shape {input_shape}; "
-                         f"use model=mlp or model=linear")
+        raise ValueError(
+            f"model {name} needs images (channels, height, width), got inputs of shape {input_shape}; "
+            f"use model=mlp or model=linear"
+        )
     with _init_lock:
         state = torch.random.get_rng_state()
         torch.manual_seed(seed)
@@ -74,8 +85,11 @@ class _Block(nn.Module):
         self.norm1 = nn.GroupNorm(groups, c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.norm2 = nn.GroupNorm(groups, c_out)
-        self.shortcut = nn.Identity() if stride == 1 and c_in == c_out else nn.Sequential(
-            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(groups, c_out))
+        self.shortcut = (
+            nn.Identity()
+            if stride == 1 and c_in == c_out
+            else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(groups, c_out))
+        )
 
     def forward(self, x):
         out = torch.relu(self.norm1(self.conv1(x)))

@@ -29,8 +29,16 @@ from dataclasses import dataclass, field
 from dpsgd.comm.base import ring_allreduce_bytes
 from dpsgd.seeds import link_jitter_seed
 
-NETWORK_KEYS = ("name", "mode", "latency_s", "bandwidth_bytes_per_s", "jitter_s", "slow_peers", "compute_scale",
-                "compute_time")
+NETWORK_KEYS = (
+    "name",
+    "mode",
+    "latency_s",
+    "bandwidth_bytes_per_s",
+    "jitter_s",
+    "slow_peers",
+    "compute_scale",
+    "compute_time",
+)
 MODES = ("model", "sleep")
 
 
@@ -45,8 +53,10 @@ class Link:
         if not self.latency_s >= 0:
             raise ValueError(f"network.latency_s must be >= 0 seconds, got {self.latency_s}")
         if self.bandwidth_bytes_per_s is not None and not self.bandwidth_bytes_per_s > 0:
-            raise ValueError(f"network.bandwidth_bytes_per_s must be > 0 bytes/s (or null for unlimited), "
-                             f"got {self.bandwidth_bytes_per_s}")
+            raise ValueError(
+                f"network.bandwidth_bytes_per_s must be > 0 bytes/s (or null for unlimited), "
+                f"got {self.bandwidth_bytes_per_s}"
+            )
 
     @property
     def free(self) -> bool:
@@ -124,8 +134,9 @@ class ComputeSlowdown:
 
     def __post_init__(self):
         if not self.compute_scale >= 1.0:
-            raise ValueError(f"network.compute_scale must be >= 1 (how many times slower a slow peer is), "
-                             f"got {self.compute_scale}")
+            raise ValueError(
+                f"network.compute_scale must be >= 1 (how many times slower a slow peer is), got {self.compute_scale}"
+            )
         if not self.compute_time >= 0.0:
             raise ValueError(f"network.compute_time must be >= 0 seconds, got {self.compute_time}")
         self.slow_peers = tuple(int(p) for p in self.slow_peers)
@@ -161,8 +172,16 @@ class NetworkEmulator:
     """Everything one peer emulates: its link model, clock, compute slowdown and jitter. A communicator
     with one attached (`comm.attach_network`) stamps its messages and applies the costs."""
 
-    def __init__(self, rank: int = 0, size: int = 1, link: Link | None = None, mode: str = "model",
-                 jitter_s: float = 0.0, slowdown: ComputeSlowdown | None = None, seed: int = 0):
+    def __init__(
+        self,
+        rank: int = 0,
+        size: int = 1,
+        link: Link | None = None,
+        mode: str = "model",
+        jitter_s: float = 0.0,
+        slowdown: ComputeSlowdown | None = None,
+        seed: int = 0,
+    ):
         if not jitter_s >= 0:
             raise ValueError(f"network.jitter_s must be >= 0 seconds, got {jitter_s}")
         self.rank, self.size = rank, size
@@ -173,8 +192,9 @@ class NetworkEmulator:
         self._rng = random.Random(link_jitter_seed(seed, rank))
 
     @classmethod
-    def from_config(cls, network: dict | None, rank: int = 0, size: int | None = None,
-                    seed: int = 0) -> NetworkEmulator:
+    def from_config(
+        cls, network: dict | None, rank: int = 0, size: int | None = None, seed: int = 0
+    ) -> NetworkEmulator:
         network = dict(network or {})
         unknown = sorted(set(network) - set(NETWORK_KEYS))
         if unknown:
@@ -188,10 +208,12 @@ class NetworkEmulator:
                 raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
         bandwidth = network.get("bandwidth_bytes_per_s") or None
         link = Link(float(network.get("latency_s") or 0.0), None if bandwidth is None else float(bandwidth))
-        slowdown = ComputeSlowdown(rank, tuple(slow), float(network.get("compute_scale") or 1.0),
-                                   float(network.get("compute_time") or 0.0))
-        return cls(rank, size or 1, link, network.get("mode") or "model", float(network.get("jitter_s") or 0.0),
-                   slowdown, seed)
+        slowdown = ComputeSlowdown(
+            rank, tuple(slow), float(network.get("compute_scale") or 1.0), float(network.get("compute_time") or 0.0)
+        )
+        return cls(
+            rank, size or 1, link, network.get("mode") or "model", float(network.get("jitter_s") or 0.0), slowdown, seed
+        )
 
     @property
     def emulates_links(self) -> bool:

@@ -80,7 +80,7 @@ class Supervisor:
                 state[0] += data
                 while len(state[0]) >= _FRAME.size:
                     rank, step = _FRAME.unpack_from(state[0])
-                    state[0], state[1] = state[0][_FRAME.size:], rank
+                    state[0], state[1] = state[0][_FRAME.size :], rank
                     if step == _FINISHED:
                         self.finished.add(rank)
                     else:

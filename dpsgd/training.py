@@ -57,16 +57,23 @@ class RunLog:
         if out_dir is not None:
             kept = []  # a resumed run keeps what was logged up to its checkpoint
             if resumed_step and (out_dir / "metrics.jsonl").exists():
-                kept = [r for r in (out_dir / "metrics.jsonl").read_text().splitlines()
-                        if r.strip() and json.loads(r)["step"] <= resumed_step]
+                kept = [
+                    r
+                    for r in (out_dir / "metrics.jsonl").read_text().splitlines()
+                    if r.strip() and json.loads(r)["step"] <= resumed_step
+                ]
             self._file = (out_dir / "metrics.jsonl").open("w")
             self._file.write("".join(r + "\n" for r in kept))
 
     def write(self, record: dict, track: bool = True) -> None:
         if track and self.target is not None and not self.reached and (record.get("test_accuracy") or 0) >= self.target:
-            self.reached = {"steps_to_target": record["step"], "time_to_target_s": record["wall_time_s"],
-                            "emulated_time_to_target_s": record.get("emulated_time_s"),
-                            "samples_to_target": record["samples"], "mb_sent_to_target": record["mb_sent_per_peer"]}
+            self.reached = {
+                "steps_to_target": record["step"],
+                "time_to_target_s": record["wall_time_s"],
+                "emulated_time_to_target_s": record.get("emulated_time_s"),
+                "samples_to_target": record["samples"],
+                "mb_sent_to_target": record["mb_sent_per_peer"],
+            }
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -75,8 +82,10 @@ class RunLog:
         emulated = final.get("emulated_time_s")
         target = {}
         if self.target is not None:
-            target = {"target_accuracy": self.target,
-                      **(self.reached or {"steps_to_target": None, "time_to_target_s": None})}
+            target = {
+                "target_accuracy": self.target,
+                **(self.reached or {"steps_to_target": None, "time_to_target_s": None}),
+            }
         summary = {
             **describe,
             "steps": final["step"],
@@ -126,29 +135,42 @@ def run_loop(run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | Non
             if bar:
                 bar.update(task, completed=step)
             if ckpt_every and step % ckpt_every == 0 and step < run.total_steps:
-                kept = run.state({"running": running, "seen": seen, "elapsed": time.perf_counter() - start,
-                                  "reached": log.reached})
+                kept = run.state(
+                    {"running": running, "seen": seen, "elapsed": time.perf_counter() - start, "reached": log.reached}
+                )
                 if kept is not None and out_dir is not None:
                     checkpoint.save(run.comm, out_dir, step, kept)
     wall = time.perf_counter() - start
     final = run.final(last, running / seen if seen else float("nan"), wall)
     extra = run.summary(final, wall)
     if final is not last:  # taken after training: with the totals of the summary's blocks (e.g. AD-PSGD's)
-        totals = {key: {k: v for k, v in block.items() if not k.endswith("_per_peer")}
-                  for key, block in extra.items() if isinstance(block, dict)}
+        totals = {
+            key: {k: v for k, v in block.items() if not k.endswith("_per_peer")}
+            for key, block in extra.items()
+            if isinstance(block, dict)
+        }
         log.write({**final, **totals}, track=False)
     return log.summary(run.describe(cfg), final, extra, max(wall, final["wall_time_s"]))
 
 
 def _progress(run: Run):
     """A progress bar on the writer when stdout is a terminal (quiet in CI and pipes)."""
-    if not run.writer or os.environ.get("CI") or \
-            os.environ.get("DPSGD_PROGRESS", "1" if sys.stdout.isatty() else "0") != "1":
+    if (
+        not run.writer
+        or os.environ.get("CI")
+        or os.environ.get("DPSGD_PROGRESS", "1" if sys.stdout.isatty() else "0") != "1"
+    ):
         return nullcontext(None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    TextColumn("{task.fields[status]}"), transient=True)
+    return Progress(
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+        transient=True,
+    )
 
 
 # --- real peers ---------------------------------------------------------------------------------
@@ -186,10 +208,14 @@ class SynchronousRun:
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
         peer, step = self.peer, self.step_count
-        return {"step": step, "epoch": step / peer.steps_per_epoch,
-                "samples": step * peer.batches.batch_size * self.comm.size, "wall_time_s": wall_s,
-                **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss),
-                **metrics.traffic(self.comm)}
+        return {
+            "step": step,
+            "epoch": step / peer.steps_per_epoch,
+            "samples": step * peer.batches.batch_size * self.comm.size,
+            "wall_time_s": wall_s,
+            **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss),
+            **metrics.traffic(self.comm),
+        }
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         return last
@@ -199,9 +225,15 @@ class SynchronousRun:
 
     def state(self, extra: dict) -> dict | None:
         peer = self.peer
-        return {"step": self.step_count, "model": peer.model.state_dict(), "optimizer": peer.optimizer.state_dict(),
-                "batches": peer.batches.state_dict(), "comm_stats": self.comm.stats.as_dict(),
-                "emulated_time_s": peer.network.clock.elapsed(), **extra}
+        return {
+            "step": self.step_count,
+            "model": peer.model.state_dict(),
+            "optimizer": peer.optimizer.state_dict(),
+            "batches": peer.batches.state_dict(),
+            "comm_stats": self.comm.stats.as_dict(),
+            "emulated_time_s": peer.network.clock.elapsed(),
+            **extra,
+        }
 
 
 class AsynchronousRun(SynchronousRun):
@@ -213,13 +245,18 @@ class AsynchronousRun(SynchronousRun):
         super().__init__(peer, comm, writer)
         self.opt = cast(AsynchronousOptimizer, peer.optimizer)
         self.per_peer: dict[str, list] = {}
-        self.opt.set_budget(steps=peer.total_steps, samples=peer.total_steps * peer.batches.batch_size * comm.size,
-                            samples_per_step=peer.batches.batch_size)
+        self.opt.set_budget(
+            steps=peer.total_steps,
+            samples=peer.total_steps * peer.batches.batch_size * comm.size,
+            samples_per_step=peer.batches.batch_size,
+        )
 
     def begin(self, state: dict | None) -> None:
         if state:
-            raise ValueError("an asynchronous algorithm cannot resume from a checkpoint (an asynchronous run has "
-                             "no common step to save at); start a new run")
+            raise ValueError(
+                "an asynchronous algorithm cannot resume from a checkpoint (an asynchronous run has "
+                "no common step to save at); start a new run"
+            )
         super().begin(None)
         self.opt.start()
 
@@ -245,15 +282,20 @@ class AsynchronousRun(SynchronousRun):
         if not self.writer:
             return None
         peer, step = self.peer, self.step_count
-        loss, correct, count = metrics.evaluate(peer.model, dict(peer.model.named_parameters()), peer.x_test,
-                                                peer.y_test)
+        loss, correct, count = metrics.evaluate(
+            peer.model, dict(peer.model.named_parameters()), peer.x_test, peer.y_test
+        )
         own = {"test_loss": loss / count, "test_accuracy": correct / count, "train_loss": train_loss}
-        return {"step": step, "epoch": step / peer.steps_per_epoch,
-                "samples": step * peer.batches.batch_size * self.comm.size,  # estimated: peers run at their own pace
-                "wall_time_s": wall_s,
-                "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
-                **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
-                **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s")}, "scope": "rank 0"}
+        return {
+            "step": step,
+            "epoch": step / peer.steps_per_epoch,
+            "samples": step * peer.batches.batch_size * self.comm.size,  # estimated: peers run at their own pace
+            "wall_time_s": wall_s,
+            "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
+            **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
+            **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s")},
+            "scope": "rank 0",
+        }
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         finishing = time.perf_counter()
@@ -265,19 +307,43 @@ class AsynchronousRun(SynchronousRun):
         wall_own = wall_s + time.perf_counter() - finishing
         self.comm.context = "final metrics"
         comm, peer, mine = self.comm, self.peer, self.opt.measurements()
-        names = ("steps", "samples", "averagings_initiated", "averagings_served", "staleness_mean", "staleness_max",
-                 "wait_s", "samples_per_s")
-        table = metrics.gather_scalars(comm, [*(mine[k] for k in names), wall_own, peer.network.slowdown.slept_s,
-                                              float(ROLES.index(mine["role"])), *binned(mine["staleness_histogram"])])
+        names = (
+            "steps",
+            "samples",
+            "averagings_initiated",
+            "averagings_served",
+            "staleness_mean",
+            "staleness_max",
+            "wait_s",
+            "samples_per_s",
+        )
+        table = metrics.gather_scalars(
+            comm,
+            [
+                *(mine[k] for k in names),
+                wall_own,
+                peer.network.slowdown.slept_s,
+                float(ROLES.index(mine["role"])),
+                *binned(mine["staleness_histogram"]),
+            ],
+        )
         columns = [[float(v) for v in column] for column in table.T]
         self.per_peer = {f"{k}_per_peer": columns[i] for i, k in enumerate(names)}
-        self.per_peer.update(slowdown_s_per_peer=columns[9], roles=[ROLES[int(r)] for r in columns[10]],
-                             staleness_histogram_per_peer=[list(row) for row in zip(*columns[11:])])
+        self.per_peer.update(
+            slowdown_s_per_peer=columns[9],
+            roles=[ROLES[int(r)] for r in columns[10]],
+            staleness_histogram_per_peer=[list(row) for row in zip(*columns[11:])],
+        )
         steps, samples = columns[0], columns[1]
-        return {"step": round(sum(steps) / comm.size), "epoch": sum(samples) / len(peer.split.x_train),
-                "samples": int(sum(samples)), "wall_time_s": max(columns[8]),  # until its last peer stopped
-                **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss),
-                **metrics.traffic(comm), "scope": "all peers"}
+        return {
+            "step": round(sum(steps) / comm.size),
+            "epoch": sum(samples) / len(peer.split.x_train),
+            "samples": int(sum(samples)),
+            "wall_time_s": max(columns[8]),  # until its last peer stopped
+            **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss),
+            **metrics.traffic(comm),
+            "scope": "all peers",
+        }
 
     def summary(self, final: dict, wall_s: float) -> dict:
         return {"adpsgd": adpsgd_summary(self.opt.budget, self.per_peer), **super().summary(final, wall_s)}
@@ -301,8 +367,13 @@ def adpsgd_summary(budget: str, per_peer: dict) -> dict:
     histograms = [[int(v) for v in h] for h in per_peer["staleness_histogram_per_peer"]]
     total = [sum(col) for col in zip(*histograms)]
     count = sum(total)
-    ints = ("steps_per_peer", "samples_per_peer", "averagings_initiated_per_peer", "averagings_served_per_peer",
-            "staleness_max_per_peer")
+    ints = (
+        "steps_per_peer",
+        "samples_per_peer",
+        "averagings_initiated_per_peer",
+        "averagings_served_per_peer",
+        "staleness_max_per_peer",
+    )
     per_peer = {k: [int(v) for v in values] if k in ints else list(values) for k, values in per_peer.items()}
     return {
         "budget": budget,
@@ -326,4 +397,3 @@ def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> d
     if cfg.get("resume") and out_dir is not None:
         state = checkpoint.load_latest(Path(out_dir), comm.rank, comm.size)
     return run_loop(run, cfg, out_dir, state)
-

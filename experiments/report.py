@@ -44,12 +44,22 @@ def load_runs(root: Path) -> list[dict]:
         config_file = run_dir / "config.yaml"
         config = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.exists() else {}
         metrics_file = run_dir / "metrics.jsonl"
-        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
-            if metrics_file.exists() else []
+        metrics = (
+            [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+            if metrics_file.exists()
+            else []
+        )
         overrides_file = run_dir / ".hydra" / "overrides.yaml"
         overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else None
-        runs.append({"dir": run_dir, "summary": json.loads(summary_file.read_text()), "config": _flatten(config),
-                     "overrides": _parse_overrides(overrides), "metrics": metrics})
+        runs.append(
+            {
+                "dir": run_dir,
+                "summary": json.loads(summary_file.read_text()),
+                "config": _flatten(config),
+                "overrides": _parse_overrides(overrides),
+                "metrics": metrics,
+            }
+        )
     return runs
 
 
@@ -71,8 +81,7 @@ def swept_keys(runs: list[dict]) -> list[str]:
     of them (what the user swept, by the names they used), else the differing config keys."""
     source = "overrides" if all(r["overrides"] is not None for r in runs) else "config"
     keys = sorted({k for r in runs for k in r[source]})
-    return [k for k in keys
-            if not k.startswith(IGNORED_KEYS) and len({repr(r[source].get(k)) for r in runs}) > 1]
+    return [k for k in keys if not k.startswith(IGNORED_KEYS) and len({repr(r[source].get(k)) for r in runs}) > 1]
 
 
 def value(run: dict, key: str):
@@ -91,15 +100,31 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     figures = {
-        "vs_steps": ("step", "step", [("test_accuracy", "test accuracy (averaged model)"),
-                                      ("peer_test_accuracy_mean", "test accuracy (mean of peers' models)"),
-                                      ("test_loss", "test loss"), ("consensus_distance", "consensus distance")]),
-        "vs_wall_time": ("wall_time_s", "wall time (s)", [("test_accuracy", "test accuracy (averaged model)"),
-                                                           ("test_loss", "test loss")]),
-        "vs_mb_sent": ("mb_sent_per_peer", "MB sent per peer", [("test_accuracy", "test accuracy (averaged model)"),
-                                                                ("test_loss", "test loss")]),
-        "vs_emulated_time": ("emulated_time_s", "emulated time (s, dpsgd.netem)",
-                             [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")]),
+        "vs_steps": (
+            "step",
+            "step",
+            [
+                ("test_accuracy", "test accuracy (averaged model)"),
+                ("peer_test_accuracy_mean", "test accuracy (mean of peers' models)"),
+                ("test_loss", "test loss"),
+                ("consensus_distance", "consensus distance"),
+            ],
+        ),
+        "vs_wall_time": (
+            "wall_time_s",
+            "wall time (s)",
+            [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
+        ),
+        "vs_mb_sent": (
+            "mb_sent_per_peer",
+            "MB sent per peer",
+            [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
+        ),
+        "vs_emulated_time": (
+            "emulated_time_s",
+            "emulated time (s, dpsgd.netem)",
+            [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
+        ),
     }
     written = []
     for name, (x_key, x_label, panels) in figures.items():
@@ -108,8 +133,11 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
         for ax, (y_key, y_label) in zip(axes[0], panels):
             for run in runs:
-                pts = [(m[x_key], m[y_key]) for m in run["metrics"]
-                       if m.get(x_key) is not None and m.get(y_key) is not None]
+                pts = [
+                    (m[x_key], m[y_key])
+                    for m in run["metrics"]
+                    if m.get(x_key) is not None and m.get(y_key) is not None
+                ]
                 if pts:
                     ax.plot(*zip(*pts), marker=".", label=label(run, keys))
             xs = [x for r in runs for x in _values(r, x_key) if x > 0]
@@ -144,13 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where to write report.md/csv and plots (default DIR)")
     args = parser.parse_args(argv)
     if not args.dir.is_dir():
-        print(f"error: {args.dir} is not a folder; pass a run or multirun folder (outputs/... or multirun/...)",
-              file=sys.stderr)
+        print(
+            f"error: {args.dir} is not a folder; pass a run or multirun folder (outputs/... or multirun/...)",
+            file=sys.stderr,
+        )
         return 2
     runs = load_runs(args.dir)
     if not runs:
-        print(f"error: no run under {args.dir} has a summary.json (unfinished or failed runs have none)",
-              file=sys.stderr)
+        print(
+            f"error: no run under {args.dir} has a summary.json (unfinished or failed runs have none)", file=sys.stderr
+        )
         return 2
     keys = swept_keys(runs)
     summaries = [{**r["summary"], **{k: value(r, k) for k in keys}} for r in runs]

@@ -21,8 +21,11 @@ OPTIONAL = {"emulated_time_s"}  # columns left out when no run has them
 
 def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:
     """Header and formatted rows; `extra` keys (swept parameters) come first."""
-    columns = [(h, key, fmt) for h, key, fmt in COLUMNS if h not in extra
-               and (key not in OPTIONAL or any(s.get(key) is not None for s in summaries))]
+    columns = [
+        (h, key, fmt)
+        for h, key, fmt in COLUMNS
+        if h not in extra and (key not in OPTIONAL or any(s.get(key) is not None for s in summaries))
+    ]
     header = list(extra) + [h for h, _, _ in columns]
     rows = []
     for s in summaries:
@@ -36,8 +39,10 @@ def format_table(summaries: list[dict], extra: list[str] = ()) -> str:
     header, rows = _cells(summaries, list(extra))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     numeric = [all(_is_number(r[i]) for r in rows) and rows != [] for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in [header, *rows]]
+    lines = [
+        "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in [header, *rows]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
 

@@ -53,9 +53,11 @@ def agree_on_run_dir(launcher: Backend) -> None:
     try:
         stamp = launcher.share(stamp, timeout_s)
     except PeerTimeoutError:
-        fail(f"rank {launcher.world()[0]}: start-up timed out after {timeout_s:g} s waiting for rank 0 "
-             f"to name the run folder; a peer did not start (raise comm.timeout_s if start-up is just slow)",
-             code=1)
+        fail(
+            f"rank {launcher.world()[0]}: start-up timed out after {timeout_s:g} s waiting for rank 0 "
+            f"to name the run folder; a peer did not start (raise comm.timeout_s if start-up is just slow)",
+            code=1,
+        )
     os.environ["DPSGD_RUN_DIR"] = stamp.decode().strip()
 
 
@@ -112,8 +114,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         if launcher is not None and resolved["backend"]["name"] != launcher.name:
-            raise ConfigError(f"started by a {launcher.name} launcher but backend={resolved['backend']['name']}; "
-                              f"pass backend={launcher.name}")
+            raise ConfigError(
+                f"started by a {launcher.name} launcher but backend={resolved['backend']['name']}; "
+                f"pass backend={launcher.name}"
+            )
         note = _fit_batch_size(resolved)
         if note and rank == 0:
             print(f"note: {note}", file=sys.stderr, flush=True)
@@ -122,8 +126,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
         # 0 has begun writing; if rank 0 refuses, the launcher stops the others)
         if rank == 0:
             if not resolved.get("resume") and any((run_dir / f).exists() for f in RUN_FILES):
-                raise ConfigError(f"{run_dir} already holds a run; pass resume=true to continue it, or choose a "
-                                  f"new hydra.run.dir")
+                raise ConfigError(
+                    f"{run_dir} already holds a run; pass resume=true to continue it, or choose a new hydra.run.dir"
+                )
             if resolved.get("resume") and (run_dir / "config.yaml").exists():
                 check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), resolved, run_dir)
     except ConfigError as exc:
@@ -145,8 +150,10 @@ def main() -> None:
     launcher = backends.launched()
     if launcher is not None:
         if "-m" in argv or "--multirun" in argv:
-            fail(f"a sweep (-m) cannot run inside a {launcher.name} launcher; run the sweep without it "
-                 f"and the app starts the peers of each run itself")
+            fail(
+                f"a sweep (-m) cannot run inside a {launcher.name} launcher; run the sweep without it "
+                f"and the app starts the peers of each run itself"
+            )
         agree_on_run_dir(launcher)
         rank = launcher.world()[0]
         # one .hydra/ folder (rank 0's) and one log file per rank

@@ -42,8 +42,10 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     if not isinstance(peers, int) or isinstance(peers, bool) or peers < 1:
         raise ConfigError(f"peers must be an integer >= 1, got {peers!r}")
     if world_size is not None and world_size != peers:
-        raise ConfigError(f"the launcher started {world_size} processes but peers={peers}; "
-                          f"pass peers={world_size} or start {peers} processes")
+        raise ConfigError(
+            f"the launcher started {world_size} processes but peers={peers}; "
+            f"pass peers={world_size} or start {peers} processes"
+        )
     try:
         algorithm = check_algorithm(cfg)
     except ValueError as exc:
@@ -58,15 +60,18 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
             raise ConfigError(f"algorithm.{key} must be an integer >= 1, got {value!r}")
     ratio = cfg["algorithm"].get("ratio")
     if ratio is not None and (not _is_number(ratio) or not 0 < ratio <= 1):
-        raise ConfigError(f"algorithm.ratio (the fraction of entries a compressor sends) must be in (0, 1], "
-                          f"got {ratio!r}")
+        raise ConfigError(
+            f"algorithm.ratio (the fraction of entries a compressor sends) must be in (0, 1], got {ratio!r}"
+        )
     backend = cfg["backend"].get("name")
     _check_choice("backend", backend, backends.names())
     record = backends.get(backend)
     if not record.checkpoints and ((cfg.get("checkpoint") or {}).get("every") or cfg.get("resume")):
         keeping = ", ".join(n for n in backends.names() if backends.get(n).checkpoints)
-        raise ConfigError(f"backend={backend} keeps no checkpoints; set checkpoint.every=0 and resume=false, "
-                          f"or use a backend that does ({keeping})")
+        raise ConfigError(
+            f"backend={backend} keeps no checkpoints; set checkpoint.every=0 and resume=false, "
+            f"or use a backend that does ({keeping})"
+        )
     problem = None if launched else record.missing()  # under a launcher the runtime is already loaded
     if problem:
         raise ConfigError(problem)
@@ -98,8 +103,9 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     # model shapes, and the algorithm with its options on this topology
     try:
         if not any(True for _ in build_model(cfg, load_data(cfg)).parameters()):
-            raise ValueError(f"the model {cfg['model'].get('_target_') or cfg['model'].get('name')!r} "
-                             f"has no parameters to train")
+            raise ValueError(
+                f"the model {cfg['model'].get('_target_') or cfg['model'].get('name')!r} has no parameters to train"
+            )
         # peer 0 alone: it must not wait for the others' parameters
         alone = {**cfg, "faults": None, "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}
         build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), alone)
@@ -113,13 +119,18 @@ RESUME_MAY_CHANGE = ("resume", "faults", "comm")  # what a resumed run may set d
 def check_same_run(saved: dict, cfg: dict, run_dir) -> None:
     """resume=true continues the run in `run_dir` only with the config it was started with."""
     before, now = _flatten(saved), _flatten(cfg)
-    changed = [k for k in sorted(set(before) | set(now))
-               if k.split(".")[0] not in RESUME_MAY_CHANGE and before.get(k) != now.get(k)]
+    changed = [
+        k
+        for k in sorted(set(before) | set(now))
+        if k.split(".")[0] not in RESUME_MAY_CHANGE and before.get(k) != now.get(k)
+    ]
     if changed:
         shown = ", ".join(f"{k}={before.get(k)!r} there, {now.get(k)!r} here" for k in changed[:3])
-        raise ConfigError(f"resume=true, but {run_dir} was started with a different config ({shown}"
-                          f"{', ...' if len(changed) > 3 else ''}); resume with the run's own settings "
-                          f"({run_dir}/config.yaml) or start a new run in a new folder")
+        raise ConfigError(
+            f"resume=true, but {run_dir} was started with a different config ({shown}"
+            f"{', ...' if len(changed) > 3 else ''}); resume with the run's own settings "
+            f"({run_dir}/config.yaml) or start a new run in a new folder"
+        )
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -7,8 +7,15 @@ import json
 from pathlib import Path
 
 # the summary keys a resumed run must reproduce bit for bit
-EXACT = ("steps", "test_accuracy", "test_loss", "train_loss", "consensus_distance", "mb_sent_per_peer",
-         "peer_test_accuracy_min")
+EXACT = (
+    "steps",
+    "test_accuracy",
+    "test_loss",
+    "train_loss",
+    "consensus_distance",
+    "mb_sent_per_peer",
+    "peer_test_accuracy_min",
+)
 
 
 def summary(run_dir: Path) -> dict:
@@ -17,8 +24,10 @@ def summary(run_dir: Path) -> dict:
 
 def timeless_records(run_dir: Path) -> list[dict]:
     timings = ("wall_time_s", "comm_time_s", "comm_overlap_s")
-    return [{k: v for k, v in json.loads(line).items() if k not in timings}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in timings}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def assert_same_numbers(full: Path, run_dir: Path) -> None:

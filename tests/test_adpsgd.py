@@ -63,8 +63,14 @@ def test_averaging_protocol_matches_numpy_replay():
     averagings gives the same parameters, so no averaging was torn and no increment lost or doubled."""
     for seed in range(6):
         n = [2, 4, 6][seed % 3]
-        spec = {**ap.draw(n, 100 + seed), "lr": 0.05, "budget": "steps", "steps": 10, "jitter_s": 0.0005,
-                "compute_s": 0.001}
+        spec = {
+            **ap.draw(n, 100 + seed),
+            "lr": 0.05,
+            "budget": "steps",
+            "steps": 10,
+            "jitter_s": 0.0005,
+            "compute_s": 0.001,
+        }
         results = run_episode(n, spec)
         check_episode(spec, results)
         assert max(r["measurements"]["staleness_max"] for r in results) >= 1  # parameters did move underneath
@@ -124,6 +130,7 @@ def test_one_peer_is_plain_sgd():
 
 def test_straggler_slows_only_itself():
     """Peer 1 computes 4x slower (netem); under AD-PSGD the others keep their pace."""
+
     def peer(comm):
         topo = topologies.make("ring", comm.size)
         w = torch.nn.Parameter(torch.zeros(8))
@@ -151,16 +158,26 @@ def test_compute_slowdown_waits_for_the_floor():
     s.start()
     s.finish()
     assert 0.028 <= time.perf_counter() - t0 < 0.2
-    assert NetworkEmulator.from_config({"name": "loopback", "slow_peers": [], "compute_scale": 1.0,
-                                        "compute_time": 0.0}, 0).active is False
+    assert (
+        NetworkEmulator.from_config(
+            {"name": "loopback", "slow_peers": [], "compute_scale": 1.0, "compute_time": 0.0}, 0
+        ).active
+        is False
+    )
     with pytest.raises(ValueError, match="compute_scale"):
         ComputeSlowdown(0, compute_scale=0.5)
 
 
 def test_errors_are_clear():
     with pytest.raises(ValueError, match="odd cycle|no active/passive split"):
-        run_local(3, lambda comm: ADPSGD(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
-                                         comm=comm, topology=topologies.make("ring", 3)))
+        run_local(
+            3,
+            lambda comm: ADPSGD(
+                torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
+                comm=comm,
+                topology=topologies.make("ring", 3),
+            ),
+        )
 
     def silent_active(comm):  # rank 0 (active) never averages nor says DONE: rank 1 must not hang
         w = torch.nn.Parameter(torch.zeros(2))
@@ -181,8 +198,18 @@ def test_errors_are_clear():
 @pytest.mark.timeout(120)
 def test_hydra_app_runs_adpsgd(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "experiments.train", "algorithm=adpsgd", "backend=local", "epochs=4", "log_every=5",
-           "network=straggler", "network.compute_time=0.002", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "algorithm=adpsgd",
+        "backend=local",
+        "epochs=4",
+        "log_every=5",
+        "network=straggler",
+        "network.compute_time=0.002",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=peer_env(), capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
     s = json.loads((run_dir / "summary.json").read_text())
@@ -194,8 +221,18 @@ def test_hydra_app_runs_adpsgd(tmp_path):
     assert a["slowdown_s_per_peer"][1] > a["slowdown_s_per_peer"][0]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final = records[-1]
-    for key in ("step", "epoch", "wall_time_s", "emulated_time_s", "train_loss", "test_accuracy",
-                "consensus_distance", "mb_sent_per_peer", "comm_time_s", "peer_test_accuracy_mean"):
+    for key in (
+        "step",
+        "epoch",
+        "wall_time_s",
+        "emulated_time_s",
+        "train_loss",
+        "test_accuracy",
+        "consensus_distance",
+        "mb_sent_per_peer",
+        "comm_time_s",
+        "peer_test_accuracy_mean",
+    ):
         assert final[key] is not None or key == "emulated_time_s", key
     assert final["scope"] == "all peers" and len(records) >= 2
 

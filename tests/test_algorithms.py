@@ -114,8 +114,9 @@ def expected(case):
         options = {"order": options["order"], "beta": options["qgm_beta"]}
     if name == "d2":
         lazy = options.get("lazy_mixing", False)
-        options["lazy"] = lazy is True or (lazy == "auto" and np.linalg.eigvalsh(topo.mixing_matrix()).min()
-                                           <= -1 / 3 + 1e-9)
+        options["lazy"] = lazy is True or (
+            lazy == "auto" and np.linalg.eigvalsh(topo.mixing_matrix()).min() <= -1 / 3 + 1e-9
+        )
     ref = {"sgp": ref_sgp, "choco": ref_choco, "d2": ref_d2, "gradient_tracking": ref_gt, "qgm": ref_qgm}[name]
     return ref(A, b, x0, topo.mixing_matrix, s.STEPS, **base, **options)
 
@@ -145,8 +146,12 @@ def test_mpi_processes_match_reference(tmp_path):
 def test_sgp_conserves_numerators_and_weights_with_lr_zero():
     def peer(comm):
         params, loss = s.model(comm)
-        opt = SGP(torch.optim.SGD(params, lr=0.0), topology=topologies.make("directed_exponential", N), comm=comm,
-                  broadcast_initial=False)
+        opt = SGP(
+            torch.optim.SGD(params, lr=0.0),
+            topology=topologies.make("directed_exponential", N),
+            comm=comm,
+            broadcast_initial=False,
+        )
         out = []
         for _ in range(6):
             opt.zero_grad()
@@ -168,20 +173,29 @@ def test_sgp_conserves_numerators_and_weights_with_lr_zero():
         np.testing.assert_allclose(zs, xs / ws[:, None], rtol=0, atol=1e-12)  # parameters hold z = x / w
 
 
-@pytest.mark.parametrize("case", [
-    ("d2", "exponential", {}),
-    ("d2", "ring", {"lazy_mixing": True}),
-    ("gradient_tracking", "ring", {}),
-    ("gradient_tracking", "one_peer_exponential", {}),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("d2", "exponential", {}),
+        ("d2", "ring", {"lazy_mixing": True}),
+        ("gradient_tracking", "ring", {}),
+        ("gradient_tracking", "one_peer_exponential", {}),
+    ],
+)
 def test_average_model_moves_by_the_average_increment(case):
     name, topo_name, options = case
     lr = 0.05
 
     def peer(comm):
         params, loss = s.model(comm)
-        opt = build(name, torch.optim.SGD(params, lr=lr), topology=topologies.make(topo_name, N), comm=comm,
-                    broadcast_initial=False, **options)
+        opt = build(
+            name,
+            torch.optim.SGD(params, lr=lr),
+            topology=topologies.make(topo_name, N),
+            comm=comm,
+            broadcast_initial=False,
+            **options,
+        )
         out = []
         for _ in range(8):
             opt.zero_grad()
@@ -198,13 +212,26 @@ def test_average_model_moves_by_the_average_increment(case):
         np.testing.assert_allclose(after - before, -lr * g, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("compressor", [{"compressor": "top_k", "ratio": 0.2}, {"compressor": "qsgd", "levels": 4},
-                                        {"compressor": "sign"}, {"compressor": "random_k", "ratio": 0.4}])
+@pytest.mark.parametrize(
+    "compressor",
+    [
+        {"compressor": "top_k", "ratio": 0.2},
+        {"compressor": "qsgd", "levels": 4},
+        {"compressor": "sign"},
+        {"compressor": "random_k", "ratio": 0.4},
+    ],
+)
 def test_choco_keeps_the_average_model_with_lr_zero(compressor):
     def peer(comm):
         params, loss = s.model(comm)
-        opt = Choco(torch.optim.SGD(params, lr=0.0), topology=topologies.make("ring", N), comm=comm, gamma=0.5,
-                    broadcast_initial=False, **compressor)
+        opt = Choco(
+            torch.optim.SGD(params, lr=0.0),
+            topology=topologies.make("ring", N),
+            comm=comm,
+            gamma=0.5,
+            broadcast_initial=False,
+            **compressor,
+        )
         out = []
         for _ in range(8):
             opt.zero_grad()
@@ -216,8 +243,7 @@ def test_choco_keeps_the_average_model_with_lr_zero(compressor):
     per_rank = run_local(N, peer)
     _, _, x0 = q.problem(N)
     for k in range(8):
-        np.testing.assert_allclose(np.mean([per_rank[r][k] for r in range(N)], axis=0), x0.mean(0), rtol=0,
-                                   atol=1e-12)
+        np.testing.assert_allclose(np.mean([per_rank[r][k] for r in range(N)], axis=0), x0.mean(0), rtol=0, atol=1e-12)
     assert not np.allclose(per_rank[0][-1], x0[0])  # the consensus step did move the peers
 
 
@@ -293,28 +319,39 @@ def test_refusals_are_one_line_and_say_why():
     assert "column stochastic" in msg and "row_stochastic" in msg
     msg = refusal(lambda: D2(base(), topology=topologies.make("ring", N), **fake_comm()))
     assert "lambda_min" in msg and "-1/3" in msg
-    assert "symmetric" in refusal(lambda: D2(base(), topology=topologies.make("one_peer_exponential", N),
-                                              **fake_comm()))
+    assert "symmetric" in refusal(
+        lambda: D2(base(), topology=topologies.make("one_peer_exponential", N), **fake_comm())
+    )
     assert "compressor" in refusal(lambda: Choco(base(), topology=topologies.make("ring", N), **fake_comm()))
     for ratio in (0, 1.5, None):
-        assert "(0, 1]" in refusal(lambda r=ratio: Choco(base(), topology=topologies.make("ring", N),
-                                                          **fake_comm(), compressor="top_k", ratio=r))
-    assert "static" in refusal(lambda: Choco(base(), topology=topologies.make("one_peer_exponential", N),
-                                             **fake_comm(), compressor="sign"))
+        assert "(0, 1]" in refusal(
+            lambda r=ratio: Choco(
+                base(), topology=topologies.make("ring", N), **fake_comm(), compressor="top_k", ratio=r
+            )
+        )
+    assert "static" in refusal(
+        lambda: Choco(base(), topology=topologies.make("one_peer_exponential", N), **fake_comm(), compressor="sign")
+    )
     push_sum = topologies.from_matrix(RowStochastic.W.T, directed=True)  # column but not row stochastic
     assert "doubly stochastic" in refusal(lambda: GradientTracking(base(), topology=push_sum, **fake_comm()))
     assert "doubly stochastic" in refusal(lambda: D2(base(), topology=push_sum, **fake_comm()))
-    assert "momentum" in refusal(lambda: DPSGD(
-        torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9),
-        topology=topologies.make("ring", N), **fake_comm(), qgm=True))
+    assert "momentum" in refusal(
+        lambda: DPSGD(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9),
+            topology=topologies.make("ring", N),
+            **fake_comm(),
+            qgm=True,
+        )
+    )
 
 
 def test_sgp_accepts_directed_and_undirected_d2_accepts_lazy_ring():
     for name in ("directed_exponential", "one_peer_directed_exponential", "ring", "one_peer_exponential"):
         SGP(base(), topology=topologies.make(name, N), **fake_comm())
     D2(base(), topology=topologies.make("ring", N), **fake_comm(), lazy_mixing="auto")
-    D2(base(), topology=topologies.make("ring", 5), comm=types.SimpleNamespace(rank=0, size=5),
-       broadcast_initial=False)  # lambda_min > -1/3
+    D2(
+        base(), topology=topologies.make("ring", 5), comm=types.SimpleNamespace(rank=0, size=5), broadcast_initial=False
+    )  # lambda_min > -1/3
 
 
 @pytest.mark.parametrize("name", ["sgp", "choco", "d2", "gradient_tracking", "qgm"])
@@ -324,8 +361,14 @@ def test_configs_build_their_algorithm(name):
     options = {k: v for k, v in cfg.items() if k not in BASE_KEYS}
     params = [torch.nn.Parameter(torch.zeros(3))]
     comm = types.SimpleNamespace(rank=0, size=8)
-    opt = build(name, torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"]),
-                topology=topologies.make("ring", 8), comm=comm, broadcast_initial=False, **options)
+    opt = build(
+        name,
+        torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"]),
+        topology=topologies.make("ring", 8),
+        comm=comm,
+        broadcast_initial=False,
+        **options,
+    )
     assert isinstance(opt, ALGORITHMS[name])
 
 
@@ -340,8 +383,9 @@ def test_torch_step_hooks_fire_around_every_algorithms_step():
             if name == "adpsgd":
                 continue  # asynchronous: its step needs its budget and threads (test_adpsgd)
             w = torch.nn.Parameter(torch.ones(3))
-            options = {k: v for k, v in yaml.safe_load((CONF / f"{name}.yaml").read_text()).items()
-                       if k not in BASE_KEYS}
+            options = {
+                k: v for k, v in yaml.safe_load((CONF / f"{name}.yaml").read_text()).items() if k not in BASE_KEYS
+            }
             topology = topologies.make("directed_exponential" if name == "sgp" else "ring", comm.size)
             opt = build(name, torch.optim.SGD([w], lr=0.1), topology=topology, comm=comm, **options)
             opt.register_step_pre_hook(lambda o, args, kwargs, n=name: calls.append(("pre", n, o.step_count)))
@@ -351,6 +395,7 @@ def test_torch_step_hooks_fire_around_every_algorithms_step():
         return calls
 
     calls = run_local(N, peer)[0]
-    expected = [(when, name, count) for name in ALGORITHMS if name != "adpsgd"
-                for when, count in (("pre", 0), ("post", 1))]
+    expected = [
+        (when, name, count) for name in ALGORITHMS if name != "adpsgd" for when, count in (("pre", 0), ("post", 1))
+    ]
     assert calls == expected

@@ -27,12 +27,31 @@ def load(path, benchmark):
 
 def test_comm_overhead(tmp_path):
     out = tmp_path / "comm_overhead.json"
-    assert comm_overhead.main(["--sizes-mb", "0.01", "0.05", "--reps", "2", "--warmup", "1", "--floor-reps", "2",
-                               "--timeout", "120", "--out", str(out)]) == 0
+    assert (
+        comm_overhead.main(
+            [
+                "--sizes-mb",
+                "0.01",
+                "0.05",
+                "--reps",
+                "2",
+                "--warmup",
+                "1",
+                "--floor-reps",
+                "2",
+                "--timeout",
+                "120",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = load(out, "comm_overhead")
     rows = res["rows"]
     assert {(r["backend"], r["op"], r["mb"]) for r in rows} == {
-        (b, op, mb) for b in ("mpi", "torch") for op in comm_overhead.OPS for mb in (0.01, 0.05)}
+        (b, op, mb) for b in ("mpi", "torch") for op in comm_overhead.OPS for mb in (0.01, 0.05)
+    }
     assert len(res["targets"]) == len(rows)
     for r in rows:
         assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
@@ -41,9 +60,29 @@ def test_comm_overhead(tmp_path):
 
 def test_allreduce_vs_ddp(tmp_path):
     out = tmp_path / "allreduce_vs_ddp.json"
-    assert allreduce_vs_ddp.main(["--hidden", "16", "--batch", "4", "--reps", "2", "--warmup", "1",
-                                  "--check-steps", "3", "--floor-reps", "2", "--timeout", "120",
-                                  "--out", str(out)]) == 0
+    assert (
+        allreduce_vs_ddp.main(
+            [
+                "--hidden",
+                "16",
+                "--batch",
+                "4",
+                "--reps",
+                "2",
+                "--warmup",
+                "1",
+                "--check-steps",
+                "3",
+                "--floor-reps",
+                "2",
+                "--timeout",
+                "120",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = load(out, "allreduce_vs_ddp")
     assert set(res["step_s"]) == set(allreduce_vs_ddp.VARIANTS)
     assert {t["name"] for t in res["targets"]} == {"AllReduce (torch backend) / DDP", "AllReduce (mpi backend) / DDP"}
@@ -56,9 +95,31 @@ def test_allreduce_vs_ddp(tmp_path):
 
 def test_local_sgd_vs_torch(tmp_path):
     out = tmp_path / "local_sgd_vs_torch.json"
-    assert local_sgd_vs_torch.main(["--hidden", "16", "--batch", "4", "--period", "3", "--warmup-steps", "3",
-                                    "--skip", "1", "--windows", "3", "--floor-reps", "2", "--timeout", "120",
-                                    "--out", str(out)]) == 0
+    assert (
+        local_sgd_vs_torch.main(
+            [
+                "--hidden",
+                "16",
+                "--batch",
+                "4",
+                "--period",
+                "3",
+                "--warmup-steps",
+                "3",
+                "--skip",
+                "1",
+                "--windows",
+                "3",
+                "--floor-reps",
+                "2",
+                "--timeout",
+                "120",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = load(out, "local_sgd_vs_torch")
     assert set(res["step_s"]) == {"warmup", "local"}
     check = res["check"]  # the timed run, float32
@@ -78,8 +139,12 @@ def test_step_time_vs_network(tmp_path):
     from experiments.bench import step_time_vs_network
 
     out = tmp_path / "step_time_vs_network.json"
-    assert step_time_vs_network.main(["--peers", "2", "--sizes", "0.27M", "--networks", "wan",
-                                      "--timeout", "240", "--out", str(out)]) == 0
+    assert (
+        step_time_vs_network.main(
+            ["--peers", "2", "--sizes", "0.27M", "--networks", "wan", "--timeout", "240", "--out", str(out)]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["benchmark"] == "step_time_vs_network" and out.with_suffix(".png").exists()
     rows = res["rows"]
@@ -97,5 +162,6 @@ def test_overlap(tmp_path):
     assert overlap.main(["--steps", "5", "--timeout", "240", "--out", str(out)]) == 0
     res = load(out, "overlap")
     assert res["hidden"]["model"]["hidden_by_waiting"] == 1.0  # exact on the emulated clock
-    assert {(r["mode"], r["overlap"]) for r in res["rows"]} == {(m, o) for m in ("sleep", "model")
-                                                                 for o in (False, True)}
+    assert {(r["mode"], r["overlap"]) for r in res["rows"]} == {
+        (m, o) for m in ("sleep", "model") for o in (False, True)
+    }

@@ -11,10 +11,19 @@ from dpsgd.optim import DPSGD
 from dpsgd.training import train
 from experiments.validate import ConfigError, validate
 
-CFG = {"seed": 0, "peers": 2, "epochs": 2, "batch_size": 16, "log_every": 10, "comm": {"timeout_s": 30},
-       "backend": {"name": "local"}, "topology": {"name": "ring"}, "data": {"name": "digits"},
-       "algorithm": {"name": "custom", "_target_": "dpsgd.optim.DPSGD", "lr": 0.1, "order": "atc"},
-       "model": {"name": "tiny", "_target_": "plugins.TinyNet", "width": 8}}
+CFG = {
+    "seed": 0,
+    "peers": 2,
+    "epochs": 2,
+    "batch_size": 16,
+    "log_every": 10,
+    "comm": {"timeout_s": 30},
+    "backend": {"name": "local"},
+    "topology": {"name": "ring"},
+    "data": {"name": "digits"},
+    "algorithm": {"name": "custom", "_target_": "dpsgd.optim.DPSGD", "lr": 0.1, "order": "atc"},
+    "model": {"name": "tiny", "_target_": "plugins.TinyNet", "width": 8},
+}
 
 
 def test_user_classes_train_through_target():
@@ -28,11 +37,14 @@ def test_user_classes_train_through_target():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
-@pytest.mark.parametrize("section, target, words", [
-    ("algorithm", "nope.Foo", "algorithm._target_='nope.Foo' cannot be imported"),
-    ("model", "plugins.Missing", "model._target_='plugins.Missing' cannot be imported"),
-    ("model", "torch.nn.Sequential", "has no parameters"),
-])
+@pytest.mark.parametrize(
+    "section, target, words",
+    [
+        ("algorithm", "nope.Foo", "algorithm._target_='nope.Foo' cannot be imported"),
+        ("model", "plugins.Missing", "model._target_='plugins.Missing' cannot be imported"),
+        ("model", "torch.nn.Sequential", "has no parameters"),
+    ],
+)
 def test_bad_targets_are_one_line_errors(section, target, words):
     cfg = {**CFG, section: {**CFG[section], "_target_": target}}
     if section == "model":

@@ -39,11 +39,14 @@ def test_shards_give_each_peer_few_classes():
     assert all(len(np.unique(labels[s])) <= 2 for s in shares)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(scheme="nope"), "valid partitions: iid, dirichlet, shards"),
-    (dict(scheme="dirichlet", alpha=0), "alpha must be > 0"),
-    (dict(min_size=500), "cannot give 4 peers 500 each"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(scheme="nope"), "valid partitions: iid, dirichlet, shards"),
+        (dict(scheme="dirichlet", alpha=0), "alpha must be > 0"),
+        (dict(min_size=500), "cannot give 4 peers 500 each"),
+    ],
+)
 def test_partition_errors(kwargs, words):
     with pytest.raises(ValueError, match=words):
         data.partition(np.arange(1000) % 10, 4, 0, **kwargs)
@@ -56,8 +59,9 @@ def test_bundled_and_generated_datasets():
     assert mnist.input_shape == (1, 28, 28) and len(mnist.x_train) + len(mnist.x_test) == 5000
     syn = data.load("synthetic", num_samples=500, num_features=12, num_classes=3, seed=1)
     assert syn.input_shape == (12,) and syn.num_classes == 3 and len(syn.x_test) == 100
-    assert torch.equal(syn.x_train, data.load("synthetic", num_samples=500, num_features=12, num_classes=3,
-                                              seed=1).x_train)
+    assert torch.equal(
+        syn.x_train, data.load("synthetic", num_samples=500, num_features=12, num_classes=3, seed=1).x_train
+    )
     reg = data.load("synthetic_regression", num_samples=300, num_features=5)
     assert reg.task == "regression" and reg.y_train.dtype == torch.float32
 
@@ -98,8 +102,10 @@ def test_missing_files_say_where_and_what(tmp_path):
         data.load("cifar10")
 
 
-@pytest.mark.parametrize("name, shape", [("linear", (1, 8, 8)), ("mlp", (12,)), ("cnn", (1, 28, 28)),
-                                         ("cnn", (3, 32, 32)), ("resnet20", (3, 32, 32))])
+@pytest.mark.parametrize(
+    "name, shape",
+    [("linear", (1, 8, 8)), ("mlp", (12,)), ("cnn", (1, 28, 28)), ("cnn", (3, 32, 32)), ("resnet20", (3, 32, 32))],
+)
 def test_models_build_the_same_from_a_seed(name, shape):
     a, b = models.build(name, shape, 10, seed=5), models.build(name, shape, 10, seed=5)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -122,10 +128,16 @@ def test_tiny_text_and_transformer_learn_next_characters():
     assert torch.equal(text.x_train[0, 1:], text.y_train[0, :-1])  # targets are the inputs shifted by one
     model = models.build("transformer", (16,), text.num_classes, seed=0)
     assert model(text.x_train[:3]).shape == (3, 16, text.num_classes)
-    cfg = {"seed": 0, "epochs": 3, "batch_size": 16, "log_every": 100,
-           "algorithm": {"name": "dpsgd", "optimizer": "adam", "lr": 0.003},
-           "topology": {"name": "ring"}, "model": {"name": "transformer", "dim": 32, "layers": 1, "heads": 2},
-           "data": {"name": "tiny_text", "num_samples": 400, "seq_len": 16}}
+    cfg = {
+        "seed": 0,
+        "epochs": 3,
+        "batch_size": 16,
+        "log_every": 100,
+        "algorithm": {"name": "dpsgd", "optimizer": "adam", "lr": 0.003},
+        "topology": {"name": "ring"},
+        "model": {"name": "transformer", "dim": 32, "layers": 1, "heads": 2},
+        "data": {"name": "tiny_text", "num_samples": 400, "seq_len": 16},
+    }
     summary = run_local(2, train, cfg)[0]
     # far above guessing among ~30 characters: the model learned the grammar's words
     assert summary["test_accuracy"] > 0.35, summary

@@ -26,8 +26,17 @@ def test_default_experiment_local_writes_outputs(app, tmp_path):
     assert s["test_accuracy"] >= 0.90, s
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == s["steps"] and len(records) >= 10
-    for key in ("step", "epoch", "wall_time_s", "emulated_time_s", "train_loss", "test_accuracy",
-                "consensus_distance", "mb_sent_per_peer", "comm_time_s"):
+    for key in (
+        "step",
+        "epoch",
+        "wall_time_s",
+        "emulated_time_s",
+        "train_loss",
+        "test_accuracy",
+        "consensus_distance",
+        "mb_sent_per_peer",
+        "comm_time_s",
+    ):
         assert key in records[0]
     assert records[-1]["mb_sent_per_peer"] > records[0]["mb_sent_per_peer"] > 0
     assert (run_dir / "config.yaml").exists() and (run_dir / ".hydra" / "config.yaml").exists()
@@ -38,9 +47,21 @@ LAUNCHES = {
     "mpi-self": (["backend=mpi"], None),
     "mpi-user": (["backend=mpi"], lambda: [mpiexec(), "-n", "4"]),
     "torch-self": (["backend=torch"], None),
-    "torch-user": (["backend=torch"], lambda: [sys.executable, "-m", "torch.distributed.run",
-                                               "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-                                               "--master-port", "29533", "--no-python"]),
+    "torch-user": (
+        ["backend=torch"],
+        lambda: [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29533",
+            "--no-python",
+        ],
+    ),
 }
 
 
@@ -60,8 +81,14 @@ def test_same_numbers_on_every_backend(app, launch, local_reference, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = summary(run_dir)
     assert s["steps"] == local_reference["steps"]
-    for key in ("test_accuracy", "peer_test_accuracy_mean", "train_loss", "test_loss", "consensus_distance",
-                "mb_sent_per_peer"):
+    for key in (
+        "test_accuracy",
+        "peer_test_accuracy_mean",
+        "train_loss",
+        "test_loss",
+        "consensus_distance",
+        "mb_sent_per_peer",
+    ):
         assert s[key] == pytest.approx(local_reference[key], rel=1e-4, abs=1e-6), key
     logs = sorted(p.name for p in run_dir.glob("*.log"))
     if launcher:  # every rank wrote into the same folder, each its own log
@@ -75,15 +102,18 @@ def test_single_peer_runs(app, tmp_path):
     assert s["peers"] == 1 and s["consensus_distance"] == 0 and s["mb_sent_per_peer"] == 0
 
 
-@pytest.mark.parametrize("args, words", [
-    (["algorithm=nope"], ["unknown algorithm 'nope'", "allreduce", "dpsgd"]),
-    (["topology=nope"], ["unknown topology 'nope'", "ring"]),
-    (["backend=nope"], ["unknown backend 'nope'", "local", "mpi", "torch"]),
-    (["peers=0"], ["peers must be an integer >= 1"]),
-    (["algorithm.name=nope"], ["unknown algorithm 'nope'", "dpsgd"]),
-    (["topology.name=nope", "backend=local"], ["topology 'nope'", "ring"]),
-    (["topology=one_peer_exponential", "peers=6", "topology.name=hypercube"], ["hypercube", "power of 2"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["algorithm=nope"], ["unknown algorithm 'nope'", "allreduce", "dpsgd"]),
+        (["topology=nope"], ["unknown topology 'nope'", "ring"]),
+        (["backend=nope"], ["unknown backend 'nope'", "local", "mpi", "torch"]),
+        (["peers=0"], ["peers must be an integer >= 1"]),
+        (["algorithm.name=nope"], ["unknown algorithm 'nope'", "dpsgd"]),
+        (["topology.name=nope", "backend=local"], ["topology 'nope'", "ring"]),
+        (["topology=one_peer_exponential", "peers=6", "topology.name=hypercube"], ["hypercube", "power of 2"]),
+    ],
+)
 def test_bad_input_one_line_and_no_outputs(app, args, words, tmp_path):
     run_dir = tmp_path / "run"
     proc = app(args, run_dir, timeout=60)
@@ -101,8 +131,6 @@ def test_world_size_must_match_peers(app, tmp_path):
     assert proc.returncode != 0
     assert "started 2 processes but peers=4" in proc.stderr
     assert not (run_dir / "summary.json").exists()
-
-
 
 
 def test_killed_run_resumes_to_the_same_numbers(app, tmp_path):
@@ -123,4 +151,3 @@ def test_killed_run_resumes_to_the_same_numbers(app, tmp_path):
     resumed = app(args + ["resume=true"], run_dir)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_numbers(full, run_dir)
-

@@ -49,14 +49,18 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 # --- the plan and the injector ---------------------------------------------------------------
 
-@pytest.mark.parametrize("section, words", [
-    ({"kill_peer": 4}, "faults.kill_peer must be a peer rank in [0, 4)"),
-    ({"kill_peer": 1, "kill_mode": "explode"}, "faults.kill_mode must be one of exit, hang"),
-    ({"at_step": 0}, "faults.at_step must be an integer >= 1"),
-    ({"delay_s": -1}, "faults.delay_s must be a number of seconds >= 0"),
-    ({"drop_messages": 1.5}, "faults.drop_messages must be a fraction in [0, 1]"),
-    ({"kill": 1}, "unknown faults option(s) ['kill']"),
-])
+
+@pytest.mark.parametrize(
+    "section, words",
+    [
+        ({"kill_peer": 4}, "faults.kill_peer must be a peer rank in [0, 4)"),
+        ({"kill_peer": 1, "kill_mode": "explode"}, "faults.kill_mode must be one of exit, hang"),
+        ({"at_step": 0}, "faults.at_step must be an integer >= 1"),
+        ({"delay_s": -1}, "faults.delay_s must be a number of seconds >= 0"),
+        ({"drop_messages": 1.5}, "faults.drop_messages must be a fraction in [0, 1]"),
+        ({"kill": 1}, "unknown faults option(s) ['kill']"),
+    ],
+)
 def test_fault_plan_refuses_bad_options(section, words):
     with pytest.raises(ValueError) as info:
         FaultPlan.from_config(section, peers=4, backend="local")
@@ -71,8 +75,9 @@ def test_lost_messages_only_on_local():
 def test_no_fault_configured_changes_nothing(config):
     cfg = config("peers=4")
     plain = run_local(4, train, cfg, None)[0]
-    delayed = run_local(4, train, config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.01",
-                                         "faults.at_step=3"), None)[0]
+    delayed = run_local(
+        4, train, config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.01", "faults.at_step=3"), None
+    )[0]
     for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
         assert plain[key] == delayed[key], key  # a slow peer slows the run, never its numbers
     assert delayed["wall_time_s"] > plain["wall_time_s"]
@@ -118,15 +123,22 @@ def test_killed_local_peer_stops_the_world_at_once(config):
 
 # --- the app: one line, exit code 1, bounded time ---------------------------------------------
 
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args, words", [
-    (["faults.kill_peer=2", "faults.at_step=5"],
-     ["rank 2: InjectedFault: peer 2 exited at step 5"]),
-    (["faults.kill_peer=2", "faults.at_step=5", "faults.kill_mode=hang"],
-     ["PeerTimeoutError: neighbor_average timed out after 2 s waiting for peer(s) [2] at step 5"]),
-    (["faults.drop_messages=1.0", "faults.at_step=5"],
-     ["PeerTimeoutError: neighbor_average timed out after 2 s", "at step 5"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["faults.kill_peer=2", "faults.at_step=5"], ["rank 2: InjectedFault: peer 2 exited at step 5"]),
+        (
+            ["faults.kill_peer=2", "faults.at_step=5", "faults.kill_mode=hang"],
+            ["PeerTimeoutError: neighbor_average timed out after 2 s waiting for peer(s) [2] at step 5"],
+        ),
+        (
+            ["faults.drop_messages=1.0", "faults.at_step=5"],
+            ["PeerTimeoutError: neighbor_average timed out after 2 s", "at step 5"],
+        ),
+    ],
+)
 def test_local_fault_ends_the_run_with_one_line(cli, args, words, tmp_path):
     proc, seconds, _ = cli(["backend=local", "comm.timeout_s=2", "epochs=2", *args], tmp_path / "run")
     assert proc.returncode == 1, proc.stderr
@@ -138,18 +150,40 @@ def test_local_fault_ends_the_run_with_one_line(cli, args, words, tmp_path):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("backend, mode, words", [
-    ("mpi", "hang", ["rank 0: PeerTimeoutError: neighbor_average timed out after 4 s waiting for peer(s) [1] "
-                     "at step 5"]),
-    ("torch", "exit", ["peer 1 died at step 5 without an error message (killed by SIGKILL)",
-                       "its log ends: fault: peer 1 exited at step 5"]),
-])
+@pytest.mark.parametrize(
+    "backend, mode, words",
+    [
+        (
+            "mpi",
+            "hang",
+            ["rank 0: PeerTimeoutError: neighbor_average timed out after 4 s waiting for peer(s) [1] at step 5"],
+        ),
+        (
+            "torch",
+            "exit",
+            [
+                "peer 1 died at step 5 without an error message (killed by SIGKILL)",
+                "its log ends: fault: peer 1 exited at step 5",
+            ],
+        ),
+    ],
+)
 def test_process_fault_ends_the_run_with_one_line(cli, backend, mode, words, tmp_path):
     """A peer process that dies (SIGKILL) or hangs: the whole run ends, well within 2x comm.timeout_s
     of the fault, with one line naming the peer and the step (a dead MPI peer: the 8-peer test below)."""
     timeout_s, run_dir = 4, tmp_path / "run"
-    proc, _, ended = cli([f"backend={backend}", "peers=2", f"comm.timeout_s={timeout_s}", "epochs=2",
-                          "faults.kill_peer=1", "faults.at_step=5", f"faults.kill_mode={mode}"], run_dir)
+    proc, _, ended = cli(
+        [
+            f"backend={backend}",
+            "peers=2",
+            f"comm.timeout_s={timeout_s}",
+            "epochs=2",
+            "faults.kill_peer=1",
+            "faults.at_step=5",
+            f"faults.kill_mode={mode}",
+        ],
+        run_dir,
+    )
     assert proc.returncode == 1, proc.stderr
     line = one_error_line(proc)
     for w in words:
@@ -162,21 +196,26 @@ def test_process_fault_ends_the_run_with_one_line(cli, backend, mode, words, tmp
 
 # --- checkpoints: torn ones are skipped ---------------------------------------------------------
 
+
 def _saved_world(tmp_path, steps=(10, 20), peers=2):
     def save_all(comm):
         for step in steps:
             checkpoint.save(comm, tmp_path, step, {"step": step, "w": torch.full((3,), float(step + comm.rank))})
+
     run_local(peers, save_all)
     return tmp_path / "checkpoints"
 
 
-@pytest.mark.parametrize("tear, why", [
-    (lambda d: (d / "COMPLETE").unlink(), "no COMPLETE marker"),
-    (lambda d: (d / "rank1.pt").write_bytes((d / "rank1.pt").read_bytes()[:50]), "truncated"),
-    (lambda d: (d / "rank0.pt").write_bytes(bytes(reversed((d / "rank0.pt").read_bytes()))), "altered"),
-    (lambda d: (d / "rank1.pt").unlink(), "missing"),
-    (lambda d: (d / "rank0.sha256").unlink(), "missing"),
-])
+@pytest.mark.parametrize(
+    "tear, why",
+    [
+        (lambda d: (d / "COMPLETE").unlink(), "no COMPLETE marker"),
+        (lambda d: (d / "rank1.pt").write_bytes((d / "rank1.pt").read_bytes()[:50]), "truncated"),
+        (lambda d: (d / "rank0.pt").write_bytes(bytes(reversed((d / "rank0.pt").read_bytes()))), "altered"),
+        (lambda d: (d / "rank1.pt").unlink(), "missing"),
+        (lambda d: (d / "rank0.sha256").unlink(), "missing"),
+    ],
+)
 def test_torn_checkpoint_falls_back_to_the_previous_complete_one(tmp_path, tear, why):
     root = _saved_world(tmp_path)
     assert checkpoint.complete_steps(tmp_path, 2) == [10, 20]
@@ -217,6 +256,7 @@ class _RunsCode:
 
 # --- resume after a crash: the numbers of an uninterrupted run ------------------------------------
 
+
 @pytest.mark.timeout(200)
 def test_local_peer_killed_then_torn_checkpoint_then_resume_gives_same_numbers(cli, tmp_path):
     args = ["backend=local", "epochs=12", "log_every=10", "checkpoint.every=10"]
@@ -247,8 +287,10 @@ def test_kill_one_of_8_mpi_peers_ends_the_run_and_resume_finishes_it(cli, tmp_pa
     line = one_error_line(proc)
     assert "peer 5 died at step 37 without an error message (Killed (signal 9))" in line, line
     fault_at = (run_dir / "logs" / "rank5.log").stat().st_mtime
-    print(f"\nkill 1 of 8 mpi peers: exit {ended - fault_at:.2f} s after the fault "
-          f"(run {seconds:.1f} s in all); limit {2 * timeout_s} s\n{line}")
+    print(
+        f"\nkill 1 of 8 mpi peers: exit {ended - fault_at:.2f} s after the fault "
+        f"(run {seconds:.1f} s in all); limit {2 * timeout_s} s\n{line}"
+    )
     assert ended - fault_at < 2 * timeout_s
     assert checkpoint.complete_steps(run_dir, 8) == [20, 30]
     assert_resumes_to_the_same_numbers(cli, args, full, run_dir)
@@ -262,6 +304,7 @@ def assert_resumes_to_the_same_numbers(cli, args: list[str], full: Path, run_dir
 
 
 # --- the driver's diagnosis -------------------------------------------------------------------------
+
 
 class _Seen:
     """What a Supervisor saw: last steps, and when each peer's process ended without finishing."""
@@ -302,7 +345,8 @@ def test_first_failure_torch_process_killed_by_a_signal(tmp_path):
     _error_file(tmp_path, 0, "rank 0: PeerTimeoutError: Connection closed by peer", at=999.0)
     seen = _Seen({0: 7, 1: 7}, {1: 1000.0})
     assert "peer 1 died at step 7 without an error message (killed by SIGKILL)" in first_failure(
-        tmp_path, seen, 1, 2, codes=[None, -9])
+        tmp_path, seen, 1, 2, codes=[None, -9]
+    )
 
 
 def test_supervisor_hears_steps_and_deaths():

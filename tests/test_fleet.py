@@ -27,14 +27,26 @@ def config(algorithm: str, topology: str = "ring", peers: int = 4, **algo) -> di
     def load(group, name):
         return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
-    return {"algorithm": {**load("algorithm", algorithm), **algo}, "topology": load("topology", topology),
-            "model": load("model", "mlp"), "data": load("data", "digits"), "backend": {"name": "fleet"},
-            "network": load("network", "loopback"), "peers": peers, "seed": 3, "epochs": 1, "batch_size": 16,
-            "log_every": 10, "device": "cpu", "comm": {"timeout_s": 60}}
+    return {
+        "algorithm": {**load("algorithm", algorithm), **algo},
+        "topology": load("topology", topology),
+        "model": load("model", "mlp"),
+        "data": load("data", "digits"),
+        "backend": {"name": "fleet"},
+        "network": load("network", "loopback"),
+        "peers": peers,
+        "seed": 3,
+        "epochs": 1,
+        "batch_size": 16,
+        "log_every": 10,
+        "device": "cpu",
+        "comm": {"timeout_s": 60},
+    }
 
 
 def local_parameters(cfg: dict, steps: int) -> list[torch.Tensor]:
     """(n, D) parameters of the real peers (local backend threads) after `steps` training steps."""
+
     def peer(comm):
         p = build_peer(comm, cfg)
         for _ in range(steps):
@@ -52,8 +64,11 @@ CASES = {
     "dpsgd-nesterov-wd": ("dpsgd", "exponential", {"nesterov": True, "weight_decay": 1e-3}),
     "qgm": ("qgm", "ring", {}),
     "local_sgd": ("local_sgd", "ring", {"warmup_steps": 3}),
-    "local_sgd-state-avg-groups": ("local_sgd", "ring", {"inner_state": "average", "group_size": 2,
-                                                         "global_period": 8}),
+    "local_sgd-state-avg-groups": (
+        "local_sgd",
+        "ring",
+        {"inner_state": "average", "group_size": 2, "global_period": 8},
+    ),
     "local_sgd-reset": ("local_sgd", "ring", {"inner_state": "reset", "optimizer": "adam", "lr": 0.01}),
     "slowmo": ("slowmo", "ring", {}),
     "bmuf": ("bmuf", "ring", {}),
@@ -133,8 +148,10 @@ def test_files_have_the_keys_of_a_real_run(algorithm, tmp_path):
     local_cfg["backend"] = {"name": "local"}
     run_local(4, train, local_cfg, tmp_path / "local", timeout_s=60)
     train_fleet(copy.deepcopy(cfg), tmp_path / "fleet")
-    records = {k: [json.loads(r) for r in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
-               for k in ("local", "fleet")}
+    records = {
+        k: [json.loads(r) for r in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        for k in ("local", "fleet")
+    }
     summaries = {k: json.loads((tmp_path / k / "summary.json").read_text()) for k in ("local", "fleet")}
     assert {frozenset(r) for r in records["fleet"]} == {frozenset(r) for r in records["local"]}
     assert set(summaries["fleet"]) == set(summaries["local"])
@@ -151,13 +168,38 @@ def test_hydra_app_runs_backend_fleet(tmp_path):
     import sys
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "experiments.train", "backend=fleet", "peers=32", "batch_size=8",
-                           "epochs=3", "topology=one_peer_exponential", f"hydra.run.dir={run_dir}"],
-                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "backend=fleet",
+            "peers=32",
+            "batch_size=8",
+            "epochs=3",
+            "topology=one_peer_exponential",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
     assert "fleet" in (run_dir / "summary.json").read_text()
-    bad = subprocess.run([sys.executable, "-m", "experiments.train", "backend=fleet", "checkpoint.every=5",
-                          f"hydra.run.dir={tmp_path / 'bad'}"], cwd=Path(__file__).parent.parent,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "backend=fleet",
+            "checkpoint.every=5",
+            f"hydra.run.dir={tmp_path / 'bad'}",
+        ],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "backend=fleet keeps no checkpoints" in bad.stderr

@@ -10,8 +10,14 @@ import pytest
 
 
 def sweep(app, launcher: str, sweep_dir: Path, *extra: str, timeout: int = 300):
-    args = ["-m", f"hydra/launcher={launcher}", "algorithm=allreduce,dpsgd", "epochs=2", f"hydra.sweep.dir={sweep_dir}",
-            *extra]
+    args = [
+        "-m",
+        f"hydra/launcher={launcher}",
+        "algorithm=allreduce,dpsgd",
+        "epochs=2",
+        f"hydra.sweep.dir={sweep_dir}",
+        *extra,
+    ]
     return app(args, timeout=timeout)
 
 

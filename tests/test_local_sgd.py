@@ -48,8 +48,7 @@ def adamw_increment(x, g, st, lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-
 def reference(case, A, b, x0, steps):
     """Trajectory (steps, n, d) of the update equations in dpsgd/optim/local_sgd.py's docstring."""
     name, kind, base, opts = case
-    o = {**DEFAULTS[name], "warmup_steps": 0, "inner_state": "keep", "group_size": None, "global_period": None,
-         **opts}
+    o = {**DEFAULTS[name], "warmup_steps": 0, "inner_state": "keep", "group_size": None, "global_period": None, **opts}
     n = len(x0)
     lr, mom = base["lr"], base.get("momentum", 0.0)
     every = np.full((n, n), 1.0 / n)
@@ -151,14 +150,18 @@ def test_group_averaging_conserves_group_mass():
     after = np.stack([r[1] for r in res], axis=1)
     k = 1  # step 2: within groups {0,1} and {2,3}
     for grp in ([0, 1], [2, 3]):
-        np.testing.assert_allclose(after[k, grp], np.broadcast_to(before[k, grp].mean(0), (2, q.DIM)),
-                                   rtol=0, atol=1e-14)
+        np.testing.assert_allclose(
+            after[k, grp], np.broadcast_to(before[k, grp].mean(0), (2, q.DIM)), rtol=0, atol=1e-14
+        )
     assert np.abs(after[k, 0] - after[k, 2]).max() > 1e-6  # the groups did not mix
     np.testing.assert_allclose(after[3], np.broadcast_to(before[3].mean(0), after[3].shape), rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("case", [peer.CASES[5], peer.CASES[9], peer.CASES[12], peer.CASES[4]],
-                         ids=["slowmo", "diloco-adamw-reset", "hierarchical-slowmo", "average-state"])
+@pytest.mark.parametrize(
+    "case",
+    [peer.CASES[5], peer.CASES[9], peer.CASES[12], peer.CASES[4]],
+    ids=["slowmo", "diloco-adamw-reset", "hierarchical-slowmo", "average-state"],
+)
 def test_state_dict_round_trip_resumes_identically(case):
     """10 steps in one go == 5 steps, save, load into a fresh optimizer (and model), 5 more."""
 
@@ -178,8 +181,7 @@ def test_state_dict_round_trip_resumes_identically(case):
         with torch.no_grad():
             for p, s in zip(params2, saved["params"]):
                 p.copy_(s)
-        opt2 = build(name, peer.make_base(kind, params2, base_options), comm=comm, broadcast_initial=False,
-                     **options)
+        opt2 = build(name, peer.make_base(kind, params2, base_options), comm=comm, broadcast_initial=False, **options)
         opt2.load_state_dict(saved["opt"])
         assert opt2.step_count == 5
         return straight, first + peer.take_steps(opt2, params2, loss2, 5)
@@ -196,8 +198,11 @@ def test_period_one_with_averaged_momentum_is_allreduce():
         w = torch.nn.Parameter(torch.tensor(x0[0]))
         A_i, b_i = torch.tensor(A[comm.rank]), torch.tensor(b[comm.rank])
         base = torch.optim.SGD([w], lr=0.05, momentum=0.9)
-        opt = (AllReduce(base, comm=comm) if algorithm == "allreduce"
-               else LocalSGD(base, comm=comm, period=1, inner_state=algorithm))
+        opt = (
+            AllReduce(base, comm=comm)
+            if algorithm == "allreduce"
+            else LocalSGD(base, comm=comm, period=1, inner_state=algorithm)
+        )
         out = []
         for _ in range(10):
             opt.zero_grad()
@@ -238,26 +243,30 @@ def test_registered_names_have_their_papers_defaults():
 def test_config_options_are_accepted(name):
     cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
     assert cfg["name"] == name
-    options = {k: v for k, v in cfg.items() if k not in ("name", "optimizer", "lr", "momentum", "weight_decay",
-                                                          "nesterov")}
+    options = {
+        k: v for k, v in cfg.items() if k not in ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov")
+    }
     w = torch.nn.Parameter(torch.zeros(2))
     opt = run_local(8, lambda comm: build(name, torch.optim.SGD([w], lr=0.1), comm=comm, **options))[0]
     assert isinstance(opt, LocalSGD)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"period": 0}, "period must be an integer >= 1"),
-    ({"period": 2.5}, "period must be an integer"),
-    ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
-    ({"outer": "adam"}, "outer must be one of"),
-    ({"inner_state": "sum"}, "inner_state must be one of"),
-    ({"outer_momentum": 1.0}, "outer_momentum must be in"),
-    ({"outer_lr": 0}, "outer_lr must be > 0"),
-    ({"outer_lr": 0.5}, "outer='average' takes no outer_lr"),
-    ({"group_size": 3, "global_period": 4}, "group_size 3 does not divide the 4 peers"),
-    ({"group_size": 2}, "needs both group_size and global_period"),
-    ({"period": 3, "group_size": 2, "global_period": 4}, "global_period 4 must be a multiple of period 3"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"period": 0}, "period must be an integer >= 1"),
+        ({"period": 2.5}, "period must be an integer"),
+        ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+        ({"outer": "adam"}, "outer must be one of"),
+        ({"inner_state": "sum"}, "inner_state must be one of"),
+        ({"outer_momentum": 1.0}, "outer_momentum must be in"),
+        ({"outer_lr": 0}, "outer_lr must be > 0"),
+        ({"outer_lr": 0.5}, "outer='average' takes no outer_lr"),
+        ({"group_size": 3, "global_period": 4}, "group_size 3 does not divide the 4 peers"),
+        ({"group_size": 2}, "needs both group_size and global_period"),
+        ({"period": 3, "group_size": 2, "global_period": 4}, "global_period 4 must be a multiple of period 3"),
+    ],
+)
 def test_nonsense_is_refused(options, message):
     def fn(comm):
         with pytest.raises(ValueError, match=message) as err:

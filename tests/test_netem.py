@@ -75,8 +75,14 @@ def test_one_peer_dpsgd_step_equals_closed_form():
 
 def test_ring_sends_two_messages_per_step():
     n, numel = 4, 25_000
-    per_step = run_local(n, _train, DPSGD, numel, {"latency_s": ALPHA, "bandwidth_bytes_per_s": BETA},
-                         topology=topologies.make("ring", n))
+    per_step = run_local(
+        n,
+        _train,
+        DPSGD,
+        numel,
+        {"latency_s": ALPHA, "bandwidth_bytes_per_s": BETA},
+        topology=topologies.make("ring", n),
+    )
     want = FLOOR + Link(ALPHA, BETA).message_time(4 * numel, count=2)
     assert [round(t, 12) for t, _ in per_step] == [round(want, 12)] * n
 
@@ -103,8 +109,9 @@ def test_straggler_paces_every_peer_under_allreduce():
 
 def test_straggler_slows_only_itself_under_adpsgd_in_model_mode():
     def peer(comm):
-        net = NetworkEmulator.from_config({"compute_time": FLOOR, "slow_peers": [1], "compute_scale": 4.0,
-                                           "latency_s": ALPHA}, comm.rank, comm.size)
+        net = NetworkEmulator.from_config(
+            {"compute_time": FLOOR, "slow_peers": [1], "compute_scale": 4.0, "latency_s": ALPHA}, comm.rank, comm.size
+        )
         comm.attach_network(net)
         w = torch.nn.Parameter(torch.zeros(8))
         opt = ADPSGD(torch.optim.SGD([w], lr=0.1), comm=comm, topology=topologies.make("ring", comm.size))
@@ -138,6 +145,7 @@ def test_jitter_is_seeded_and_bounded():
 
 def test_sleep_mode_really_waits():
     """In sleep mode a 60 ms message really takes 60 ms of wall time; in model mode it costs nothing."""
+
     def peer(comm, mode):
         net = NetworkEmulator.from_config({"mode": mode, "latency_s": 0.06}, comm.rank, comm.size)
         comm.attach_network(net)
@@ -177,9 +185,11 @@ def test_uncounted_traffic_costs_nothing():
 
 def test_sleep_mode_straggler_paces_every_peer_under_allreduce():
     """The same straggler, for real: with sleep mode every all-reduce step waits out the slow peer's 40 ms."""
+
     def peer(comm):
-        net = NetworkEmulator.from_config({"mode": "sleep", "compute_time": 0.01, "slow_peers": [2],
-                                           "compute_scale": 4.0}, comm.rank, comm.size)
+        net = NetworkEmulator.from_config(
+            {"mode": "sleep", "compute_time": 0.01, "slow_peers": [2], "compute_scale": 4.0}, comm.rank, comm.size
+        )
         comm.attach_network(net)
         w = torch.nn.Parameter(torch.zeros(8))
         opt = AllReduce(torch.optim.SGD([w], lr=0.1), comm=comm)
@@ -203,11 +213,20 @@ def test_emulated_step_time_of_real_mpi_peers(app, tmp_path):
     closed-form emulated step time (a given compute_time is each step's compute in model mode)."""
     link = Link(1e-4, 1.25e8)
     params = 64 * 64 + 64 + 64 * 10 + 10  # the default MLP on digits
-    for algorithm, topology, comm_s in (("dpsgd", "one_peer_exponential", link.message_time(4 * params)),
-                                        ("allreduce", "ring", link.allreduce_time(4 * params, 4))):
+    for algorithm, topology, comm_s in (
+        ("dpsgd", "one_peer_exponential", link.message_time(4 * params)),
+        ("allreduce", "ring", link.allreduce_time(4 * params, 4)),
+    ):
         run_dir = tmp_path / algorithm
-        args = [f"algorithm={algorithm}", f"topology={topology}", "network=ethernet_1g", "network.compute_time=0.002",
-                "epochs=2", "peers=4", "backend=mpi"]
+        args = [
+            f"algorithm={algorithm}",
+            f"topology={topology}",
+            "network=ethernet_1g",
+            "network.compute_time=0.002",
+            "epochs=2",
+            "peers=4",
+            "backend=mpi",
+        ]
         proc = app(args, run_dir, timeout=150)
         assert proc.returncode == 0, proc.stderr[-2000:]
         summary = json.loads((run_dir / "summary.json").read_text())

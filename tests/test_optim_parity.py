@@ -97,8 +97,12 @@ def test_overlap_gives_the_same_trajectory_and_counts_the_window():
         A, b, x0 = q.problem(comm.size)
         A_i, b_i = torch.tensor(A[comm.rank]), torch.tensor(b[comm.rank])
         x = torch.nn.Parameter(torch.tensor(x0[comm.rank]))
-        opt = DPSGD(torch.optim.SGD([x], lr=q.LR, momentum=0.9), topology=topologies.make("ring", comm.size),
-                    comm=comm, overlap=overlap)
+        opt = DPSGD(
+            torch.optim.SGD([x], lr=q.LR, momentum=0.9),
+            topology=topologies.make("ring", comm.size),
+            comm=comm,
+            overlap=overlap,
+        )
         for _ in range(q.STEPS):
             if opt.overlap:
                 opt.start_communication()

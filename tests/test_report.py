@@ -12,11 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_sweep_to_table_and_plots(app, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = app(["-m", "algorithm=allreduce,dpsgd", "backend=local", "epochs=2", "log_every=4",
-                f"hydra.sweep.dir={sweep}"])
+    proc = app(
+        ["-m", "algorithm=allreduce,dpsgd", "backend=local", "epochs=2", "log_every=4", f"hydra.sweep.dir={sweep}"]
+    )
     assert proc.returncode == 0, proc.stderr
-    report = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert report.returncode == 0, report.stderr
     lines = report.stdout.splitlines()
     assert lines[0].split()[0] == "algorithm"  # the swept parameter leads the table
@@ -31,6 +33,11 @@ def test_sweep_to_table_and_plots(app, tmp_path):
 
 
 def test_report_says_what_is_missing(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiments.report", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.report", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "no run under" in proc.stderr

@@ -24,10 +24,21 @@ def config(peers=4, topology="ring", model="linear", **algo) -> dict:
     def load(group, name):
         return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
-    return {"algorithm": {**load("algorithm", "adpsgd"), **algo}, "topology": load("topology", topology),
-            "model": load("model", model), "data": load("data", "digits"), "backend": {"name": "fleet"},
-            "network": load("network", "loopback"), "peers": peers, "seed": 5, "epochs": 2, "batch_size": 16,
-            "log_every": 10, "device": "cpu", "comm": {"timeout_s": 60}}
+    return {
+        "algorithm": {**load("algorithm", "adpsgd"), **algo},
+        "topology": load("topology", topology),
+        "model": load("model", model),
+        "data": load("data", "digits"),
+        "backend": {"name": "fleet"},
+        "network": load("network", "loopback"),
+        "peers": peers,
+        "seed": 5,
+        "epochs": 2,
+        "batch_size": 16,
+        "log_every": 10,
+        "device": "cpu",
+        "comm": {"timeout_s": 60},
+    }
 
 
 def softmax_grad(w: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int) -> np.ndarray:
@@ -52,8 +63,10 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
     snap = live.copy()
     version, snap_version = np.zeros(n, int), np.zeros(n, int)
     seed, split = cfg["seed"], sim.split
-    batches = [data.Batches(split.x_train[s], split.y_train[s], cfg["batch_size"], seed=seed * 1000 + r + 1)
-               for r, s in enumerate(sim.shares)]
+    batches = [
+        data.Batches(split.x_train[s], split.y_train[s], cfg["batch_size"], seed=seed * 1000 + r + 1)
+        for r, s in enumerate(sim.shares)
+    ]
     for event in sim.log:
         if event[0] == "step":
             _, _, i, _, stale = event
@@ -75,8 +88,9 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("distribution", ["constant", "lognormal"])
 def test_parameters_equal_a_numpy_replay_of_the_event_log(link, distribution):
     cfg = config(peers=6, momentum=0.0)
-    sim = Simulation(copy.deepcopy(cfg), link=link, compute=ComputeTimes(6, 0.01, distribution, seed=1,
-                                                                        scales={1: 3.0}))
+    sim = Simulation(
+        copy.deepcopy(cfg), link=link, compute=ComputeTimes(6, 0.01, distribution, seed=1, scales={1: 3.0})
+    )
     x0 = sim.live[0].double().numpy().copy()
     sim.run()
     assert any(e[0] == "avg" for e in sim.log) and max(max(h) and len(h) - 1 for h in sim.staleness) >= 1

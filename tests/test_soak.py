@@ -44,11 +44,13 @@ def test_soak_local_16_peers(capsys):
     seconds = time.monotonic() - start
     r = results[0]  # the peers are threads: rank 0's measurements are the process's
     with capsys.disabled():
-        print(f"\nsoak local: {LOCAL_PEERS} peers x {LOCAL_STEPS} steps in {seconds:.0f} s; RSS "
-              f"{r['rss_warm_kib'] / 1024:.1f} MiB after warm-up ({r['warmup_steps']} steps) -> "
-              f"{r['rss_end_kib'] / 1024:.1f} MiB ({100 * (r['rss_end_kib'] / r['rss_warm_kib'] - 1):+.2f}%); "
-              f"threads {threads} -> {threading.active_count()}; fds {fds} -> {open_fds()}; "
-              f"messages {r['messages_sent_total']}, unmatched {sum(x['unmatched_messages'] for x in results)}")
+        print(
+            f"\nsoak local: {LOCAL_PEERS} peers x {LOCAL_STEPS} steps in {seconds:.0f} s; RSS "
+            f"{r['rss_warm_kib'] / 1024:.1f} MiB after warm-up ({r['warmup_steps']} steps) -> "
+            f"{r['rss_end_kib'] / 1024:.1f} MiB ({100 * (r['rss_end_kib'] / r['rss_warm_kib'] - 1):+.2f}%); "
+            f"threads {threads} -> {threading.active_count()}; fds {fds} -> {open_fds()}; "
+            f"messages {r['messages_sent_total']}, unmatched {sum(x['unmatched_messages'] for x in results)}"
+        )
     check(results)
     assert threading.active_count() == threads and open_fds() == fds
 
@@ -62,12 +64,14 @@ def test_soak_mpi_8_processes(tmp_path, capsys):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(MPI_PEERS)]
     growth = [100 * (r["rss_end_kib"] / r["rss_warm_kib"] - 1) for r in results]
     with capsys.disabled():
-        print(f"\nsoak mpi: {MPI_PEERS} processes x {MPI_STEPS} steps in {seconds:.0f} s; RSS growth after warm-up "
-              f"per rank {min(growth):+.2f}% .. {max(growth):+.2f}% (rank 0 {results[0]['rss_warm_kib'] / 1024:.1f} "
-              f"-> {results[0]['rss_end_kib'] / 1024:.1f} MiB); threads "
-              f"{results[0]['threads_before']} -> {results[0]['threads_after']}; fds per rank "
-              f"{[r['fds_before'] for r in results]} -> {[r['fds_after'] for r in results]}; messages "
-              f"{results[0]['messages_sent_total']}, unmatched {sum(r['unmatched_messages'] for r in results)}")
+        print(
+            f"\nsoak mpi: {MPI_PEERS} processes x {MPI_STEPS} steps in {seconds:.0f} s; RSS growth after warm-up "
+            f"per rank {min(growth):+.2f}% .. {max(growth):+.2f}% (rank 0 {results[0]['rss_warm_kib'] / 1024:.1f} "
+            f"-> {results[0]['rss_end_kib'] / 1024:.1f} MiB); threads "
+            f"{results[0]['threads_before']} -> {results[0]['threads_after']}; fds per rank "
+            f"{[r['fds_before'] for r in results]} -> {[r['fds_after'] for r in results]}; messages "
+            f"{results[0]['messages_sent_total']}, unmatched {sum(r['unmatched_messages'] for r in results)}"
+        )
     check(results)
     for r in results:
         assert r["fds_after"] == r["fds_before"], r

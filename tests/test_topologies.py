@@ -106,9 +106,7 @@ def test_one_peer_exponential_step_structure():
         hop = 2 ** (t % 3)
         nb = topo.neighbors(5, t)
         assert nb.recv == {(5 + hop) % 8: 0.5} and nb.send == {(5 - hop) % 8: 0.5} and nb.self_weight == 0.5
-    np.testing.assert_allclose(
-        topologies.make("one_peer_exponential", 2).mixing_matrix(), np.full((2, 2), 0.5)
-    )
+    np.testing.assert_allclose(topologies.make("one_peer_exponential", 2).mixing_matrix(), np.full((2, 2), 0.5))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -268,9 +266,7 @@ def _crosses(topo, active, passive, steps):
                 assert (i in active) != (j in active), (t, i, j)
 
 
-@pytest.mark.parametrize(
-    ("name", "n"), [("ring", 8), ("torus", 16), ("hypercube", 8), ("star", 5), ("base_k", 6)]
-)
+@pytest.mark.parametrize(("name", "n"), [("ring", 8), ("torus", 16), ("hypercube", 8), ("star", 5), ("base_k", 6)])
 def test_bipartite_split_crosses_every_link(name, n):
     topo = topologies.make(name, n)
     active, passive = topo.bipartite()
@@ -286,9 +282,7 @@ def test_bipartite_random_matching_uses_its_declared_split():
         topologies.make("random_matching", 8).bipartite()
 
 
-@pytest.mark.parametrize(
-    ("name", "n"), [("ring", 5), ("complete", 3), ("one_peer_exponential", 8), ("torus", 9)]
-)
+@pytest.mark.parametrize(("name", "n"), [("ring", 5), ("complete", 3), ("one_peer_exponential", 8), ("torus", 9)])
 def test_bipartite_refused_with_an_odd_cycle(name, n):
     with pytest.raises(ValueError, match=r"no active/passive split.*odd cycle"):
         topologies.make(name, n).bipartite()
@@ -373,9 +367,7 @@ def _distance_factor(topo, t):
     return np.linalg.norm(p - 1 / topo.n, 2)
 
 
-@pytest.mark.parametrize(
-    ("name", "n"), [("ring", 9), ("ring", 40), ("one_peer_exponential", 12), ("star", 6)]
-)
+@pytest.mark.parametrize(("name", "n"), [("ring", 9), ("ring", 40), ("one_peer_exponential", 12), ("star", 6)])
 def test_consensus_steps_is_the_first_step_within_eps(name, n):
     topo = topologies.make(name, n)
     t = analysis.consensus_steps(topo, 1e-2)
@@ -386,9 +378,7 @@ def test_consensus_steps_is_the_first_step_within_eps(name, n):
 
 def test_consensus_steps_matches_the_ring_closed_form():
     gap = (2 / 3) * (1 - math.cos(2 * math.pi / 64))
-    assert analysis.consensus_steps(topologies.make("ring", 64), 1e-3) == math.ceil(
-        math.log(1e-3) / math.log(1 - gap)
-    )
+    assert analysis.consensus_steps(topologies.make("ring", 64), 1e-3) == math.ceil(math.log(1e-3) / math.log(1 - gap))
 
 
 def test_consensus_steps_none_when_it_never_mixes():

@@ -16,9 +16,7 @@ def run(*args):
 
 def test_compare_table_is_fast_and_matches_closed_forms():
     start = time.perf_counter()
-    out = run(
-        "compare", "ring", "torus", "exponential", "one_peer_exponential", "base_k", "--n", "16", "32", "64"
-    )
+    out = run("compare", "ring", "torus", "exponential", "one_peer_exponential", "base_k", "--n", "16", "32", "64")
     elapsed = time.perf_counter() - start
     assert out.returncode == 0, out.stderr
     assert elapsed < 5
@@ -63,7 +61,5 @@ def test_import_is_pure_numpy():
         "import sys, topologies; topologies.make('ring', 4); "
         "heavy = {'torch', 'mpi4py', 'networkx', 'matplotlib'} & set(sys.modules); assert not heavy, heavy"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -15,28 +15,36 @@ from experiments.validate import ConfigError, check_same_run, validate
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["algorithm.lr=0"], "algorithm.lr must be a number > 0, got 0"),
-    (["algorithm.lr=-0.1"], "algorithm.lr must be a number > 0, got -0.1"),
-    (["algorithm.lr=fast"], "algorithm.lr must be a number > 0, got 'fast'"),
-    (["peers=0"], "peers must be an integer >= 1, got 0"),
-    (["peers=2.5"], "peers must be an integer >= 1, got 2.5"),
-    (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1, got 0"),
-    (["algorithm=choco", "algorithm.ratio=0"], "algorithm.ratio (the fraction of entries a compressor sends) "
-                                               "must be in (0, 1], got 0"),
-    (["algorithm=choco", "algorithm.ratio=1.5"], "must be in (0, 1], got 1.5"),
-    (["algorithm=choco", "algorithm.compressor=zip"], "unknown compressor 'zip'; valid: top_k"),
-    (["algorithm=local_sgd", "algorithm.outer_momentum=2"], "outer_momentum must be in [0, 1), got 2"),
-    (["epochs=0"], "epochs must be an integer >= 1, got 0"),
-    (["checkpoint.every=-5"], "checkpoint.every must be an integer >= 0"),
-    (["comm.timeout_s=0"], "comm.timeout_s must be a number of seconds > 0, got 0"),
-    (["topology=hypercube", "peers=6"], "topology 'hypercube' with peers=6"),
-    (["topology=torus", "peers=5", "topology.rows=2"], "topology 'torus' with peers=5"),
-    (["algorithm=adpsgd", "topology=ring", "peers=5"], "AD-PSGD needs a bipartite graph"),
-    (["faults.kill_peer=4"], "faults.kill_peer must be a peer rank in [0, 4) or null, got 4"),
-    pytest.param(["backend=mpi", "faults.drop_messages=0.1"], "faults.drop_messages works on backend=local only",
-                 marks=pytest.mark.processes),  # validate() probes mpi4py in a child process
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["algorithm.lr=0"], "algorithm.lr must be a number > 0, got 0"),
+        (["algorithm.lr=-0.1"], "algorithm.lr must be a number > 0, got -0.1"),
+        (["algorithm.lr=fast"], "algorithm.lr must be a number > 0, got 'fast'"),
+        (["peers=0"], "peers must be an integer >= 1, got 0"),
+        (["peers=2.5"], "peers must be an integer >= 1, got 2.5"),
+        (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1, got 0"),
+        (
+            ["algorithm=choco", "algorithm.ratio=0"],
+            "algorithm.ratio (the fraction of entries a compressor sends) must be in (0, 1], got 0",
+        ),
+        (["algorithm=choco", "algorithm.ratio=1.5"], "must be in (0, 1], got 1.5"),
+        (["algorithm=choco", "algorithm.compressor=zip"], "unknown compressor 'zip'; valid: top_k"),
+        (["algorithm=local_sgd", "algorithm.outer_momentum=2"], "outer_momentum must be in [0, 1), got 2"),
+        (["epochs=0"], "epochs must be an integer >= 1, got 0"),
+        (["checkpoint.every=-5"], "checkpoint.every must be an integer >= 0"),
+        (["comm.timeout_s=0"], "comm.timeout_s must be a number of seconds > 0, got 0"),
+        (["topology=hypercube", "peers=6"], "topology 'hypercube' with peers=6"),
+        (["topology=torus", "peers=5", "topology.rows=2"], "topology 'torus' with peers=5"),
+        (["algorithm=adpsgd", "topology=ring", "peers=5"], "AD-PSGD needs a bipartite graph"),
+        (["faults.kill_peer=4"], "faults.kill_peer must be a peer rank in [0, 4) or null, got 4"),
+        pytest.param(
+            ["backend=mpi", "faults.drop_messages=0.1"],
+            "faults.drop_messages works on backend=local only",
+            marks=pytest.mark.processes,
+        ),  # validate() probes mpi4py in a child process
+    ],
+)
 def test_bad_config_is_one_line(hydra_config, overrides, words):
     with pytest.raises(ConfigError) as info:
         validate(hydra_config(*overrides))
@@ -57,8 +65,11 @@ def test_world_size_must_agree_with_the_launcher(hydra_config):
 
 
 def test_mpi_not_installed_says_how_to_install(hydra_config, monkeypatch):
-    monkeypatch.setattr(mpi_backend, "mpi_import_error",
-                        lambda: "`from mpi4py import MPI` fails (ModuleNotFoundError: No module named 'mpi4py')")
+    monkeypatch.setattr(
+        mpi_backend,
+        "mpi_import_error",
+        lambda: "`from mpi4py import MPI` fails (ModuleNotFoundError: No module named 'mpi4py')",
+    )
     with pytest.raises(ConfigError) as info:
         validate(hydra_config("backend=mpi"))
     assert "pip install mpi4py mpich" in str(info.value) and "No module named 'mpi4py'" in str(info.value)
@@ -69,8 +80,11 @@ def test_mpi_not_installed_says_how_to_install(hydra_config, monkeypatch):
 def test_mpi_runtime_missing_is_detected_in_a_child_process(monkeypatch):
     assert mpi_backend.mpi_import_error() is None  # the MPICH wheel is installed here
     # a child that cannot import mpi4py stands for a machine without it
-    monkeypatch.setattr(mpi_backend.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
-        a, 1, "", "Traceback...\nRuntimeError: cannot load MPI library\n"))
+    monkeypatch.setattr(
+        mpi_backend.subprocess,
+        "run",
+        lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Traceback...\nRuntimeError: cannot load MPI library\n"),
+    )
     expected = "`from mpi4py import MPI` fails (RuntimeError: cannot load MPI library)"
     assert mpi_backend.mpi_import_error() == expected
 
@@ -102,11 +116,14 @@ def test_resume_refuses_a_different_config(hydra_config, tmp_path):
     check_same_run(saved, hydra_config("peers=8", "resume=true", "comm.timeout_s=5", "faults.kill_peer=1"), tmp_path)
 
 
-@pytest.mark.parametrize("args, words", [
-    (["algorithm=choco", "algorithm.ratio=1.5"], "algorithm.ratio"),
-    (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1"),
-    (["faults.kill_peer=7"], "faults.kill_peer must be a peer rank in [0, 4)"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["algorithm=choco", "algorithm.ratio=1.5"], "algorithm.ratio"),
+        (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1"),
+        (["faults.kill_peer=7"], "faults.kill_peer must be a peer rank in [0, 4)"),
+    ],
+)
 def test_app_refuses_bad_input_with_exit_code_2(app, args, words, tmp_path):
     proc = app(["backend=local", *args], tmp_path / "run", timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -126,8 +143,18 @@ def test_app_never_overwrites_a_finished_run(app, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_torchrun_world_size_must_agree(app, tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                "127.0.0.1", "--master-port", str(launch.free_port()), "--no-python"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(launch.free_port()),
+        "--no-python",
+    ]
     proc = app(["backend=torch", "peers=4", "comm.timeout_s=30"], tmp_path / "run", launcher, timeout=120)
     assert proc.returncode != 0
     assert "the launcher started 2 processes but peers=4; pass peers=2" in proc.stderr

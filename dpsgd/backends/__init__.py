@@ -59,8 +59,15 @@ class Backend:
         """Why the driver cannot start this backend's peers here (one line, with the fix), or None."""
         return None
 
-    def spawn(self, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
-              log_dir: Path | None = None, codes_out: list | None = None) -> int:
+    def spawn(
+        self,
+        n: int,
+        argv: list[str],
+        timeout_s: float | None = None,
+        env: dict | None = None,
+        log_dir: Path | None = None,
+        codes_out: list | None = None,
+    ) -> int:
         """Run `argv` (a python command line without the interpreter) on n processes of one world on this
         machine; the exit code (dpsgd.launch: the first failure stops all)."""
         valid = ", ".join(n for n in names() if get(n).processes)
@@ -103,8 +110,14 @@ def connect(cfg: dict) -> Communicator:
     return backend.connect(float(cfg["comm"]["timeout_s"]), **backend.options(cfg))
 
 
-def spawn(name: str, n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None,
-          log_dir: Path | None = None) -> int:
+def spawn(
+    name: str,
+    n: int,
+    argv: list[str],
+    timeout_s: float | None = None,
+    env: dict | None = None,
+    log_dir: Path | None = None,
+) -> int:
     """`argv` on n processes of backend `name` on this machine (see Backend.spawn)."""
     return get(name).spawn(n, argv, timeout_s, env, log_dir)
 

@@ -13,8 +13,10 @@ class FleetBackend(Backend):
     checkpoints = False  # a fleet run is minutes
 
     def connect(self, timeout_s: float, **options):
-        raise ValueError("backend=fleet simulates every peer in one process and gives no communicator to one "
-                         "of them; run it with experiments.train backend=fleet, or choose local, mpi or torch")
+        raise ValueError(
+            "backend=fleet simulates every peer in one process and gives no communicator to one "
+            "of them; run it with experiments.train backend=fleet, or choose local, mpi or torch"
+        )
 
     def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
         import torch

@@ -41,8 +41,9 @@ class LocalBackend(Backend):
             logs = run_dir / "logs"
             logs.mkdir(exist_ok=True)
             (logs / "traceback.log").write_text("".join(traceback.format_exception(exc.__cause__ or exc)))
-            raise RunFailed(f"{exc}; all peers stopped after {time.monotonic() - start:.1f} s (traceback: "
-                            f"{logs / 'traceback.log'})") from None
+            raise RunFailed(
+                f"{exc}; all peers stopped after {time.monotonic() - start:.1f} s (traceback: {logs / 'traceback.log'})"
+            ) from None
 
 
 register(LocalBackend())

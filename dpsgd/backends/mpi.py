@@ -66,9 +66,11 @@ class MPIBackend(Backend):
     def missing(self) -> str | None:
         problem = mpi_import_error()
         if problem:
-            return (f"backend=mpi needs mpi4py and an MPI runtime, but {problem}; install both with "
-                    f"`pip install mpi4py mpich` (or load your cluster's MPI and `pip install mpi4py`), "
-                    f"or choose backend=local or backend=torch")
+            return (
+                f"backend=mpi needs mpi4py and an MPI runtime, but {problem}; install both with "
+                f"`pip install mpi4py mpich` (or load your cluster's MPI and `pip install mpi4py`), "
+                f"or choose backend=local or backend=torch"
+            )
         try:
             launch.mpiexec()
         except RuntimeError as exc:

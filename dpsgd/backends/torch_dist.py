@@ -39,8 +39,9 @@ class TorchBackend(Backend):
         if not dist.is_initialized():
             if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-                                    timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
+            )
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
         dist.broadcast(t, src=0)
         return bytes(t.tolist())
@@ -56,8 +57,10 @@ class TorchBackend(Backend):
         import torch.distributed as dist
 
         if not dist.is_available():
-            return ("backend=torch needs torch.distributed, which this torch build lacks; install a torch "
-                    "wheel from pytorch.org, or choose backend=local or backend=mpi")
+            return (
+                "backend=torch needs torch.distributed, which this torch build lacks; install a torch "
+                "wheel from pytorch.org, or choose backend=local or backend=mpi"
+            )
         return None
 
     spawn = staticmethod(launch.spawn_torch)

@@ -15,8 +15,18 @@ from .base import (
 from .local import LocalCommunicator, LocalWorld, run_local
 
 __all__ = [
-    "BACKENDS", "DEFAULT_TIMEOUT_S", "CommError", "CommStats", "Communicator", "Handle",
-    "LocalCommunicator", "LocalWorld", "PeerFailedError", "PeerTimeoutError", "init", "run_local",
+    "BACKENDS",
+    "DEFAULT_TIMEOUT_S",
+    "CommError",
+    "CommStats",
+    "Communicator",
+    "Handle",
+    "LocalCommunicator",
+    "LocalWorld",
+    "PeerFailedError",
+    "PeerTimeoutError",
+    "init",
+    "run_local",
 ]
 
 

@@ -181,8 +181,9 @@ class Communicator(ABC):
 
     # --- backend primitives -------------------------------------------------------------
     @abstractmethod
-    def _start_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int],
-                        tag: int) -> Exchange:
+    def _start_exchange(
+        self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int], tag: int
+    ) -> Exchange:
         """Send `buf` to every peer of `send_to` and receive a buffer shaped like `buf` from every
         peer of `recv_from`, without blocking."""
 
@@ -215,8 +216,7 @@ class Communicator(ABC):
         """Start averaging `tensors` over all peers; `.wait()` returns the averages."""
         buf = flatten(tensors)  # a fresh copy: the reduction never touches the caller's tensors
         ring = ring_allreduce_bytes(buf.nbytes, self.size)
-        self._count("allreduce_mean", sent=ring, received=ring,
-                    messages=2 * (self.size - 1))
+        self._count("allreduce_mean", sent=ring, received=ring, messages=2 * (self.size - 1))
         pending = self._start_allreduce_sum(buf) if self.size > 1 else _Done()
         arrival = None
         net = self._emulation()
@@ -244,8 +244,12 @@ class Communicator(ABC):
         buf = flatten(tensors)
         send_to, recv_from = sorted(weights.send), sorted(weights.recv)
         self._check_peers("neighbor_average", send_to + recv_from)
-        self._count("neighbor_average", sent=buf.nbytes * len(send_to),
-                    received=buf.nbytes * len(recv_from), messages=len(send_to))
+        self._count(
+            "neighbor_average",
+            sent=buf.nbytes * len(send_to),
+            received=buf.nbytes * len(recv_from),
+            messages=len(send_to),
+        )
         ex, received, arrival = self._start_stamped_exchange(buf, send_to, recv_from)
 
         def finish():
@@ -269,13 +273,18 @@ class Communicator(ABC):
         buf = buf.detach().reshape(-1).contiguous()
         send_to, recv_from = list(send_to), list(recv_from)
         self._check_peers("neighbor_exchange", send_to + recv_from)
-        self._count("neighbor_exchange", sent=buf.nbytes * len(send_to), received=buf.nbytes * len(recv_from),
-                    messages=len(send_to))
+        self._count(
+            "neighbor_exchange",
+            sent=buf.nbytes * len(send_to),
+            received=buf.nbytes * len(recv_from),
+            messages=len(send_to),
+        )
         ex, received, arrival = self._start_stamped_exchange(buf, send_to, recv_from)
         return Handle(self, "neighbor_exchange", ex, lambda: [received(p) for p in recv_from], recv_from, arrival)
 
-    def neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int],
-                          recv_from: Sequence[int]) -> list[torch.Tensor]:
+    def neighbor_exchange(
+        self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]
+    ) -> list[torch.Tensor]:
         return self.start_neighbor_exchange(buf, send_to, recv_from).wait()
 
     def start_exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
@@ -295,17 +304,18 @@ class Communicator(ABC):
     # each rule runs on real peers and on the fleet alike.
     peer_shape: tuple[int, ...] = ()  # the leading axes of a peer's tensors: () here, (n,) on a fleet
 
-    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int,
-                  lazy: bool = False) -> Handle:
+    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
         """Start sum_j W(step)[i, j] x_j with the topology's mixing matrix (lazy: with (I + W) / 2)."""
         nb = topology.neighbors(self.rank, step)
         if lazy:
-            nb = Neighbors({j: v / 2 for j, v in nb.recv.items()}, {j: v / 2 for j, v in nb.send.items()},
-                           (1 + nb.self_weight) / 2)
+            nb = Neighbors(
+                {j: v / 2 for j, v in nb.recv.items()}, {j: v / 2 for j, v in nb.send.items()}, (1 + nb.self_weight) / 2
+            )
         return self.start_neighbor_average(tensors, nb)
 
-    def mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int,
-            lazy: bool = False) -> list[torch.Tensor]:
+    def mix(
+        self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False
+    ) -> list[torch.Tensor]:
         return self.start_mix(tensors, topology, step, lazy).wait()
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
@@ -316,8 +326,9 @@ class Communicator(ABC):
             return list(tensors)
         return self.neighbor_average(tensors, Neighbors(others, dict(others), 1.0 / group_size))
 
-    def compressed_mix(self, x: torch.Tensor, compressor, topology: Topology,
-                       step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def compressed_mix(
+        self, x: torch.Tensor, compressor, topology: Topology, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Send Q(x) (the compressor's exact bytes) to this peer's out-neighbours of W(step); return
         (Q(x), sum_j W[i, j] Q(x_j)) decoded, self included. Random compressors draw from (sender, step)."""
         nb = topology.neighbors(self.rank, step)
@@ -340,8 +351,11 @@ class Communicator(ABC):
             groups.setdefault((t.dtype, t.device), []).append(t)
         with self.uncounted(), torch.no_grad():
             for group in groups.values():
-                buf = flatten(group) if self.rank == root else torch.zeros(
-                    sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
+                buf = (
+                    flatten(group)
+                    if self.rank == root
+                    else torch.zeros(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
+                )
                 self._wait("broadcast", self._start_allreduce_sum(buf), range(self.size))
                 for t, value in zip(group, unflatten(buf, group)):
                     t.copy_(value)
@@ -421,6 +435,7 @@ class Communicator(ABC):
         if self._counting:
             self.stats.emulated_wait_s += waited
             self.stats.comm_time_s += time.monotonic() - start  # sleep mode: really blocked
+
     def _wait(self, op: str, pending: Pending, peers: Sequence[int]) -> None:
         start = time.monotonic()
         try:
@@ -444,7 +459,6 @@ class Communicator(ABC):
         s.bytes_received += int(received)
         s.messages_sent += messages
         s.calls[op] = s.calls.get(op, 0) + 1
-
 
     def _check_peers(self, op: str, peers: Sequence[int]) -> None:
         for p in peers:

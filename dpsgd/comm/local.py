@@ -155,8 +155,7 @@ class _LocalRecv(Request):
 class LocalCommunicator(Communicator):
     backend = "local"
 
-    def __init__(self, world: LocalWorld, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 namespace: tuple = ()):
+    def __init__(self, world: LocalWorld, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S, namespace: tuple = ()):
         super().__init__(rank, world.n, timeout_s)
         self.world = world
         self.namespace = namespace  # () for the world's own context; duplicates get their own

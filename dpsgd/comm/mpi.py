@@ -47,8 +47,9 @@ class _Requests(Pending):
             poll_until(lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding)
         except self._MPI.Exception as exc:  # MPICH: a peer's process ended under a pending request
             peers = sorted({p for p in self._peers if p >= 0})
-            raise PeerFailedError(f"peer(s) {peers or 'of a collective'} failed or cannot be reached "
-                                  f"(MPI: {exc.Get_error_string()})") from None
+            raise PeerFailedError(
+                f"peer(s) {peers or 'of a collective'} failed or cannot be reached (MPI: {exc.Get_error_string()})"
+            ) from None
 
     def peers_outstanding(self) -> list[int]:
         # a collective has no single peer to blame: the caller then names all of them
@@ -112,8 +113,11 @@ class MPICommunicator(Communicator):
         """Raise unless MPI runs with MPI_THREAD_MULTIPLE (several threads calling MPI at once)."""
         level = self._MPI.Query_thread()
         if level != self._MPI.THREAD_MULTIPLE:
-            names = {self._MPI.THREAD_SINGLE: "THREAD_SINGLE", self._MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
-                     self._MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+            names = {
+                self._MPI.THREAD_SINGLE: "THREAD_SINGLE",
+                self._MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+                self._MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED",
+            }
             raise RuntimeError(
                 f"{why} needs MPI_THREAD_MULTIPLE, but MPI was initialized with {names.get(level, level)}; "
                 f"let mpi4py initialize MPI (its default asks for THREAD_MULTIPLE, `mpi4py.rc.thread_level`), "
@@ -142,4 +146,3 @@ class MPICommunicator(Communicator):
     def abort(self, code: int = 1) -> None:
         """End every rank of the world (a failed peer must not leave the others waiting)."""
         self._MPI.COMM_WORLD.Abort(code)
-

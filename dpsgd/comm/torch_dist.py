@@ -97,8 +97,13 @@ class _TorchRequest(Request):
 class TorchCommunicator(Communicator):
     backend = "torch"
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, dist_backend: str | None = None,
-                 init_method: str | None = None, group=None):
+    def __init__(
+        self,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        dist_backend: str | None = None,
+        init_method: str | None = None,
+        group=None,
+    ):
         self._group = group  # None: the default group; duplicate() makes others
         self._is_duplicate = group is not None
         if group is not None:
@@ -118,8 +123,9 @@ class TorchCommunicator(Communicator):
             if os.environ.get("MASTER_ADDR") in _LOOPBACK:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay off external interfaces
             dist_backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(dist_backend, init_method=init_method or "env://",
-                                    timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                dist_backend, init_method=init_method or "env://", timeout=timedelta(seconds=timeout_s)
+            )
             # a group left alive at interpreter exit aborts the process (SIGABRT in gloo)
             atexit.register(self.close)
         super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)

@@ -17,17 +17,46 @@ from .gradient_tracking import GradientTracking
 from .local_sgd import BMUF, DiLoCo, LocalSGD, SlowMo
 from .sgp import SGP
 
-ALGORITHMS = {"allreduce": AllReduce, "dpsgd": DPSGD, "local_sgd": LocalSGD, "slowmo": SlowMo, "diloco": DiLoCo,
-              "bmuf": BMUF, "sgp": SGP, "choco": Choco, "d2": D2, "gradient_tracking": GradientTracking, "qgm": QGM,
-              "adpsgd": ADPSGD}
+ALGORITHMS = {
+    "allreduce": AllReduce,
+    "dpsgd": DPSGD,
+    "local_sgd": LocalSGD,
+    "slowmo": SlowMo,
+    "diloco": DiLoCo,
+    "bmuf": BMUF,
+    "sgp": SGP,
+    "choco": Choco,
+    "d2": D2,
+    "gradient_tracking": GradientTracking,
+    "qgm": QGM,
+    "adpsgd": ADPSGD,
+}
 BASE_OPTIMIZERS = ("sgd", "adam", "adamw")
 
-__all__ = ["ADPSGD", "ALGORITHMS", "BMUF", "D2", "DPSGD", "QGM", "SGP", "AllReduce", "AsynchronousOptimizer", "Choco",
-           "DiLoCo", "DistributedOptimizer", "GradientTracking", "LocalSGD", "SlowMo", "build", "build_base"]
+__all__ = [
+    "ADPSGD",
+    "ALGORITHMS",
+    "BMUF",
+    "D2",
+    "DPSGD",
+    "QGM",
+    "SGP",
+    "AllReduce",
+    "AsynchronousOptimizer",
+    "Choco",
+    "DiLoCo",
+    "DistributedOptimizer",
+    "GradientTracking",
+    "LocalSGD",
+    "SlowMo",
+    "build",
+    "build_base",
+]
 
 
-def build_base(params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
-               nesterov: bool = False) -> torch.optim.Optimizer:
+def build_base(
+    params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
+) -> torch.optim.Optimizer:
     """The local optimizer a config names."""
     if not lr > 0:
         raise ValueError(f"the learning rate must be > 0, got {lr}")
@@ -39,8 +68,9 @@ def build_base(params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0
     raise ValueError(f"unknown base optimizer {name!r}; valid: {', '.join(BASE_OPTIMIZERS)}")
 
 
-def build(name: str, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
-          **options) -> DistributedOptimizer:
+def build(
+    name: str, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator, **options
+) -> DistributedOptimizer:
     """The distributed optimizer `name` (a key of ALGORITHMS) with its options."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; valid algorithms: {', '.join(ALGORITHMS)}")

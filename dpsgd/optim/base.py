@@ -30,17 +30,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
     overlap: bool = False  # True: the training loop calls start_communication() before the forward pass
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
-                 broadcast_initial: bool = True):
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology | None = None,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+    ):
         name = type(self).__name__
         if not isinstance(base, torch.optim.Optimizer):
-            raise TypeError(f"{name} wraps a local torch optimizer, e.g. {name}(torch.optim.SGD(model.parameters(), "
-                            f"lr=0.1), topology=..., comm=...); got {type(base).__name__}")
+            raise TypeError(
+                f"{name} wraps a local torch optimizer, e.g. {name}(torch.optim.SGD(model.parameters(), "
+                f"lr=0.1), topology=..., comm=...); got {type(base).__name__}"
+            )
         if comm is None:
             raise TypeError(f"{name} needs comm=dpsgd.comm.init(...)")
         if topology is not None and topology.n != comm.size:
-            raise ValueError(f"{name}: the topology has {topology.n} peers but the communicator has {comm.size}; "
-                             f"build it with topologies.make(name, comm.size)")
+            raise ValueError(
+                f"{name}: the topology has {topology.n} peers but the communicator has {comm.size}; "
+                f"build it with topologies.make(name, comm.size)"
+            )
         # No Optimizer.__init__: the parameter groups and state are the base's own objects,
         # so LR schedulers and gradient clipping act on the optimizer that really steps.
         self.base, self.comm, self.topology = base, comm, topology
@@ -100,8 +110,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not (is_doubly_stochastic if kind == "doubly" else is_column_stochastic)(w):
             sums = w.sum(axis=axis)
             i = int(abs(sums - 1).argmax())
-            raise ValueError(f"{type(self).__name__} needs {what} mixing matrices{self._why}; topology "
-                             f"{topology.name!r} at step {step} has {line} {i} summing to {sums[i]:.6g} {advice}")
+            raise ValueError(
+                f"{type(self).__name__} needs {what} mixing matrices{self._why}; topology "
+                f"{topology.name!r} at step {step} has {line} {i} summing to {sums[i]:.6g} {advice}"
+            )
 
     def own_tensors(self, saved: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """Saved per-parameter state, copied onto the parameters' devices and dtypes (load_state_dict)."""
@@ -109,8 +121,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         params = self.params()
         if len(saved) != len(params):
-            raise ValueError(f"this state_dict holds {len(saved)} tensors per parameter list but the optimizer has "
-                             f"{len(params)} parameters: it was saved from a different model")
+            raise ValueError(
+                f"this state_dict holds {len(saved)} tensors per parameter list but the optimizer has "
+                f"{len(params)} parameters: it was saved from a different model"
+            )
         return [t.detach().clone().to(p.device, p.dtype) for t, p in zip(saved, params)]
 
     # --- state ----------------------------------------------------------------------------
@@ -150,8 +164,13 @@ class AsynchronousOptimizer(Protocol):
     step_count: int
     budget: str  # what ends a peer's run: "steps", "samples" or "seconds"
 
-    def set_budget(self, steps: int | None = None, samples: int | None = None, seconds: float | None = None,
-                   samples_per_step: int | None = None) -> None: ...
+    def set_budget(
+        self,
+        steps: int | None = None,
+        samples: int | None = None,
+        seconds: float | None = None,
+        samples_per_step: int | None = None,
+    ) -> None: ...
     def start(self) -> None: ...
     def should_stop(self) -> bool: ...
     def finish(self) -> None: ...
@@ -160,8 +179,12 @@ class AsynchronousOptimizer(Protocol):
 
 
 _ADVICE = {
-    "doubly": ("doubly stochastic", 1, "row", "(a directed push-sum matrix?) - use an undirected topology, "
-               "or SGP for directed ones"),
+    "doubly": (
+        "doubly stochastic",
+        1,
+        "row",
+        "(a directed push-sum matrix?) - use an undirected topology, or SGP for directed ones",
+    ),
     "column": ("column stochastic", 0, "column", "- use a directed (push-sum) or undirected topology"),
 }
 

@@ -39,30 +39,49 @@ from .base import DistributedOptimizer
 class Choco(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
-                 broadcast_initial: bool = True, compressor: str | compress.Compressor | None = None,
-                 gamma: float = 0.5, ratio: float | None = None, levels: int | None = None, rescale: bool = True,
-                 seed: int = 0):
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        compressor: str | compress.Compressor | None = None,
+        gamma: float = 0.5,
+        ratio: float | None = None,
+        levels: int | None = None,
+        rescale: bool = True,
+        seed: int = 0,
+    ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology()
         if compressor is None:
-            raise ValueError("Choco needs a compressor (compressor=top_k, random_k, sign or qsgd); without "
-                             "compression use algorithm=dpsgd")
+            raise ValueError(
+                "Choco needs a compressor (compressor=top_k, random_k, sign or qsgd); without "
+                "compression use algorithm=dpsgd"
+            )
         if isinstance(compressor, str):
             if compressor in ("top_k", "random_k") and not (
-                    isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
-                raise ValueError(f"Choco with compressor={compressor} needs ratio, the fraction of entries sent, "
-                                 f"in (0, 1]; got {ratio!r}")
+                isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1
+            ):
+                raise ValueError(
+                    f"Choco with compressor={compressor} needs ratio, the fraction of entries sent, "
+                    f"in (0, 1]; got {ratio!r}"
+                )
             compressor = compress.make(compressor, ratio=ratio, levels=levels, seed=seed, rescale=rescale)
         elif not isinstance(compressor, compress.Compressor):
-            raise TypeError(f"Choco compressor must be a name ({', '.join(compress.COMPRESSORS)}) or a "
-                            f"dpsgd.compress.Compressor; got {type(compressor).__name__}")
+            raise TypeError(
+                f"Choco compressor must be a name ({', '.join(compress.COMPRESSORS)}) or a "
+                f"dpsgd.compress.Compressor; got {type(compressor).__name__}"
+            )
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
             raise ValueError(f"Choco gamma (the consensus step size) must be in (0, 1], got {gamma!r}")
         if topology.period != 1:
-            raise ValueError(f"Choco keeps s_i = sum_j W[i,j] x_hat_j incrementally, which needs a static W; "
-                             f"topology {topology.name!r} changes over time (period {topology.period}) - use a "
-                             f"static topology")
+            raise ValueError(
+                f"Choco keeps s_i = sum_j W[i,j] x_hat_j incrementally, which needs a static W; "
+                f"topology {topology.name!r} changes over time (period {topology.period}) - use a "
+                f"static topology"
+            )
         self.require_topology("doubly", why=" (the consensus step must keep the average model)")
         self.compressor, self.gamma = compressor, float(gamma)
         self.x_hat: torch.Tensor | None = None  # public copy of this peer's model (flat)
@@ -86,9 +105,11 @@ class Choco(DistributedOptimizer):
         return loss
 
     def algorithm_state(self):
-        return {**super().algorithm_state(),
-                "x_hat": None if self.x_hat is None else self.x_hat.clone(),
-                "s": None if self.s is None else self.s.clone()}
+        return {
+            **super().algorithm_state(),
+            "x_hat": None if self.x_hat is None else self.x_hat.clone(),
+            "s": None if self.s is None else self.s.clone(),
+        }
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)

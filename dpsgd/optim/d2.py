@@ -44,8 +44,15 @@ def lambda_min(w: np.ndarray) -> float:
 class D2(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
-                 broadcast_initial: bool = True, lazy_mixing: bool | str = False):
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        lazy_mixing: bool | str = False,
+    ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology()
         if not (lazy_mixing is True or lazy_mixing is False or lazy_mixing == "auto"):
@@ -70,14 +77,16 @@ class D2(DistributedOptimizer):
         if not np.allclose(w, w.T, rtol=0, atol=1e-12):
             raise ValueError(
                 f"D2 needs symmetric mixing matrices (Tang et al. 2018, Assumption 1); topology {name!r} at step "
-                f"{step} is not symmetric - use a static undirected topology or a random matching")
+                f"{step} is not symmetric - use a static undirected topology or a random matching"
+            )
         low = lambda_min(w)
         lazy = self.lazy_mixing is True or (self.lazy_mixing == "auto" and low <= LAMBDA_MIN + 1e-9)
         if low <= LAMBDA_MIN + 1e-9 and not lazy:
             raise ValueError(
                 f"D2 needs lambda_min(W) > -1/3 (Tang et al. 2018) but topology {name!r} at step {step} has "
                 f"lambda_min = {low:.6g}; set lazy_mixing=true (mixes with (I + W)/2) or give each peer a larger "
-                f"self weight")
+                f"self weight"
+            )
         if len(self._lazy) < 4096:
             self._lazy[key] = lazy
         return lazy
@@ -101,8 +110,11 @@ class D2(DistributedOptimizer):
         return loss
 
     def algorithm_state(self):
-        return {**super().algorithm_state(), "lazy_mixing": self.lazy_mixing,
-                "previous": None if self.previous is None else [t.clone() for t in self.previous]}
+        return {
+            **super().algorithm_state(),
+            "lazy_mixing": self.lazy_mixing,
+            "previous": None if self.previous is None else [t.clone() for t in self.previous],
+        }
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)

@@ -36,9 +36,19 @@ ORDERS = ("cta", "atc")
 class DPSGD(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
-                 broadcast_initial: bool = True, order: str = "cta", qgm: bool = False, qgm_beta: float = 0.9,
-                 qgm_mu: float | None = None, overlap: bool = False):
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        order: str = "cta",
+        qgm: bool = False,
+        qgm_beta: float = 0.9,
+        qgm_mu: float | None = None,
+        overlap: bool = False,
+    ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology("doubly", why=" (the average model must move only by the average increment)")
         if order not in ORDERS:
@@ -53,8 +63,10 @@ class DPSGD(DistributedOptimizer):
         self.qgm_buffer: list[torch.Tensor] | None = None  # m_hat, the quasi-global momentum buffer
         if self.qgm:
             if not isinstance(base, torch.optim.SGD) or any(g.get("momentum", 0) for g in base.param_groups):
-                raise ValueError("DPSGD(qgm=True) supplies its own momentum (qgm_beta): wrap "
-                                 "torch.optim.SGD(..., momentum=0), not a base with momentum or state of its own")
+                raise ValueError(
+                    "DPSGD(qgm=True) supplies its own momentum (qgm_beta): wrap "
+                    "torch.optim.SGD(..., momentum=0), not a base with momentum or state of its own"
+                )
             mu = qgm_beta if qgm_mu is None else qgm_mu
             for label, value in (("qgm_beta", qgm_beta), ("qgm_mu", mu)):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
@@ -129,7 +141,24 @@ class DPSGD(DistributedOptimizer):
 class QGM(DPSGD):
     """DPSGD(qgm=True) under its own name, so configs and reports tell it apart from D-PSGD."""
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
-                 broadcast_initial: bool = True, order: str = "atc", beta: float = 0.9, mu: float | None = None):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, order=order,
-                         qgm=True, qgm_beta=beta, qgm_mu=mu)
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        order: str = "atc",
+        beta: float = 0.9,
+        mu: float | None = None,
+    ):
+        super().__init__(
+            base,
+            topology=topology,
+            comm=comm,
+            broadcast_initial=broadcast_initial,
+            order=order,
+            qgm=True,
+            qgm_beta=beta,
+            qgm_mu=mu,
+        )

@@ -32,8 +32,9 @@ from .base import DistributedOptimizer
 class GradientTracking(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
-                 broadcast_initial: bool = True):
+    def __init__(
+        self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator, broadcast_initial: bool = True
+    ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology("doubly", why=" (W must keep the average of the trackers equal to the average gradient)")
         self.correction: list[torch.Tensor] | None = None  # c_i = W y^{k-1} - g^{k-1} (0 before step 0)
@@ -60,8 +61,10 @@ class GradientTracking(DistributedOptimizer):
         return loss
 
     def algorithm_state(self):
-        return {**super().algorithm_state(),
-                "correction": None if self.correction is None else [t.clone() for t in self.correction]}
+        return {
+            **super().algorithm_state(),
+            "correction": None if self.correction is None else [t.clone() for t in self.correction],
+        }
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)

@@ -75,10 +75,22 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 class LocalSGD(DistributedOptimizer):
     """Local steps, exact averaging every `period` steps, and an outer optimizer (see the module)."""
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
-                 broadcast_initial: bool = True, period: int = 4, warmup_steps: int = 0, outer: str = "average",
-                 outer_lr: float = 1.0, outer_momentum: float = 0.0, inner_state: str = "keep",
-                 group_size: int | None = None, global_period: int | None = None):
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology | None = None,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        period: int = 4,
+        warmup_steps: int = 0,
+        outer: str = "average",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        inner_state: str = "keep",
+        group_size: int | None = None,
+        global_period: int | None = None,
+    ):
         # the topology is accepted, and ignored: averaging is exact
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.period = _positive_int("period", period)
@@ -92,11 +104,15 @@ class LocalSGD(DistributedOptimizer):
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"LocalSGD outer_momentum must be in [0, 1), got {outer_momentum}")
         if outer == "average" and (outer_lr != 1 or outer_momentum != 0):
-            raise ValueError(f"LocalSGD outer='average' takes no outer_lr ({outer_lr}) or outer_momentum "
-                             f"({outer_momentum}); use outer='momentum' or 'nesterov' for an outer optimizer")
+            raise ValueError(
+                f"LocalSGD outer='average' takes no outer_lr ({outer_lr}) or outer_momentum "
+                f"({outer_momentum}); use outer='momentum' or 'nesterov' for an outer optimizer"
+            )
         if (group_size is None) != (global_period is None):
-            raise ValueError("LocalSGD hierarchical averaging needs both group_size and global_period "
-                             f"(got group_size={group_size}, global_period={global_period}); set both or neither")
+            raise ValueError(
+                "LocalSGD hierarchical averaging needs both group_size and global_period "
+                f"(got group_size={group_size}, global_period={global_period}); set both or neither"
+            )
         if group_size is not None:
             _positive_int("group_size", group_size)
             global_period = _positive_int("global_period", global_period)
@@ -137,8 +153,11 @@ class LocalSGD(DistributedOptimizer):
         out = []
         for p in self.params():
             state = self.base.state.get(p, {})
-            out += [v for k, v in sorted(state.items())
-                    if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
+            out += [
+                v
+                for k, v in sorted(state.items())
+                if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape
+            ]
         return out
 
     def _average(self, group: bool) -> None:
@@ -150,7 +169,7 @@ class LocalSGD(DistributedOptimizer):
         else:
             assert self.group_size is not None  # group averaging is hierarchical averaging
             averaged = self.comm.group_mean(tensors, self.group_size)
-        for s, a in zip(state, averaged[len(params):]):
+        for s, a in zip(state, averaged[len(params) :]):
             s.copy_(a)
         x_avg = averaged[: len(params)]
         if group or self.outer == "average":
@@ -196,29 +215,51 @@ class LocalSGD(DistributedOptimizer):
 
     def __repr__(self) -> str:
         groups = f", group_size={self.group_size}, global_period={self.global_period}" if self.group_size else ""
-        return (f"{type(self).__name__}({self.base!r}, period={self.period}, warmup_steps={self.warmup_steps}, "
-                f"outer={self.outer!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
-                f"inner_state={self.inner_state!r}{groups})")
+        return (
+            f"{type(self).__name__}({self.base!r}, period={self.period}, warmup_steps={self.warmup_steps}, "
+            f"outer={self.outer!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
+            f"inner_state={self.inner_state!r}{groups})"
+        )
 
 
 class SlowMo(LocalSGD):
     """SlowMo (Wang et al. 2020) over local SGD: outer='momentum' with slow momentum beta = 0.5 and
     slow lr alpha = 1 (fairscale's SlowMoDistributedDataParallel defaults)."""
 
-    def __init__(self, base: torch.optim.Optimizer, *, comm: Communicator, period: int = 4, outer: str = "momentum",
-                 outer_lr: float = 1.0, outer_momentum: float = 0.5, **options):
-        super().__init__(base, comm=comm, period=period, outer=outer, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, **options)
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        comm: Communicator,
+        period: int = 4,
+        outer: str = "momentum",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.5,
+        **options,
+    ):
+        super().__init__(
+            base, comm=comm, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, **options
+        )
 
 
 class DiLoCo(LocalSGD):
     """DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 and lr 0.7 on the outer
     gradient x_anchor - x_avg; the paper's inner optimizer is AdamW (pass it as `base`)."""
 
-    def __init__(self, base: torch.optim.Optimizer, *, comm: Communicator, period: int = 8, outer: str = "nesterov",
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, **options):
-        super().__init__(base, comm=comm, period=period, outer=outer, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, **options)
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        comm: Communicator,
+        period: int = 8,
+        outer: str = "nesterov",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        **options,
+    ):
+        super().__init__(
+            base, comm=comm, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, **options
+        )
 
 
 class BMUF(LocalSGD):
@@ -227,9 +268,19 @@ class BMUF(LocalSGD):
     constant base lr, with block lr zeta = outer_lr (1) and block momentum eta = outer_momentum,
     by default the paper's 1 - 1/n for n peers."""
 
-    def __init__(self, base: torch.optim.Optimizer, *, comm: Communicator, period: int = 4, outer: str = "momentum",
-                 outer_lr: float = 1.0, outer_momentum: float | None = None, **options):
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        comm: Communicator,
+        period: int = 4,
+        outer: str = "momentum",
+        outer_lr: float = 1.0,
+        outer_momentum: float | None = None,
+        **options,
+    ):
         if outer_momentum is None:
             outer_momentum = 1.0 - 1.0 / comm.size
-        super().__init__(base, comm=comm, period=period, outer=outer, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, **options)
+        super().__init__(
+            base, comm=comm, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, **options
+        )

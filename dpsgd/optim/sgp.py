@@ -32,8 +32,9 @@ from .base import DistributedOptimizer
 class SGP(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator,
-                 broadcast_initial: bool = True):
+    def __init__(
+        self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator, broadcast_initial: bool = True
+    ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology("column", why=" (push-sum conserves mass only if each peer shares out all of its value)")
         self.x: list[torch.Tensor] | None = None  # push-sum numerators, shaped like the parameters
@@ -62,9 +63,11 @@ class SGP(DistributedOptimizer):
         return loss
 
     def algorithm_state(self):
-        return {**super().algorithm_state(),
-                "x": None if self.x is None else [t.clone() for t in self.x],
-                "w": None if self.w is None else self.w.clone()}
+        return {
+            **super().algorithm_state(),
+            "x": None if self.x is None else [t.clone() for t in self.x],
+            "w": None if self.w is None else self.w.clone(),
+        }
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)

@@ -17,8 +17,9 @@ class FleetBatches:
     def __init__(self, x: torch.Tensor, y: torch.Tensor, shares: list, batch_size: int, seed: int):
         sizes = [len(s) for s in shares]
         if batch_size < 1 or batch_size > min(sizes):
-            raise ValueError(f"batch_size must be in [1, {min(sizes)}] (the samples of the smallest peer's share), "
-                             f"got {batch_size}")
+            raise ValueError(
+                f"batch_size must be in [1, {min(sizes)}] (the samples of the smallest peer's share), got {batch_size}"
+            )
         n, width = len(shares), max(sizes)
         self.x, self.y, self.batch_size = x, y, batch_size
         self.sizes = torch.tensor(sizes)

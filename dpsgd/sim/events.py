@@ -55,8 +55,9 @@ class ComputeTimes:
 
     def __post_init__(self):
         if self.distribution not in DISTRIBUTIONS:
-            raise ValueError(f"compute distribution must be one of {', '.join(DISTRIBUTIONS)}, "
-                             f"got {self.distribution!r}")
+            raise ValueError(
+                f"compute distribution must be one of {', '.join(DISTRIBUTIONS)}, got {self.distribution!r}"
+            )
         if not self.mean_s > 0:
             raise ValueError(f"the mean compute time must be > 0 seconds, got {self.mean_s}")
         if self.distribution == "pareto" and not self.shape > 1:
@@ -70,7 +71,7 @@ class ComputeTimes:
         elif d == "exponential":
             factor = rng.exponential()
         elif d == "lognormal":
-            factor = math.exp(self.sigma * rng.standard_normal() - self.sigma ** 2 / 2)
+            factor = math.exp(self.sigma * rng.standard_normal() - self.sigma**2 / 2)
         else:
             factor = (1.0 + rng.pareto(self.shape)) * (self.shape - 1) / self.shape
         return self.mean_s * self.scales.get(rank, 1.0) * factor
@@ -80,8 +81,14 @@ class Simulation:
     """AD-PSGD on n simulated peers of the experiment config `cfg` (the same data shares, batches,
     initial model, topology and partner draws as the real run)."""
 
-    def __init__(self, cfg: dict, link=None, compute: ComputeTimes | None = None, budget: str | None = None,
-                 record_increments: bool = False):
+    def __init__(
+        self,
+        cfg: dict,
+        link=None,
+        compute: ComputeTimes | None = None,
+        budget: str | None = None,
+        record_increments: bool = False,
+    ):
         algo, n, seed = cfg["algorithm"], int(cfg["peers"]), int(cfg["seed"])
         self.cfg, self.n = cfg, n
         self.budget = budget or algo.get("budget", "samples")
@@ -92,8 +99,10 @@ class Simulation:
         self.split = load_data(cfg)
         self.shares = partition(cfg, self.split, n)
         bs = int(cfg["batch_size"])
-        self.batches = [data.Batches(self.split.x_train[s], self.split.y_train[s], bs, seed=batch_seed(seed, r))
-                        for r, s in enumerate(self.shares)]
+        self.batches = [
+            data.Batches(self.split.x_train[s], self.split.y_train[s], bs, seed=batch_seed(seed, r))
+            for r, s in enumerate(self.shares)
+        ]
         self.model = build_model(cfg, self.split)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.topology = build_topology(cfg, n)
@@ -232,8 +241,14 @@ class Simulation:
         self._locked[i] = True
         self.bytes_sent[i] += self.request_bytes
         self.bytes_received[i] += self.reply_bytes
-        self._at(self.now + self.link.message_time(self.request_bytes), "request", j, i, self.initiated[i],
-                 self.live[i].clone())
+        self._at(
+            self.now + self.link.message_time(self.request_bytes),
+            "request",
+            j,
+            i,
+            self.initiated[i],
+            self.live[i].clone(),
+        )
 
     def _on_request(self, j: int, i: int, avg_id: int, x_i: torch.Tensor) -> None:
         if self._server_free[j] > self.now:  # still sending its previous reply: serve in arrival order
@@ -294,6 +309,12 @@ def compute_times(cfg: dict, n: int) -> ComputeTimes:
     slow = (slow,) if isinstance(slow, int) else slow
     scale = float(network.get("compute_scale") or 1.0)
     mean = float(network.get("compute_time") or backend.get("compute_mean_s") or 0.01)
-    return ComputeTimes(n, mean, str(backend.get("compute_distribution") or "constant"),
-                        float(backend.get("compute_sigma") or 0.5), float(backend.get("compute_shape") or 2.5),
-                        {int(p): scale for p in slow}, int(cfg["seed"]))
+    return ComputeTimes(
+        n,
+        mean,
+        str(backend.get("compute_distribution") or "constant"),
+        float(backend.get("compute_sigma") or 0.5),
+        float(backend.get("compute_shape") or 2.5),
+        {int(p): scale for p in slow},
+        int(cfg["seed"]),
+    )

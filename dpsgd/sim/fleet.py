@@ -86,8 +86,7 @@ class FleetCommunicator(Communicator):
             self._mixings[key] = m
         return m
 
-    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int,
-                  lazy: bool = False) -> Handle:
+    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
         started = time.perf_counter()
         m = self.mixing(topology, step, tensors[0], lazy)
         out = [m.apply(t) for t in tensors]
@@ -97,13 +96,16 @@ class FleetCommunicator(Communicator):
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
         started, n, g = time.perf_counter(), self.size, group_size
-        out = [t.reshape(n // g, g, *t.shape[1:]).mean(1, keepdim=True).expand(n // g, g, *t.shape[1:])
-               .reshape(t.shape) for t in tensors]
+        out = [
+            t.reshape(n // g, g, *t.shape[1:]).mean(1, keepdim=True).expand(n // g, g, *t.shape[1:]).reshape(t.shape)
+            for t in tensors
+        ]
         self._count_per_peer(self._nbytes(tensors) * (g - 1), self._nbytes(tensors) * (g - 1))
         return self._done("neighbor_average", out, started).wait()
 
-    def compressed_mix(self, x: torch.Tensor, compressor, topology: Topology,
-                       step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def compressed_mix(
+        self, x: torch.Tensor, compressor, topology: Topology, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
         # each peer's message is compressed with its own key (rank, step), as on a real peer
         q = torch.stack([compressor.compress(x[i], (i, step)) for i in range(self.size)])
@@ -141,12 +143,18 @@ class Fleet:
         self.device = torch.device(cfg.get("device", "cpu"))
         self.split = load_data(cfg)
         self.shares = partition(cfg, self.split, n)
-        self.batches = FleetBatches(self.split.x_train.to(self.device), self.split.y_train.to(self.device),
-                                    self.shares, int(cfg["batch_size"]), int(cfg["seed"]))
+        self.batches = FleetBatches(
+            self.split.x_train.to(self.device),
+            self.split.y_train.to(self.device),
+            self.shares,
+            int(cfg["batch_size"]),
+            int(cfg["seed"]),
+        )
         self.model = build_model(cfg, self.split).to(self.device)
         self.names = [name for name, _ in self.model.named_parameters()]
-        self.params = [p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_()
-                       for p in self.model.parameters()]
+        self.params = [
+            p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_() for p in self.model.parameters()
+        ]
         self.topology = build_topology(cfg, n)
         self.comm = FleetCommunicator(n)
         self.algorithm = build_optimizer(cfg, self.params, self.topology, self.comm)

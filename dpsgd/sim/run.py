@@ -23,8 +23,9 @@ PEER_CHUNK = 64  # peers evaluated in one vectorized call
 
 
 @torch.no_grad()
-def evaluate_peers(model, names: list[str], params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                   batch_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor, int]:
+def evaluate_peers(
+    model, names: list[str], params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(n,) sums of losses, (n,) numbers correct and the count, of every peer's own model on (x, y),
     as `dpsgd.metrics.evaluate` scores one model."""
     loss_fn = metrics.loss_function(y)
@@ -48,13 +49,13 @@ def evaluate_peers(model, names: list[str], params: list[torch.Tensor], x: torch
 
 
 @torch.no_grad()
-def snapshot_metrics(model, names: list[str], params: list[torch.Tensor], x_test, y_test,
-                     train_loss: float) -> dict:
+def snapshot_metrics(model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float) -> dict:
     """`dpsgd.metrics.snapshot_metrics` for stacked parameters: the averaged model's test metrics,
     every peer's own, the consensus distance and the mean train loss."""
     avg = [p.mean(0) for p in params]
-    sq_dist = torch.stack([((p.double() - a.double()) ** 2).reshape(p.shape[0], -1).sum(1)
-                           for p, a in zip(params, avg)]).sum(0)
+    sq_dist = torch.stack(
+        [((p.double() - a.double()) ** 2).reshape(p.shape[0], -1).sum(1) for p, a in zip(params, avg)]
+    ).sum(0)
     avg_loss, avg_correct, count = metrics.evaluate(model, dict(zip(names, avg)), x_test, y_test)
     own_loss, own_correct, own_count = evaluate_peers(model, names, params, x_test, y_test)
     peer_acc = own_correct / own_count
@@ -106,10 +107,15 @@ class FleetRun:
 
     def record(self, train_loss: float, wall_s: float) -> dict:
         fleet, step = self.fleet, self.step_count
-        return {"step": step, "epoch": step / fleet.steps_per_epoch,
-                "samples": step * fleet.batches.batch_size * fleet.n, "wall_time_s": wall_s, "emulated_time_s": None,
-                **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss),
-                **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s)}
+        return {
+            "step": step,
+            "epoch": step / fleet.steps_per_epoch,
+            "samples": step * fleet.batches.batch_size * fleet.n,
+            "wall_time_s": wall_s,
+            "emulated_time_s": None,
+            **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss),
+            **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s),
+        }
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         return last
@@ -148,13 +154,20 @@ class EventsRun(FleetRun):
     def record(self, train_loss: float, wall_s: float, progress: bool = True) -> dict:
         sim = self.sim
         samples = sum(sim.steps) * sim.batch_size
-        out = {"step": round(sum(sim.steps) / sim.n), "epoch": samples / len(sim.split.x_train), "samples": samples,
-               "wall_time_s": wall_s, "emulated_time_s": sim.now,
-               **snapshot_metrics(sim.model, sim.names, sim.live_params(), sim.split.x_test, sim.split.y_test,
-                                  train_loss),
-               **traffic(torch.tensor(sim.bytes_sent, dtype=torch.float64),
-                         torch.tensor(sim.bytes_received, dtype=torch.float64), sum(sim.wait_s) / sim.n),
-               "scope": "all peers"}
+        out = {
+            "step": round(sum(sim.steps) / sim.n),
+            "epoch": samples / len(sim.split.x_train),
+            "samples": samples,
+            "wall_time_s": wall_s,
+            "emulated_time_s": sim.now,
+            **snapshot_metrics(sim.model, sim.names, sim.live_params(), sim.split.x_test, sim.split.y_test, train_loss),
+            **traffic(
+                torch.tensor(sim.bytes_sent, dtype=torch.float64),
+                torch.tensor(sim.bytes_received, dtype=torch.float64),
+                sum(sim.wait_s) / sim.n,
+            ),
+            "scope": "all peers",
+        }
         if progress:  # the keys of a real asynchronous run's records while its peers train
             for key in ("comm_overlap_s", "emulated_wait_s"):
                 out.pop(key)
@@ -167,19 +180,24 @@ class EventsRun(FleetRun):
     def summary(self, final: dict, wall_s: float) -> dict:
         sim = self.sim
         per_peer = {
-            "roles": list(sim.role), "steps_per_peer": sim.steps,
+            "roles": list(sim.role),
+            "steps_per_peer": sim.steps,
             "samples_per_peer": [s * sim.batch_size for s in sim.steps],
-            "averagings_initiated_per_peer": sim.initiated, "averagings_served_per_peer": sim.served,
+            "averagings_initiated_per_peer": sim.initiated,
+            "averagings_served_per_peer": sim.served,
             "staleness_mean_per_peer": [sum(k * c for k, c in enumerate(h)) / max(1, sum(h)) for h in sim.staleness],
             "staleness_max_per_peer": [len(h) - 1 if h else 0 for h in sim.staleness],
             "staleness_histogram_per_peer": [binned(h) for h in sim.staleness],
             "wait_s_per_peer": sim.wait_s,
-            "samples_per_s_per_peer": [s * sim.batch_size / e if e > 0 else 0.0
-                                       for s, e in zip(sim.steps, sim.finished_at)],
+            "samples_per_s_per_peer": [
+                s * sim.batch_size / e if e > 0 else 0.0 for s, e in zip(sim.steps, sim.finished_at)
+            ],
             "slowdown_s_per_peer": [0.0] * sim.n,
         }
-        return {"adpsgd": adpsgd_summary(sim.budget, per_peer),
-                "class_histograms": class_histograms(sim.split, sim.shares)}
+        return {
+            "adpsgd": adpsgd_summary(sim.budget, per_peer),
+            "class_histograms": class_histograms(sim.split, sim.shares),
+        }
 
 
 def train_fleet(cfg: dict, out_dir: str | Path | None = None) -> dict:

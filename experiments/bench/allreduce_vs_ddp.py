@@ -34,6 +34,7 @@ INPUTS, CLASSES, POOL = 784, 10, 8
 
 # --- inside the ranks ---------------------------------------------------------------------
 
+
 def batches(rank: int, batch: int, seed: int, dtype, count: int = POOL):
     """`count` (inputs, labels) batches of peer `rank`; any peer can make any peer's batches."""
     import torch
@@ -41,8 +42,10 @@ def batches(rank: int, batch: int, seed: int, dtype, count: int = POOL):
     from dpsgd.seeds import batch_seed
 
     g = torch.Generator().manual_seed(batch_seed(seed, rank))
-    return [(torch.randn(batch, INPUTS, generator=g, dtype=dtype), torch.randint(0, CLASSES, (batch,), generator=g))
-            for _ in range(count)]
+    return [
+        (torch.randn(batch, INPUTS, generator=g, dtype=dtype), torch.randint(0, CLASSES, (batch,), generator=g))
+        for _ in range(count)
+    ]
 
 
 def make_model(args, dtype):
@@ -143,25 +146,44 @@ def worker(args) -> None:
     medians = {name: common.median(common.slowest(world, t)) for name, t in times.items()}
     comms["mpi"].close()
     sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
-    common.finish_ranks(world, args.worker, {
-        "peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch,
-        "reps": args.reps, "warmup": args.warmup, "step_s": medians, "floor": floor,
-        "page_faults_per_step": {name: common.median(common.slowest(world, f)) for name, f in faults.items()},
-        "comm_bytes_sent_per_rank": sent, "comm_floor_s": common.floor_s(sent, floor), "check": check,
-        "check_steps": args.check_steps})
+    common.finish_ranks(
+        world,
+        args.worker,
+        {
+            "peers": world.Get_size(),
+            "params": nparams,
+            "hidden": args.hidden,
+            "batch": args.batch,
+            "reps": args.reps,
+            "warmup": args.warmup,
+            "step_s": medians,
+            "floor": floor,
+            "page_faults_per_step": {name: common.median(common.slowest(world, f)) for name, f in faults.items()},
+            "comm_bytes_sent_per_rank": sent,
+            "comm_floor_s": common.floor_s(sent, floor),
+            "check": check,
+            "check_steps": args.check_steps,
+        },
+    )
 
 
 # --- the driver ---------------------------------------------------------------------------
 
+
 def summarize(res: dict) -> tuple[list[common.Target], dict]:
     s = res["step_s"]
-    targets = [common.Target("AllReduce (torch backend) / DDP", s["allreduce_torch"] / s["ddp"], LIMIT),
-               common.Target("AllReduce (mpi backend) / DDP", s["allreduce_mpi"] / s["ddp"], LIMIT)]
+    targets = [
+        common.Target("AllReduce (torch backend) / DDP", s["allreduce_torch"] / s["ddp"], LIMIT),
+        common.Target("AllReduce (mpi backend) / DDP", s["allreduce_mpi"] / s["ddp"], LIMIT),
+    ]
     gap = s["allreduce_torch"] - s["ddp"]
     overlap = s["ddp_one_bucket"] - s["ddp"]
-    derived = {"allreduce_torch_vs_ddp_one_bucket": s["allreduce_torch"] / s["ddp_one_bucket"],
-               "ddp_overlap_gain_s": overlap, "allreduce_gap_s": gap,
-               "gap_explained_by_overlap": max(0.0, overlap) / gap if gap > 0 else None}
+    derived = {
+        "allreduce_torch_vs_ddp_one_bucket": s["allreduce_torch"] / s["ddp_one_bucket"],
+        "ddp_overlap_gain_s": overlap,
+        "allreduce_gap_s": gap,
+        "gap_explained_by_overlap": max(0.0, overlap) / gap if gap > 0 else None,
+    }
     return targets, derived
 
 
@@ -184,40 +206,73 @@ def main(argv=None) -> int:
         worker(args)
         return 0
 
-    wargs = ["--hidden", *map(str, args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
-             "--reps", str(args.reps), "--warmup", str(args.warmup), "--check-steps", str(args.check_steps),
-             "--floor-reps", str(args.floor_reps), "--seed", str(args.seed)]
+    wargs = [
+        "--hidden",
+        *map(str, args.hidden),
+        "--batch",
+        str(args.batch),
+        "--lr",
+        str(args.lr),
+        "--reps",
+        str(args.reps),
+        "--warmup",
+        str(args.warmup),
+        "--check-steps",
+        str(args.check_steps),
+        "--floor-reps",
+        str(args.floor_reps),
+        "--seed",
+        str(args.seed),
+    ]
     with tempfile.TemporaryDirectory(prefix="bench_allreduce_vs_ddp_") as tmp:
-        res = common.spawn_ranks("allreduce_vs_ddp", args.peers, wargs, Path(tmp), args.timeout,
-                                 args.return_freed_memory)
+        res = common.spawn_ranks(
+            "allreduce_vs_ddp", args.peers, wargs, Path(tmp), args.timeout, args.return_freed_memory
+        )
     res["return_freed_memory"] = args.return_freed_memory
     targets, derived = summarize(res)
     res["derived"] = derived
     s, ddp = res["step_s"], res["step_s"]["ddp"]
-    print(f"\nOne training step, MLP 784-{'-'.join(map(str, args.hidden))}-10 ({res['params'] / 1e6:.2f} M parameters, "
-          f"{4 * res['params'] / 2**20:.1f} MiB of gradients), batch {args.batch} per peer, {args.peers} MPI ranks "
-          f"(gloo in the same processes); slowest rank, median of {args.reps}:\n")
-    notes = {"no_comm": "local step only", "allreduce_torch": "dpsgd AllReduce, torch backend",
-             "allreduce_mpi": "dpsgd AllReduce, mpi backend", "ddp": "DDP, 25 MiB buckets overlapping backward",
-             "ddp_one_bucket": "DDP, one bucket (no overlap)"}
+    print(
+        f"\nOne training step, MLP 784-{'-'.join(map(str, args.hidden))}-10 ({res['params'] / 1e6:.2f} M parameters, "
+        f"{4 * res['params'] / 2**20:.1f} MiB of gradients), batch {args.batch} per peer, {args.peers} MPI ranks "
+        f"(gloo in the same processes); slowest rank, median of {args.reps}:\n"
+    )
+    notes = {
+        "no_comm": "local step only",
+        "allreduce_torch": "dpsgd AllReduce, torch backend",
+        "allreduce_mpi": "dpsgd AllReduce, mpi backend",
+        "ddp": "DDP, 25 MiB buckets overlapping backward",
+        "ddp_one_bucket": "DDP, one bucket (no overlap)",
+    }
     pf = res["page_faults_per_step"]
-    common.print_table(["variant", "step ms", "/ DDP", "page faults", "what"],
-                       [[name, s[name] * 1e3, s[name] / ddp, f"{pf[name]:.0f}", notes[name]] for name in VARIANTS])
+    common.print_table(
+        ["variant", "step ms", "/ DDP", "page faults", "what"],
+        [[name, s[name] * 1e3, s[name] / ddp, f"{pf[name]:.0f}", notes[name]] for name in VARIANTS],
+    )
     mib = res["comm_bytes_sent_per_rank"] / 2**20
-    print(f"\ncommunication floor: a ring all-reduce of the gradients sends {mib:.1f} MiB per rank: "
-          f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth; step floor without "
-          f"overlap: no_comm + that = {(s['no_comm'] + res['comm_floor_s']) * 1e3:.1f} ms")
+    print(
+        f"\ncommunication floor: a ring all-reduce of the gradients sends {mib:.1f} MiB per rank: "
+        f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth; step floor without "
+        f"overlap: no_comm + that = {(s['no_comm'] + res['comm_floor_s']) * 1e3:.1f} ms"
+    )
     print(common.floor_line(res["floor"]))
     gain, gap = derived["ddp_overlap_gain_s"] * 1e3, derived["allreduce_gap_s"] * 1e3
     if derived["gap_explained_by_overlap"] is not None:
-        explained = (f"explains {100 * derived['gap_explained_by_overlap']:.0f}% of it" if gain > 0 else
-                     f"explains none of it (DDP with one bucket is {-gain:.2f} ms faster than with overlap)")
-        print(f"AllReduce (torch) is {gap:.2f} ms behind DDP; DDP's overlap (one bucket - default: {gain:.2f} ms) "
-              f"{explained}; AllReduce / DDP one bucket = {derived['allreduce_torch_vs_ddp_one_bucket']:.3f}")
+        explained = (
+            f"explains {100 * derived['gap_explained_by_overlap']:.0f}% of it"
+            if gain > 0
+            else f"explains none of it (DDP with one bucket is {-gain:.2f} ms faster than with overlap)"
+        )
+        print(
+            f"AllReduce (torch) is {gap:.2f} ms behind DDP; DDP's overlap (one bucket - default: {gain:.2f} ms) "
+            f"{explained}; AllReduce / DDP one bucket = {derived['allreduce_torch_vs_ddp_one_bucket']:.3f}"
+        )
     c = res["check"]
-    print(f"\nparameters after {res['check_steps']} steps (float64), max |difference| against large-batch SGD: "
-          + ", ".join(f"{k.removesuffix('_vs_large_batch')} {v:.1e}" for k, v in c.items() if k.endswith("large_batch"))
-          + f"; AllReduce vs DDP {c['allreduce_torch_vs_ddp']:.1e} (the parameters moved {c['moved']:.1e})")
+    print(
+        f"\nparameters after {res['check_steps']} steps (float64), max |difference| against large-batch SGD: "
+        + ", ".join(f"{k.removesuffix('_vs_large_batch')} {v:.1e}" for k, v in c.items() if k.endswith("large_batch"))
+        + f"; AllReduce vs DDP {c['allreduce_torch_vs_ddp']:.1e} (the parameters moved {c['moved']:.1e})"
+    )
     common.print_targets(targets)
     common.write_result(args.out, "allreduce_vs_ddp", res, targets, argv)
     print(f"written: {args.out}")

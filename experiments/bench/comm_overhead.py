@@ -35,6 +35,7 @@ def reps_for(mb: float, reps: int, largest: float) -> int:
 
 # --- inside the ranks ---------------------------------------------------------------------
 
+
 def _raw_ops(backend: str, raw, x, out, from_left, from_right, left, right, nb):
     """The same results as the toolkit's operations, written by hand on preallocated buffers."""
     import torch
@@ -56,9 +57,14 @@ def _raw_ops(backend: str, raw, x, out, from_left, from_right, left, right, nb):
             raw.Allreduce(xb, ob, op=MPI.SUM)
             out.div_(n)
     else:
+
         def exchange():
-            ops = [dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right),
-                   dist.P2POp(dist.isend, x, left), dist.P2POp(dist.isend, x, right)]
+            ops = [
+                dist.P2POp(dist.irecv, from_left, left),
+                dist.P2POp(dist.irecv, from_right, right),
+                dist.P2POp(dist.isend, x, left),
+                dist.P2POp(dist.isend, x, right),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
@@ -78,9 +84,11 @@ def _raw_ops(backend: str, raw, x, out, from_left, from_right, left, right, nb):
 
 def _toolkit_ops(comms, backend, x, left, right, nb):
     peers = [left, right]
-    return {"neighbor_exchange": lambda: comms[(backend, "neighbor_exchange")].neighbor_exchange(x, peers, peers),
-            "neighbor_average": lambda: comms[(backend, "neighbor_average")].neighbor_average([x], nb),
-            "allreduce_mean": lambda: comms[(backend, "allreduce_mean")].allreduce_mean([x])}
+    return {
+        "neighbor_exchange": lambda: comms[(backend, "neighbor_exchange")].neighbor_exchange(x, peers, peers),
+        "neighbor_average": lambda: comms[(backend, "neighbor_average")].neighbor_average([x], nb),
+        "allreduce_mean": lambda: comms[(backend, "allreduce_mean")].allreduce_mean([x]),
+    }
 
 
 def worker(args) -> None:
@@ -93,8 +101,11 @@ def worker(args) -> None:
     world = common.init_ranks()
     rank, n = world.Get_rank(), world.Get_size()
     # one communicator per backend and operation, so that no operation reuses buffers another one left
-    comms = {(backend, op): MPICommunicator() if backend == "mpi" else TorchCommunicator()
-             for backend in BACKENDS for op in OPS}
+    comms = {
+        (backend, op): MPICommunicator() if backend == "mpi" else TorchCommunicator()
+        for backend in BACKENDS
+        for op in OPS
+    }
     raw_mpi = world.Dup()  # the raw code's own context, as the toolkit's communicator has
     nb = topologies.make("ring", n).neighbors(rank)
     left, right = (rank - 1) % n, (rank + 1) % n
@@ -121,8 +132,10 @@ def worker(args) -> None:
                 got = impls[(backend, "toolkit")][op]()
                 impls[(backend, "raw")][op]()
                 want = [from_left, from_right] if op == "neighbor_exchange" else [out]
-                agree[(backend, op)] = max(max(float((g.reshape(-1) - w).abs().max()) for g, w in zip(got, want)),
-                                           max(float((a - b).abs().max()) for a, b in zip(first, kept)))
+                agree[(backend, op)] = max(
+                    max(float((g.reshape(-1) - w).abs().max()) for g, w in zip(got, want)),
+                    max(float((a - b).abs().max()) for a, b in zip(first, kept)),
+                )
 
         reps, warmup = reps_for(mb, args.reps, largest), args.warmup
         times = {(b, op, impl): [] for b in BACKENDS for op in OPS for impl in ("toolkit", "raw")}
@@ -131,7 +144,7 @@ def worker(args) -> None:
             for backend in BACKENDS:
                 for op in OPS:
                     # alternate which goes first, so that drift and cache state favour neither
-                    for impl in (("toolkit", "raw") if i % 2 == 0 else ("raw", "toolkit")):
+                    for impl in ("toolkit", "raw") if i % 2 == 0 else ("raw", "toolkit"):
                         fn = impls[(backend, impl)][op]
                         world.Barrier()
                         f0, t0 = common.page_faults(), time.perf_counter()
@@ -146,16 +159,26 @@ def worker(args) -> None:
                 tk = common.slowest(world, times[(backend, op, "toolkit")])
                 raw = common.slowest(world, times[(backend, op, "raw")])
                 sent = 2 * x.nbytes if op != "allreduce_mean" else ring_allreduce_bytes(x.nbytes, n)
-                rows.append({
-                    "backend": backend, "op": op, "mb": mb, "bytes": x.nbytes, "reps": reps,
-                    "toolkit_s": common.median(tk), "raw_s": common.median(raw),
-                    "ratio": common.median(tk) / common.median(raw),
-                    "paired_ratio": common.median([a / b for a, b in zip(tk, raw)]),
-                    "bytes_sent_per_rank": sent, "floor_s": common.floor_s(sent, floor),
-                    "max_abs_diff_vs_raw": diffs[(backend, op)],
-                    "page_faults": {impl: common.median(common.slowest(world, faults[(backend, op, impl)]))
-                                    for impl in ("toolkit", "raw")},
-                })
+                rows.append(
+                    {
+                        "backend": backend,
+                        "op": op,
+                        "mb": mb,
+                        "bytes": x.nbytes,
+                        "reps": reps,
+                        "toolkit_s": common.median(tk),
+                        "raw_s": common.median(raw),
+                        "ratio": common.median(tk) / common.median(raw),
+                        "paired_ratio": common.median([a / b for a, b in zip(tk, raw)]),
+                        "bytes_sent_per_rank": sent,
+                        "floor_s": common.floor_s(sent, floor),
+                        "max_abs_diff_vs_raw": diffs[(backend, op)],
+                        "page_faults": {
+                            impl: common.median(common.slowest(world, faults[(backend, op, impl)]))
+                            for impl in ("toolkit", "raw")
+                        },
+                    }
+                )
         del impls
     for c in comms.values():
         if c.backend == "mpi":
@@ -164,6 +187,7 @@ def worker(args) -> None:
 
 
 # --- the driver ---------------------------------------------------------------------------
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -182,27 +206,62 @@ def main(argv=None) -> int:
     if args.peers < 3:
         raise SystemExit("error: --peers must be at least 3 (a ring with two distinct neighbours)")
 
-    wargs = ["--sizes-mb", *map(str, args.sizes_mb), "--reps", str(args.reps), "--warmup", str(args.warmup),
-             "--floor-reps", str(args.floor_reps)]
+    wargs = [
+        "--sizes-mb",
+        *map(str, args.sizes_mb),
+        "--reps",
+        str(args.reps),
+        "--warmup",
+        str(args.warmup),
+        "--floor-reps",
+        str(args.floor_reps),
+    ]
     with tempfile.TemporaryDirectory(prefix="bench_comm_overhead_") as tmp:
-        res = common.spawn_ranks("comm_overhead", args.peers, wargs, Path(tmp), args.timeout,
-                                 args.return_freed_memory)
+        res = common.spawn_ranks("comm_overhead", args.peers, wargs, Path(tmp), args.timeout, args.return_freed_memory)
 
     rows, floor = res["rows"], res["floor"]
     res["return_freed_memory"] = args.return_freed_memory
     targets = [common.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], LIMIT) for r in rows]
-    print(f"\nToolkit against raw, {args.peers} MPI ranks (gloo in the same processes), ring neighbours, "
-          f"float32; slowest rank, median ms:\n")
+    print(
+        f"\nToolkit against raw, {args.peers} MPI ranks (gloo in the same processes), ring neighbours, "
+        f"float32; slowest rank, median ms:\n"
+    )
     common.print_table(
-        ["backend", "op", "MiB", "reps", "toolkit ms", "raw ms", "ratio", "floor ms", "toolkit/floor", "faults tk/raw",
-         "target"],
-        [[r["backend"], r["op"], f"{r['mb']:g}", r["reps"], r["toolkit_s"] * 1e3, r["raw_s"] * 1e3, r["ratio"],
-          r["floor_s"] * 1e3, r["toolkit_s"] / r["floor_s"],
-          f"{r['page_faults']['toolkit']:.0f}/{r['page_faults']['raw']:.0f}", "PASS" if t.holds else "MISS"]
-         for r, t in zip(rows, targets)])
-    print(f"\n{common.floor_line(floor)}; floor = bytes one rank sends (ring exchange 2M, all-reduce "
-          f"2(n-1)/n M) / that bandwidth. Target: toolkit <= {LIMIT:g}x raw. faults: page faults per call "
-          f"(slowest rank, median); a fresh buffer faults once per 4 KiB page.")
+        [
+            "backend",
+            "op",
+            "MiB",
+            "reps",
+            "toolkit ms",
+            "raw ms",
+            "ratio",
+            "floor ms",
+            "toolkit/floor",
+            "faults tk/raw",
+            "target",
+        ],
+        [
+            [
+                r["backend"],
+                r["op"],
+                f"{r['mb']:g}",
+                r["reps"],
+                r["toolkit_s"] * 1e3,
+                r["raw_s"] * 1e3,
+                r["ratio"],
+                r["floor_s"] * 1e3,
+                r["toolkit_s"] / r["floor_s"],
+                f"{r['page_faults']['toolkit']:.0f}/{r['page_faults']['raw']:.0f}",
+                "PASS" if t.holds else "MISS",
+            ]
+            for r, t in zip(rows, targets)
+        ],
+    )
+    print(
+        f"\n{common.floor_line(floor)}; floor = bytes one rank sends (ring exchange 2M, all-reduce "
+        f"2(n-1)/n M) / that bandwidth. Target: toolkit <= {LIMIT:g}x raw. faults: page faults per call "
+        f"(slowest rank, median); a fresh buffer faults once per 4 KiB page."
+    )
     bad = [r for r in rows if r["max_abs_diff_vs_raw"] > 1e-5]
     if bad:
         print(f"WARNING: toolkit and raw results differ: {[(r['backend'], r['op'], r['mb']) for r in bad]}")

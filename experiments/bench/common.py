@@ -65,16 +65,26 @@ def print_table(headers: list[str], rows: list[list], floatfmt: str = ".2f") -> 
 def machine() -> dict:
     import torch
 
-    return {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    return {
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
 
 def write_result(path: Path, benchmark: str, result: dict, targets: list[Target], argv: list[str] | None) -> dict:
     """Write the benchmark's JSON: date, machine, command, targets, then the benchmark's own keys."""
     args = argv if argv is not None else sys.argv[1:]
-    out = {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
-           "command": f"python -m experiments.bench.{benchmark} " + " ".join(args),
-           "targets": [t.as_dict() for t in targets], **result}
+    out = {
+        "benchmark": benchmark,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": machine(),
+        "command": f"python -m experiments.bench.{benchmark} " + " ".join(args),
+        "targets": [t.as_dict() for t in targets],
+        **result,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     return out
@@ -88,24 +98,34 @@ def print_targets(targets: list[Target]) -> None:
 
 # --- ranks ------------------------------------------------------------------------------
 
+
 def add_rank_options(parser) -> None:
-    parser.add_argument("--return-freed-memory", action="store_true",
-                        help="run the ranks with glibc's default of returning freed large buffers to the kernel "
-                             "(peers are spawned keeping them: MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_)")
+    parser.add_argument(
+        "--return-freed-memory",
+        action="store_true",
+        help="run the ranks with glibc's default of returning freed large buffers to the kernel "
+        "(peers are spawned keeping them: MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_)",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds for all the ranks' work")
 
 
-def spawn_ranks(module: str, n: int, worker_argv: list[str], work: Path, timeout_s: float,
-                return_freed_memory: bool = False) -> dict:
+def spawn_ranks(
+    module: str, n: int, worker_argv: list[str], work: Path, timeout_s: float, return_freed_memory: bool = False
+) -> dict:
     """Run `python -m experiments.bench.MODULE --worker WORK ...` on n MPI ranks which also form a
     gloo world (see `init_ranks`); return rank 0's WORK/result.json."""
     from dpsgd.launch import free_port, spawn_mpi
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {PORT_VAR: str(free_port()), "PYTHONPATH": path, "DPSGD_PROGRESS": "0",
-           **(RETURN_FREED_MEMORY_ENV if return_freed_memory else {})}
-    code = spawn_mpi(n, ["-m", f"experiments.bench.{module}", "--worker", str(work), *worker_argv],
-                     timeout_s=timeout_s, env=env)
+    env = {
+        PORT_VAR: str(free_port()),
+        "PYTHONPATH": path,
+        "DPSGD_PROGRESS": "0",
+        **(RETURN_FREED_MEMORY_ENV if return_freed_memory else {}),
+    }
+    code = spawn_mpi(
+        n, ["-m", f"experiments.bench.{module}", "--worker", str(work), *worker_argv], timeout_s=timeout_s, env=env
+    )
     if code != 0:
         why = f"did not finish within {timeout_s:g} s (--timeout)" if code == 124 else f"exited with {code}"
         raise SystemExit(f"error: the {n} ranks of experiments.bench.{module} {why}")
@@ -124,8 +144,12 @@ def init_ranks(gloo: bool = True):
         import torch.distributed as dist
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ[PORT_VAR]}",
-                                rank=world.Get_rank(), world_size=world.Get_size())
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{os.environ[PORT_VAR]}",
+            rank=world.Get_rank(),
+            world_size=world.Get_size(),
+        )
     return world
 
 
@@ -176,6 +200,7 @@ def median(xs: list[float]) -> float:
 
 # --- the physical floor -------------------------------------------------------------------
 
+
 def loopback_bandwidth(world, nbytes: int, reps: int = 10, warmup: int = 2) -> dict:
     """Bytes per second one rank sends to another on this machine while every rank does the
     same: ranks pair up (r with r ^ 1) and swap `nbytes` with one raw MPI Sendrecv (shared
@@ -205,8 +230,15 @@ def loopback_bandwidth(world, nbytes: int, reps: int = 10, warmup: int = 2) -> d
             copies.append(time.perf_counter() - t0)
     copies = slowest(world, copies)
     t, c = median(times), median(copies)
-    return {"nbytes": nbytes, "sendrecv_s": t, "bytes_per_s": nbytes / t, "memcpy_s": c,
-            "memcpy_bytes_per_s": nbytes / c, "pairs": size // 2, "reps": reps}
+    return {
+        "nbytes": nbytes,
+        "sendrecv_s": t,
+        "bytes_per_s": nbytes / t,
+        "memcpy_s": c,
+        "memcpy_bytes_per_s": nbytes / c,
+        "pairs": size // 2,
+        "reps": reps,
+    }
 
 
 def floor_s(nbytes_sent: float, floor: dict) -> float:
@@ -215,6 +247,8 @@ def floor_s(nbytes_sent: float, floor: dict) -> float:
 
 
 def floor_line(floor: dict) -> str:
-    return (f"loopback floor: raw MPI Sendrecv of {floor['nbytes'] / 2**20:.0f} MiB between {floor['pairs']} pairs "
-            f"of ranks at once: {floor['bytes_per_s'] / 1e9:.2f} GB/s per rank "
-            f"(a local memcpy: {floor['memcpy_bytes_per_s'] / 1e9:.2f} GB/s)")
+    return (
+        f"loopback floor: raw MPI Sendrecv of {floor['nbytes'] / 2**20:.0f} MiB between {floor['pairs']} pairs "
+        f"of ranks at once: {floor['bytes_per_s'] / 1e9:.2f} GB/s per rank "
+        f"(a local memcpy: {floor['memcpy_bytes_per_s'] / 1e9:.2f} GB/s)"
+    )

@@ -37,14 +37,26 @@ def config(peers: int, batch_size: int, data: str = "digits", **data_options) ->
     def load(group, name):
         return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
-    return {"algorithm": load("algorithm", "dpsgd"), "topology": load("topology", "one_peer_exponential"),
-            "model": load("model", "mlp"), "data": {**load("data", data), **data_options},
-            "backend": {"name": "fleet"}, "network": load("network", "loopback"), "peers": peers, "seed": 0,
-            "epochs": 1, "batch_size": batch_size, "log_every": 1000, "device": "cpu", "comm": {"timeout_s": 600}}
+    return {
+        "algorithm": load("algorithm", "dpsgd"),
+        "topology": load("topology", "one_peer_exponential"),
+        "model": load("model", "mlp"),
+        "data": {**load("data", data), **data_options},
+        "backend": {"name": "fleet"},
+        "network": load("network", "loopback"),
+        "peers": peers,
+        "seed": 0,
+        "epochs": 1,
+        "batch_size": batch_size,
+        "log_every": 1000,
+        "device": "cpu",
+        "comm": {"timeout_s": 600},
+    }
 
 
 def local_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
     """Steps per second of the local backend's peers (the slowest peer's clock)."""
+
     def peer(comm):
         p = build_peer(comm, cfg)
         for _ in range(warmup):
@@ -94,8 +106,10 @@ def main(argv=None) -> int:
     print(f"{args.peers} peers, D-PSGD one_peer_exponential, MLP [64] on digits, batch {args.batch_size} per peer")
     print(f"  local backend (threads): {local:8.2f} steps/s")
     print(f"  fleet (vectorized):      {fleet:8.2f} steps/s")
-    print(f"  fleet / local:           {ratio:8.1f}x   (target >= {RATIO_TARGET:g}x: "
-          f"{'met' if ratio >= RATIO_TARGET else 'NOT met'})")
+    print(
+        f"  fleet / local:           {ratio:8.1f}x   (target >= {RATIO_TARGET:g}x: "
+        f"{'met' if ratio >= RATIO_TARGET else 'NOT met'})"
+    )
 
     print(f"fleet scan: same model, {args.batch_size} samples per peer per step (synthetic data, 64 features)")
     scan, best = [], None
@@ -110,12 +124,24 @@ def main(argv=None) -> int:
             break
         best = n
         n *= 2
-    print(f"largest n at >= {RATE_TARGET:g} steps/s: {best} (target {N_TARGET}: "
-          f"{'met' if best is not None and best >= N_TARGET else 'NOT met'})")
+    print(
+        f"largest n at >= {RATE_TARGET:g} steps/s: {best} (target {N_TARGET}: "
+        f"{'met' if best is not None and best >= N_TARGET else 'NOT met'})"
+    )
     if args.out:
-        Path(args.out).write_text(json.dumps({"peers": args.peers, "local_steps_per_s": local,
-                                              "fleet_steps_per_s": fleet, "ratio": ratio, "scan": scan,
-                                              "largest_n_at_10_steps_per_s": best}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "peers": args.peers,
+                    "local_steps_per_s": local,
+                    "fleet_steps_per_s": fleet,
+                    "ratio": ratio,
+                    "scan": scan,
+                    "largest_n_at_10_steps_per_s": best,
+                },
+                indent=2,
+            )
+        )
     return 0 if ratio >= RATIO_TARGET and best is not None and best >= N_TARGET else 1
 
 

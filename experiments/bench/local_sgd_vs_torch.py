@@ -56,11 +56,11 @@ def make_variant(name: str, args, comms: dict, dtype):
 
     if name.startswith("dpsgd_"):
         comm = comms[name.removeprefix("dpsgd_")]
-        return model, LocalSGD(sgd(model.parameters()), comm=comm, period=args.period,
-                               warmup_steps=args.warmup_steps)
+        return model, LocalSGD(sgd(model.parameters()), comm=comm, period=args.period, warmup_steps=args.warmup_steps)
     ddp = DDP(model)
-    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=args.warmup_steps,
-                              post_local_gradient_allreduce=False)
+    state = PostLocalSGDState(
+        process_group=None, subgroup=None, start_localSGD_iter=args.warmup_steps, post_local_gradient_allreduce=False
+    )
     ddp.register_comm_hook(state, post_localSGD_hook)
     averager = PeriodicModelAverager(period=args.period, warmup_steps=args.warmup_steps + args.period - 1)
     return ddp, PostLocalSGDOptimizer(optim=sgd(ddp.parameters()), averager=averager)
@@ -84,11 +84,16 @@ def check_parameters(args, comms, world) -> dict:
         for module, opt in variants.values():
             train_step(module, opt, *data[k % POOL])
     final = {name: flat_params(module) for name, (module, _) in variants.items()}
-    diffs = {"dpsgd_torch_vs_torch": float((final["dpsgd_torch"] - final["torch"]).abs().max()),
-             "dpsgd_mpi_vs_torch": float((final["dpsgd_mpi"] - final["torch"]).abs().max()),
-             "moved": float((final["torch"] - flat_params(make_model(args, torch.float64))).abs().max())}
-    return {"steps": steps, "warmup_steps": short.warmup_steps,
-            **{k: common.slowest(world, [v])[0] for k, v in diffs.items()}}
+    diffs = {
+        "dpsgd_torch_vs_torch": float((final["dpsgd_torch"] - final["torch"]).abs().max()),
+        "dpsgd_mpi_vs_torch": float((final["dpsgd_mpi"] - final["torch"]).abs().max()),
+        "moved": float((final["torch"] - flat_params(make_model(args, torch.float64))).abs().max()),
+    }
+    return {
+        "steps": steps,
+        "warmup_steps": short.warmup_steps,
+        **{k: common.slowest(world, [v])[0] for k, v in diffs.items()},
+    }
 
 
 def worker(args) -> None:
@@ -119,36 +124,65 @@ def worker(args) -> None:
                 into[name].append(dt / steps)
 
     final = {name: flat_params(module) for name, (module, _) in variants.items()}
-    diffs = {"dpsgd_torch_vs_torch": float((final["dpsgd_torch"] - final["torch"]).abs().max()),
-             "dpsgd_mpi_vs_torch": float((final["dpsgd_mpi"] - final["torch"]).abs().max()),
-             "moved": float((final["torch"] - start).abs().max())}
+    diffs = {
+        "dpsgd_torch_vs_torch": float((final["dpsgd_torch"] - final["torch"]).abs().max()),
+        "dpsgd_mpi_vs_torch": float((final["dpsgd_mpi"] - final["torch"]).abs().max()),
+        "moved": float((final["torch"] - start).abs().max()),
+    }
     # after the last averaging every peer holds the same model: a check that averaging happened
     everyone = torch.empty(world.Get_size(), nparams)
     world.Allgather(final["dpsgd_torch"].numpy(), everyone.numpy())
     diffs["dpsgd_torch_between_peers"] = float((everyone - everyone[0]).abs().max())
     check = {k: common.slowest(world, [v])[0] for k, v in diffs.items()}
-    step_s = {phase: {name: common.median(common.slowest(world, t)) if t else None for name, t in times.items()}
-              for phase, times in (("warmup", warm), ("local", local))}
+    step_s = {
+        phase: {name: common.median(common.slowest(world, t)) if t else None for name, t in times.items()}
+        for phase, times in (("warmup", warm), ("local", local))
+    }
     comms["mpi"].close()
     sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
-    common.finish_ranks(world, args.worker, {
-        "peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch,
-        "period": args.period, "warmup_steps": args.warmup_steps, "skip": args.skip, "windows": args.windows,
-        "timed_warmup_steps": len(warm["torch"]), "step_s": step_s, "check": check, "check_float64": check64,
-        "floor": floor,
-        "comm_bytes_sent_per_rank": sent, "comm_floor_s": common.floor_s(sent, floor)})
+    common.finish_ranks(
+        world,
+        args.worker,
+        {
+            "peers": world.Get_size(),
+            "params": nparams,
+            "hidden": args.hidden,
+            "batch": args.batch,
+            "period": args.period,
+            "warmup_steps": args.warmup_steps,
+            "skip": args.skip,
+            "windows": args.windows,
+            "timed_warmup_steps": len(warm["torch"]),
+            "step_s": step_s,
+            "check": check,
+            "check_float64": check64,
+            "floor": floor,
+            "comm_bytes_sent_per_rank": sent,
+            "comm_floor_s": common.floor_s(sent, floor),
+        },
+    )
 
 
 def summarize(res: dict) -> list[common.Target]:
     s = res["step_s"]
-    targets = [common.Target("LocalSGD / torch, local phase, per step",
-                             s["local"]["dpsgd_torch"] / s["local"]["torch"], LIMIT)]
+    targets = [
+        common.Target("LocalSGD / torch, local phase, per step", s["local"]["dpsgd_torch"] / s["local"]["torch"], LIMIT)
+    ]
     if s["warmup"]["torch"]:
-        targets.append(common.Target("LocalSGD / torch, warm-up (all-reduce) step",
-                                     s["warmup"]["dpsgd_torch"] / s["warmup"]["torch"], LIMIT))
+        targets.append(
+            common.Target(
+                "LocalSGD / torch, warm-up (all-reduce) step", s["warmup"]["dpsgd_torch"] / s["warmup"]["torch"], LIMIT
+            )
+        )
     c = res["check_float64"]
-    targets.append(common.Target("parameters (float64): max |LocalSGD - torch|",
-                                 max(c["dpsgd_torch_vs_torch"], c["dpsgd_mpi_vs_torch"]), PARAM_TOLERANCE, unit=""))
+    targets.append(
+        common.Target(
+            "parameters (float64): max |LocalSGD - torch|",
+            max(c["dpsgd_torch_vs_torch"], c["dpsgd_mpi_vs_torch"]),
+            PARAM_TOLERANCE,
+            unit="",
+        )
+    )
     return targets
 
 
@@ -174,38 +208,75 @@ def main(argv=None) -> int:
     if args.windows < 1 or args.period < 1:
         raise SystemExit("error: --windows and --period must be at least 1")
 
-    wargs = ["--hidden", *map(str, args.hidden), "--batch", str(args.batch), "--lr", str(args.lr),
-             "--period", str(args.period), "--warmup-steps", str(args.warmup_steps), "--skip", str(args.skip),
-             "--windows", str(args.windows), "--floor-reps", str(args.floor_reps), "--seed", str(args.seed)]
+    wargs = [
+        "--hidden",
+        *map(str, args.hidden),
+        "--batch",
+        str(args.batch),
+        "--lr",
+        str(args.lr),
+        "--period",
+        str(args.period),
+        "--warmup-steps",
+        str(args.warmup_steps),
+        "--skip",
+        str(args.skip),
+        "--windows",
+        str(args.windows),
+        "--floor-reps",
+        str(args.floor_reps),
+        "--seed",
+        str(args.seed),
+    ]
     with tempfile.TemporaryDirectory(prefix="bench_local_sgd_vs_torch_") as tmp:
-        res = common.spawn_ranks("local_sgd_vs_torch", args.peers, wargs, Path(tmp), args.timeout,
-                                 args.return_freed_memory)
+        res = common.spawn_ranks(
+            "local_sgd_vs_torch", args.peers, wargs, Path(tmp), args.timeout, args.return_freed_memory
+        )
     res["return_freed_memory"] = args.return_freed_memory
     targets = summarize(res)
     s = res["step_s"]
-    print(f"\nPost-local SGD, period {args.period}, {args.warmup_steps} warm-up steps, MLP "
-          f"784-{'-'.join(map(str, args.hidden))}-10 ({res['params'] / 1e6:.2f} M parameters), batch {args.batch} per "
-          f"peer, {args.peers} MPI ranks (gloo in the same processes); slowest rank, median ms per step over "
-          f"{res['timed_warmup_steps']} warm-up steps and {args.windows} windows of {args.period} local steps:\n")
+    print(
+        f"\nPost-local SGD, period {args.period}, {args.warmup_steps} warm-up steps, MLP "
+        f"784-{'-'.join(map(str, args.hidden))}-10 ({res['params'] / 1e6:.2f} M parameters), batch {args.batch} per "
+        f"peer, {args.peers} MPI ranks (gloo in the same processes); slowest rank, median ms per step over "
+        f"{res['timed_warmup_steps']} warm-up steps and {args.windows} windows of {args.period} local steps:\n"
+    )
     rows = []
-    for name, what in (("dpsgd_torch", "LocalSGD, torch backend"), ("torch", "DDP+post_localSGD_hook, "
-                       "PostLocalSGDOptimizer"), ("dpsgd_mpi", "LocalSGD, mpi backend")):
+    for name, what in (
+        ("dpsgd_torch", "LocalSGD, torch backend"),
+        ("torch", "DDP+post_localSGD_hook, PostLocalSGDOptimizer"),
+        ("dpsgd_mpi", "LocalSGD, mpi backend"),
+    ):
         w = s["warmup"][name]
-        rows.append([name, w * 1e3 if w else "-", w / s["warmup"]["torch"] if w else "-", s["local"][name] * 1e3,
-                     s["local"][name] / s["local"]["torch"], what])
+        rows.append(
+            [
+                name,
+                w * 1e3 if w else "-",
+                w / s["warmup"]["torch"] if w else "-",
+                s["local"][name] * 1e3,
+                s["local"][name] / s["local"]["torch"],
+                what,
+            ]
+        )
     common.print_table(["variant", "warm-up ms", "/ torch", "local ms", "/ torch", "what"], rows)
-    print(f"\ncommunication floor: averaging sends {res['comm_bytes_sent_per_rank'] / 2**20:.1f} MiB per rank, "
-          f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth: {res['comm_floor_s'] * 1e3:.2f} ms "
-          f"per warm-up step, {res['comm_floor_s'] / args.period * 1e3:.2f} ms per local step")
+    print(
+        f"\ncommunication floor: averaging sends {res['comm_bytes_sent_per_rank'] / 2**20:.1f} MiB per rank, "
+        f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth: {res['comm_floor_s'] * 1e3:.2f} ms "
+        f"per warm-up step, {res['comm_floor_s'] / args.period * 1e3:.2f} ms per local step"
+    )
     print(common.floor_line(res["floor"]))
     c, c64 = res["check"], res["check_float64"]
-    print(f"parameters after the timed {args.warmup_steps + args.windows * args.period} steps (float32): max "
-          f"|LocalSGD (torch) - torch| = {c['dpsgd_torch_vs_torch']:.1e}, |LocalSGD (mpi) - torch| = "
-          f"{c['dpsgd_mpi_vs_torch']:.1e}; they moved {c['moved']:.1e}; peers after the last averaging differ by "
-          f"{c['dpsgd_torch_between_peers']:.1e}")
-    print(f"parameters after {c64['steps']} steps in float64 ({c64['warmup_steps']} warm-up): max |LocalSGD (torch) - "
-          f"torch| = {c64['dpsgd_torch_vs_torch']:.1e}, |LocalSGD (mpi) - torch| = {c64['dpsgd_mpi_vs_torch']:.1e}; "
-          f"they moved {c64['moved']:.1e}")
+    print(
+        f"parameters after the timed {args.warmup_steps + args.windows * args.period} steps (float32): max "
+        f"|LocalSGD (torch) - torch| = {c['dpsgd_torch_vs_torch']:.1e}, |LocalSGD (mpi) - torch| = "
+        f"{c['dpsgd_mpi_vs_torch']:.1e}; they moved {c['moved']:.1e}; peers after the last averaging differ by "
+        f"{c['dpsgd_torch_between_peers']:.1e}"
+    )
+    print(
+        f"parameters after {c64['steps']} steps in float64 ({c64['warmup_steps']} warm-up): max |LocalSGD (torch) - "
+        f"torch| = {c64['dpsgd_torch_vs_torch']:.1e}, |LocalSGD (mpi) - torch| = {c64['dpsgd_mpi_vs_torch']:.1e}; "
+        f"they moved {c64['moved']:.1e}"
+    )
     common.print_targets(targets)
     common.write_result(args.out, "local_sgd_vs_torch", res, targets, argv)
     print(f"written: {args.out}")

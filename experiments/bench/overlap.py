@@ -61,25 +61,38 @@ def worker(work: Path, steps: int, compute_time: float, preset: str) -> None:
         for overlap in (False, True):
             model = models.build("mlp", (INPUTS,), CLASSES, 0, hidden=HIDDEN)
             nbytes = sum(p.numel() for p in model.parameters()) * 4
-            net = NetworkEmulator.from_config({**net_cfg, "mode": mode, "compute_time": compute_time},
-                                              comm.rank, comm.size)
+            net = NetworkEmulator.from_config(
+                {**net_cfg, "mode": mode, "compute_time": compute_time}, comm.rank, comm.size
+            )
             comm.attach_network(net)
             comm.stats = dpsgd.comm.CommStats()
-            opt = DPSGD(build_base(model.parameters(), lr=0.01), comm=comm,
-                        topology=topologies.make("one_peer_exponential", comm.size), overlap=overlap)
+            opt = DPSGD(
+                build_base(model.parameters(), lr=0.01),
+                comm=comm,
+                topology=topologies.make("one_peer_exponential", comm.size),
+                overlap=overlap,
+            )
             wall = emulated_steps(comm, net, opt, model, x, y, steps, overlap)
             elapsed = net.clock.elapsed()
             comm.attach_network(None)
-            table = metrics.gather_scalars(comm, [wall, elapsed, comm.stats.emulated_wait_s, comm.stats.comm_time_s,
-                                                  comm.stats.bytes_sent])
+            table = metrics.gather_scalars(
+                comm, [wall, elapsed, comm.stats.emulated_wait_s, comm.stats.comm_time_s, comm.stats.bytes_sent]
+            )
             message = Link(net_cfg["latency_s"], net_cfg["bandwidth_bytes_per_s"]).message_time(nbytes)
-            rows.append({"mode": mode, "overlap": overlap, "params": nbytes // 4,
-                         "s_per_step": float(table[:, 1].max()) / steps,
-                         "wall_s_per_step": float(table[:, 0].max()) / steps,
-                         "waiting_s_per_step": float(table[:, 2].mean()) / steps,
-                         "blocked_s_per_step": float(table[:, 3].mean()) / steps,
-                         "compute_s_per_step": compute_time, "message_s": message,
-                         "floor_s_per_step": floor_s(float(table[:, 4].max()) / steps, floor)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "overlap": overlap,
+                    "params": nbytes // 4,
+                    "s_per_step": float(table[:, 1].max()) / steps,
+                    "wall_s_per_step": float(table[:, 0].max()) / steps,
+                    "waiting_s_per_step": float(table[:, 2].mean()) / steps,
+                    "blocked_s_per_step": float(table[:, 3].mean()) / steps,
+                    "compute_s_per_step": compute_time,
+                    "message_s": message,
+                    "floor_s_per_step": floor_s(float(table[:, 4].max()) / steps, floor),
+                }
+            )
     finish_ranks(world, work, {"rows": rows, "floor": floor})
     comm.close()
 
@@ -111,16 +124,31 @@ def main(argv=None) -> int:
             "hidden_by_waiting": 1 - on[blocked] / off[blocked],
             "hidden_by_step_time": (off["s_per_step"] - on["s_per_step"]) / off["message_s"],
         }
-    cols = ["mode", "overlap", "s_per_step", "wall_s_per_step", "blocked_s_per_step", "waiting_s_per_step",
-            "compute_s_per_step",
-            "message_s", "floor_s_per_step"]
+    cols = [
+        "mode",
+        "overlap",
+        "s_per_step",
+        "wall_s_per_step",
+        "blocked_s_per_step",
+        "waiting_s_per_step",
+        "compute_s_per_step",
+        "message_s",
+        "floor_s_per_step",
+    ]
     print(floor_line(result["floor"]))
     print_table(cols, [[r[c] for c in cols] for r in rows], floatfmt=".4g")
     for mode, s in summary.items():
-        print(f"{mode}: communication hidden {s['hidden_by_waiting']:.3f} (time blocked), "
-              f"{s['hidden_by_step_time']:.3f} (step time saved / message time)")
-    targets = [Target(f"exposed communication with overlap, {args.network}, sleep mode (1 - hidden)",
-                      1 - summary["sleep"]["hidden_by_waiting"], 0.2)]
+        print(
+            f"{mode}: communication hidden {s['hidden_by_waiting']:.3f} (time blocked), "
+            f"{s['hidden_by_step_time']:.3f} (step time saved / message time)"
+        )
+    targets = [
+        Target(
+            f"exposed communication with overlap, {args.network}, sleep mode (1 - hidden)",
+            1 - summary["sleep"]["hidden_by_waiting"],
+            0.2,
+        )
+    ]
     print_targets(targets)
     write_result(args.out, "overlap", {"rows": rows, "hidden": summary, "floor": result["floor"]}, targets, argv)
     print(f"results: {args.out}")

@@ -86,8 +86,10 @@ def compute_times() -> dict:
 
     torch.set_num_threads(1)
     x32, y = torch.randn(BATCH, 3, 32, 32), torch.randint(0, CLASSES, (BATCH,))
-    return {"0.27M": measure_compute(models.build("resnet20", (3, 32, 32), CLASSES, 0), x32, y),
-            "11M": measure_compute(mlp(SIZES["11M"]), torch.randn(BATCH, INPUTS), y)}
+    return {
+        "0.27M": measure_compute(models.build("resnet20", (3, 32, 32), CLASSES, 0), x32, y),
+        "11M": measure_compute(mlp(SIZES["11M"]), torch.randn(BATCH, INPUTS), y),
+    }
 
 
 def closed_form(name: str, nbytes: float, n: int, c: float, net: dict) -> float:
@@ -95,12 +97,14 @@ def closed_form(name: str, nbytes: float, n: int, c: float, net: dict) -> float:
 
     link = Link(net["latency_s"], net["bandwidth_bytes_per_s"])
     one = link.message_time(nbytes)
-    return {"allreduce": c + link.allreduce_time(nbytes, n),
-            "dpsgd ring": c + link.message_time(nbytes, 2 if n > 2 else 1),
-            "dpsgd one-peer": c + one,
-            "dpsgd one-peer overlap": max(c, one),
-            "local_sgd H=8": c + link.allreduce_time(nbytes, n) / 8,
-            "adpsgd": max(c, 2 * one)}[name]
+    return {
+        "allreduce": c + link.allreduce_time(nbytes, n),
+        "dpsgd ring": c + link.message_time(nbytes, 2 if n > 2 else 1),
+        "dpsgd one-peer": c + one,
+        "dpsgd one-peer overlap": max(c, one),
+        "local_sgd H=8": c + link.allreduce_time(nbytes, n) / 8,
+        "adpsgd": max(c, 2 * one),
+    }[name]
 
 
 def emulated_steps(comm, net, opt, model, x, y, steps: int, overlap: bool = False) -> float:
@@ -156,20 +160,35 @@ def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> N
                 net = NetworkEmulator.from_config(net_cfg, rank, n)
                 comm.attach_network(net)
                 comm.stats = dpsgd.comm.CommStats()
-                opt = build(algo, build_base(model.parameters(), lr=0.01), topology=topologies.make(topo, n), comm=comm,
-                              **options)
+                opt = build(
+                    algo,
+                    build_base(model.parameters(), lr=0.01),
+                    topology=topologies.make(topo, n),
+                    comm=comm,
+                    **options,
+                )
                 wall = emulated_steps(comm, net, opt, model, x, y, STEPS, options.get("overlap", False))
                 emulated, sent = net.clock.elapsed(), comm.stats.bytes_sent
                 comm.attach_network(None)
                 table = metrics.gather_scalars(comm, [emulated, sent, wall])
                 per_step = float(table[:, 0].max()) / STEPS
                 model_s = closed_form(name, nbytes, n, compute[size], net_cfg)
-                rows.append({"peers": n, "size": size, "params": nbytes // 4, "network": preset, "algorithm": name,
-                             "compute_s": compute[size], "emulated_s_per_step": per_step,
-                             "closed_form_s_per_step": model_s, "vs_closed_form": per_step / model_s,
-                             "mb_sent_per_peer_per_step": float(np.mean(table[:, 1].numpy())) / STEPS / 1e6,
-                             "floor_s_per_step": floor_s(float(table[:, 1].max()) / STEPS, floor),
-                             "wall_s_per_step": float(table[:, 2].max()) / STEPS})
+                rows.append(
+                    {
+                        "peers": n,
+                        "size": size,
+                        "params": nbytes // 4,
+                        "network": preset,
+                        "algorithm": name,
+                        "compute_s": compute[size],
+                        "emulated_s_per_step": per_step,
+                        "closed_form_s_per_step": model_s,
+                        "vs_closed_form": per_step / model_s,
+                        "mb_sent_per_peer_per_step": float(np.mean(table[:, 1].numpy())) / STEPS / 1e6,
+                        "floor_s_per_step": floor_s(float(table[:, 1].max()) / STEPS, floor),
+                        "wall_s_per_step": float(table[:, 2].max()) / STEPS,
+                    }
+                )
     finish_ranks(world, work, {"rows": rows, "floor": floor})
     comm.close()
 
@@ -198,17 +217,29 @@ def main(argv=None) -> int:
             result = spawn_ranks("step_time_vs_network", n, [spec], Path(tmp), args.timeout)
         rows += result["rows"]
         floors[n] = result["floor"]
-    cols = ["peers", "size", "network", "algorithm", "emulated_s_per_step", "closed_form_s_per_step",
-            "vs_closed_form", "mb_sent_per_peer_per_step", "floor_s_per_step"]
-    print(f"compute per step (one core, batch {BATCH}): ResNet-20 {compute['0.27M'] * 1e3:.1f} ms (for 0.27M), "
-          f"11M MLP {compute['11M'] * 1e3:.1f} ms")
+    cols = [
+        "peers",
+        "size",
+        "network",
+        "algorithm",
+        "emulated_s_per_step",
+        "closed_form_s_per_step",
+        "vs_closed_form",
+        "mb_sent_per_peer_per_step",
+        "floor_s_per_step",
+    ]
+    print(
+        f"compute per step (one core, batch {BATCH}): ResNet-20 {compute['0.27M'] * 1e3:.1f} ms (for 0.27M), "
+        f"11M MLP {compute['11M'] * 1e3:.1f} ms"
+    )
     for n, floor in floors.items():
         print(f"n={n}: {floor_line(floor)}")
     print_table(cols, [[r[c] for c in cols] for r in rows], floatfmt=".4g")
     targets = _targets(rows)
     print_targets(targets)
-    write_result(args.out, "step_time_vs_network", {"compute_s": compute, "floors": floors, "rows": rows}, targets,
-                 argv)
+    write_result(
+        args.out, "step_time_vs_network", {"compute_s": compute, "floors": floors, "rows": rows}, targets, argv
+    )
     _plot(rows, args.out.with_suffix(".png"))
     print(f"results: {args.out}; plot: {args.out.with_suffix('.png')}")
     return 0
@@ -216,23 +247,39 @@ def main(argv=None) -> int:
 
 def _targets(rows: list[dict]) -> list[Target]:
     def pick(n, size, net, algo):
-        return next((r for r in rows if (r["peers"], r["size"], r["network"], r["algorithm"]) == (n, size, net, algo)),
-                    None)
+        return next(
+            (r for r in rows if (r["peers"], r["size"], r["network"], r["algorithm"]) == (n, size, net, algo)), None
+        )
 
     targets = []
     allreduce, one_peer = pick(8, "11M", "ethernet_1g", "allreduce"), pick(8, "11M", "ethernet_1g", "dpsgd one-peer")
     overlap = pick(8, "11M", "ethernet_1g", "dpsgd one-peer overlap")
     if allreduce and one_peer:
-        targets.append(Target("one-peer DPSGD / AllReduce, ethernet_1g, n=8, 11M", one_peer["emulated_s_per_step"]
-                              / allreduce["emulated_s_per_step"], 0.5))
-        targets.append(Target("one-peer DPSGD with overlap / AllReduce, ethernet_1g, n=8, 11M",
-                              overlap["emulated_s_per_step"] / allreduce["emulated_s_per_step"], 0.5))
+        targets.append(
+            Target(
+                "one-peer DPSGD / AllReduce, ethernet_1g, n=8, 11M",
+                one_peer["emulated_s_per_step"] / allreduce["emulated_s_per_step"],
+                0.5,
+            )
+        )
+        targets.append(
+            Target(
+                "one-peer DPSGD with overlap / AllReduce, ethernet_1g, n=8, 11M",
+                overlap["emulated_s_per_step"] / allreduce["emulated_s_per_step"],
+                0.5,
+            )
+        )
     large = [r for r in rows if r["size"] == "11M" and r["algorithm"] in ("allreduce", "dpsgd one-peer")]
     if large:
         worst = max(large, key=lambda r: abs(r["vs_closed_form"] - 1))
-        targets.append(Target(f"largest |emulated / closed form - 1|, AllReduce and one-peer DPSGD, 11M "
-                              f"({worst['algorithm']}, n={worst['peers']}, {worst['network']})",
-                              abs(worst["vs_closed_form"] - 1), 0.10))
+        targets.append(
+            Target(
+                f"largest |emulated / closed form - 1|, AllReduce and one-peer DPSGD, 11M "
+                f"({worst['algorithm']}, n={worst['peers']}, {worst['network']})",
+                abs(worst["vs_closed_form"] - 1),
+                0.10,
+            )
+        )
     return targets
 
 
@@ -247,8 +294,11 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(nets), figsize=(4 * len(nets), 3.6), squeeze=False)
     for ax, net in zip(axes[0], nets):
         for name, *_ in ALGORITHMS:
-            pts = sorted((r["peers"], r["emulated_s_per_step"]) for r in rows
-                         if r["network"] == net and r["size"] == size and r["algorithm"] == name)
+            pts = sorted(
+                (r["peers"], r["emulated_s_per_step"])
+                for r in rows
+                if r["network"] == net and r["size"] == size and r["algorithm"] == name
+            )
             ax.plot([p for p, _ in pts], [t for _, t in pts], marker="o", label=name)
         ax.set_title(f"{net}, {size} parameters")
         ax.set_xlabel("peers")

@@ -29,20 +29,36 @@ ADPSGD_TARGET = 0.75
 
 def run(algorithm: str, straggler: bool, args, work: Path) -> dict:
     run_dir = work / f"{algorithm}_{'straggler' if straggler else 'even'}"
-    overrides = [f"algorithm={algorithm}", f"peers={args.peers}", f"backend={args.backend}", "topology=ring",
-                 f"epochs={args.epochs}", "log_every=100000", f"seed={args.seed}",
-                 f"network={'straggler' if straggler else 'loopback'}", f"network.compute_time={args.compute_time}"]
+    overrides = [
+        f"algorithm={algorithm}",
+        f"peers={args.peers}",
+        f"backend={args.backend}",
+        "topology=ring",
+        f"epochs={args.epochs}",
+        "log_every=100000",
+        f"seed={args.seed}",
+        f"network={'straggler' if straggler else 'loopback'}",
+        f"network.compute_time={args.compute_time}",
+    ]
     if straggler:
         overrides += [f"network.slow_peers=[{args.slow_peer}]", f"network.compute_scale={args.scale}"]
     cmd = [sys.executable, "-m", "experiments.train", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=peer_env({"DPSGD_PROGRESS": "0"}), capture_output=True, text=True,
-                          timeout=args.timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=peer_env({"DPSGD_PROGRESS": "0"}), capture_output=True, text=True, timeout=args.timeout
+    )
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(overrides)} failed:\n{proc.stderr[-2000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
-    return {"algorithm": algorithm, "straggler": straggler, "samples": s["samples"], "wall_time_s": s["wall_time_s"],
-            "samples_per_s": s["samples_per_s"], "test_accuracy": s["test_accuracy"],
-            "steps_per_peer": (s.get("adpsgd") or {}).get("steps_per_peer"), "overrides": overrides}
+    return {
+        "algorithm": algorithm,
+        "straggler": straggler,
+        "samples": s["samples"],
+        "wall_time_s": s["wall_time_s"],
+        "samples_per_s": s["samples_per_s"],
+        "test_accuracy": s["test_accuracy"],
+        "steps_per_peer": (s.get("adpsgd") or {}).get("steps_per_peer"),
+        "overrides": overrides,
+    }
 
 
 def main(argv=None) -> int:
@@ -64,8 +80,12 @@ def main(argv=None) -> int:
             for straggler in (False, True):
                 rows.append(run(algorithm, straggler, args, Path(tmp)))
                 r = rows[-1]
-                print(f"  {algorithm:9s} straggler={straggler!s:5s} {r['samples_per_s']:9.0f} samples/s "
-                      f"({r['samples']} samples in {r['wall_time_s']:.2f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"  {algorithm:9s} straggler={straggler!s:5s} {r['samples_per_s']:9.0f} samples/s "
+                    f"({r['samples']} samples in {r['wall_time_s']:.2f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     by = {(r["algorithm"], r["straggler"]): r for r in rows}
     ratios = {a: by[(a, True)]["samples_per_s"] / by[(a, False)]["samples_per_s"] for a in ("adpsgd", "allreduce")}
     expected_allreduce = 1.0 / args.scale
@@ -75,28 +95,41 @@ def main(argv=None) -> int:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "command": "python -m experiments.bench.stragglers " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "peers": args.peers, "backend": args.backend, "scale": args.scale, "slow_peer": args.slow_peer,
-        "compute_time_s": args.compute_time, "epochs": args.epochs,
+        "peers": args.peers,
+        "backend": args.backend,
+        "scale": args.scale,
+        "slow_peer": args.slow_peer,
+        "compute_time_s": args.compute_time,
+        "epochs": args.epochs,
         "runs": rows,
         "throughput_ratio": ratios,
         "slow_peer_pace_samples_per_s": slow_pace,
         "allreduce_straggler_of_slow_pace": of_pace,
-        "targets": {"adpsgd": {"target": f">= {ADPSGD_TARGET}", "holds": ratios["adpsgd"] >= ADPSGD_TARGET},
-                    "allreduce": {"expected": "at the slow peer's pace (0.7 to 1.05 of it)",
-                                  "holds": 0.7 <= of_pace <= 1.05}},
+        "targets": {
+            "adpsgd": {"target": f">= {ADPSGD_TARGET}", "holds": ratios["adpsgd"] >= ADPSGD_TARGET},
+            "allreduce": {"expected": "at the slow peer's pace (0.7 to 1.05 of it)", "holds": 0.7 <= of_pace <= 1.05},
+        },
     }
-    print(f"\nThroughput with one of {args.peers} peers {args.scale:g}x slower ({args.backend}, "
-          f"compute floor {args.compute_time:g} s/step, same total samples):\n")
-    print(f"{'algorithm':10s} {'even (samples/s)':>17s} {'straggler (samples/s)':>22s} {'ratio':>7s} "
-          f"{'of slow pace':>13s}  target")
+    print(
+        f"\nThroughput with one of {args.peers} peers {args.scale:g}x slower ({args.backend}, "
+        f"compute floor {args.compute_time:g} s/step, same total samples):\n"
+    )
+    print(
+        f"{'algorithm':10s} {'even (samples/s)':>17s} {'straggler (samples/s)':>22s} {'ratio':>7s} "
+        f"{'of slow pace':>13s}  target"
+    )
     for a in ("adpsgd", "allreduce"):
         holds = "holds" if result["targets"][a]["holds"] else "MISSED"
         target = f"ratio >= {ADPSGD_TARGET}" if a == "adpsgd" else "at the slow peer's pace"
         pace = by[(a, True)]["samples_per_s"] / slow_pace
-        print(f"{a:10s} {by[(a, False)]['samples_per_s']:17.0f} {by[(a, True)]['samples_per_s']:22.0f} "
-              f"{ratios[a]:7.3f} {pace:13.2f}  {target} ({holds})")
-    print(f"\nslow peer's pace: {args.peers} x {batch} / ({args.scale:g} x {args.compute_time:g} s) = "
-          f"{slow_pace:.0f} samples/s; 1/scale = {expected_allreduce:.2f}")
+        print(
+            f"{a:10s} {by[(a, False)]['samples_per_s']:17.0f} {by[(a, True)]['samples_per_s']:22.0f} "
+            f"{ratios[a]:7.3f} {pace:13.2f}  {target} ({holds})"
+        )
+    print(
+        f"\nslow peer's pace: {args.peers} x {batch} / ({args.scale:g} x {args.compute_time:g} s) = "
+        f"{slow_pace:.0f} samples/s; 1/scale = {expected_allreduce:.2f}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwritten: {args.out}")

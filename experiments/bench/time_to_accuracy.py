@@ -39,26 +39,44 @@ def digits_compute_time() -> float:
     from experiments.bench.step_time_vs_network import measure_compute
 
     torch.set_num_threads(1)
-    return measure_compute(models.build("mlp", (64,), 10, 0, hidden=[64]), torch.randn(32, 64),
-                           torch.randint(0, 10, (32,)), repeats=50)
+    return measure_compute(
+        models.build("mlp", (64,), 10, 0, hidden=[64]), torch.randn(32, 64), torch.randint(0, 10, (32,)), repeats=50
+    )
 
 
 def run(label: str, overrides: list[str], network: list[str], args, work: Path) -> dict:
     run_dir = work / f"{label.replace(' ', '_').replace('=', '')}_{network[0].split('=')[1]}"
-    cmd = [sys.executable, "-m", "experiments.train", *overrides, *network, f"peers={args.peers}",
-           f"epochs={args.epochs}", f"log_every={args.log_every}", f"seed={args.seed}", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=peer_env({"DPSGD_PROGRESS": "0"}), capture_output=True, text=True,
-                          timeout=args.timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        *overrides,
+        *network,
+        f"peers={args.peers}",
+        f"epochs={args.epochs}",
+        f"log_every={args.log_every}",
+        f"seed={args.seed}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=peer_env({"DPSGD_PROGRESS": "0"}), capture_output=True, text=True, timeout=args.timeout
+    )
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd[3:])} failed:\n{proc.stderr[-2000:]}")
     records = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
     summary = json.loads((run_dir / "summary.json").read_text())
     hit = next((r for r in records if r.get("test_accuracy") is not None and r["test_accuracy"] >= args.target), None)
     clock = "emulated_time_s" if records[-1].get("emulated_time_s") is not None else "wall_time_s"
-    return {"algorithm": label, "network": network[0].split("=")[1],
-            "time_to_target_s": hit[clock] if hit else None, "steps_to_target": hit["step"] if hit else None,
-            "final_accuracy": summary["test_accuracy"], "final_time_s": records[-1][clock],
-            "mb_sent_per_peer": summary["mb_sent_per_peer"], "overrides": cmd[3:]}
+    return {
+        "algorithm": label,
+        "network": network[0].split("=")[1],
+        "time_to_target_s": hit[clock] if hit else None,
+        "steps_to_target": hit["step"] if hit else None,
+        "final_accuracy": summary["test_accuracy"],
+        "final_time_s": records[-1][clock],
+        "mb_sent_per_peer": summary["mb_sent_per_peer"],
+        "overrides": cmd[3:],
+    }
 
 
 def main(argv=None) -> int:
@@ -73,8 +91,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "time_to_accuracy.json")
     args = p.parse_args(argv)
     compute = digits_compute_time()
-    networks = {"ethernet_1g": ["network=ethernet_1g", f"network.compute_time={compute:.6g}"],
-                "straggler": ["network=straggler", f"network.compute_time={args.straggler_compute_time}"]}
+    networks = {
+        "ethernet_1g": ["network=ethernet_1g", f"network.compute_time={compute:.6g}"],
+        "straggler": ["network=straggler", f"network.compute_time={args.straggler_compute_time}"],
+    }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for net in networks.values():
@@ -88,19 +108,44 @@ def main(argv=None) -> int:
             if r["network"] == net:
                 ok = r["time_to_target_s"] is not None and base["time_to_target_s"]
                 r["vs_allreduce"] = r["time_to_target_s"] / base["time_to_target_s"] if ok else None
-        best = min((r for r in rows if r["network"] == net and r["vs_allreduce"] is not None and
-                    r["algorithm"] != "allreduce"), key=lambda r: r["vs_allreduce"], default=None)
+        best = min(
+            (
+                r
+                for r in rows
+                if r["network"] == net and r["vs_allreduce"] is not None and r["algorithm"] != "allreduce"
+            ),
+            key=lambda r: r["vs_allreduce"],
+            default=None,
+        )
         if best is not None:
-            targets.append(Target(f"fastest to {args.target} vs AllReduce under {net}: {best['algorithm']}",
-                                  best["vs_allreduce"], 1.0))
-    cols = ["network", "algorithm", "time_to_target_s", "vs_allreduce", "steps_to_target", "final_accuracy",
-            "final_time_s", "mb_sent_per_peer"]
-    print(f"target test accuracy {args.target}; {args.peers} mpi peers; compute per step under ethernet_1g: "
-          f"{compute * 1e3:.3f} ms (measured on one core)")
+            targets.append(
+                Target(
+                    f"fastest to {args.target} vs AllReduce under {net}: {best['algorithm']}", best["vs_allreduce"], 1.0
+                )
+            )
+    cols = [
+        "network",
+        "algorithm",
+        "time_to_target_s",
+        "vs_allreduce",
+        "steps_to_target",
+        "final_accuracy",
+        "final_time_s",
+        "mb_sent_per_peer",
+    ]
+    print(
+        f"target test accuracy {args.target}; {args.peers} mpi peers; compute per step under ethernet_1g: "
+        f"{compute * 1e3:.3f} ms (measured on one core)"
+    )
     print_table(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in rows], floatfmt=".4g")
     print_targets(targets)
-    write_result(args.out, "time_to_accuracy", {"compute_s": compute, "target_accuracy": args.target, "rows": rows},
-                 targets, argv)
+    write_result(
+        args.out,
+        "time_to_accuracy",
+        {"compute_s": compute, "target_accuracy": args.target, "rows": rows},
+        targets,
+        argv,
+    )
     print(f"results: {args.out}")
     return 0
 

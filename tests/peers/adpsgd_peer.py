@@ -20,8 +20,15 @@ import topologies
 from dpsgd.optim import ADPSGD
 
 DIM, ROWS = 4, 5
-TOPOLOGIES = [("ring", {}), ("star", {}), ("hypercube", {}), ("torus", {}), ("base_k", {}),
-              ("random_matching", {"bipartite": True}), ("erdos_renyi", {})]
+TOPOLOGIES = [
+    ("ring", {}),
+    ("star", {}),
+    ("hypercube", {}),
+    ("torus", {}),
+    ("base_k", {}),
+    ("random_matching", {"bipartite": True}),
+    ("erdos_renyi", {}),
+]
 
 
 def problem(n: int, seed: int):
@@ -50,10 +57,18 @@ def draw(n: int, seed: int) -> dict:
     rng = random.Random(seed)
     name, opts = rng.choice(bipartite_topologies(n))
     budget = rng.choice(["steps", "steps", "samples", "seconds"])
-    return {"seed": seed, "topology": name, "options": opts, "budget": budget,
-            "steps": rng.randint(1, 6), "samples": rng.randint(1, 5 * n), "seconds": rng.uniform(0.002, 0.02),
-            "lr": rng.choice([0.0, 0.05]), "jitter_s": rng.choice([0.0, 0.0002, 0.001]),
-            "compute_s": rng.choice([0.0, 0.0005, 0.002])}
+    return {
+        "seed": seed,
+        "topology": name,
+        "options": opts,
+        "budget": budget,
+        "steps": rng.randint(1, 6),
+        "samples": rng.randint(1, 5 * n),
+        "seconds": rng.uniform(0.002, 0.02),
+        "lr": rng.choice([0.0, 0.05]),
+        "jitter_s": rng.choice([0.0, 0.0002, 0.001]),
+        "compute_s": rng.choice([0.0, 0.0005, 0.002]),
+    }
 
 
 def episode(comm, spec: dict) -> dict:
@@ -62,8 +77,16 @@ def episode(comm, spec: dict) -> dict:
     topo = topologies.make(spec["topology"], comm.size, **spec["options"]) if comm.size > 1 else None
     w = torch.nn.Parameter(torch.tensor(x0[comm.rank]))
     A_i, b_i = torch.tensor(A[comm.rank]), torch.tensor(b[comm.rank])
-    opt = ADPSGD(torch.optim.SGD([w], lr=spec["lr"]), comm=comm, topology=topo, budget=spec["budget"],
-                 seed=spec["seed"], jitter_s=spec["jitter_s"], record_events=True, broadcast_initial=False)
+    opt = ADPSGD(
+        torch.optim.SGD([w], lr=spec["lr"]),
+        comm=comm,
+        topology=topo,
+        budget=spec["budget"],
+        seed=spec["seed"],
+        jitter_s=spec["jitter_s"],
+        record_events=True,
+        broadcast_initial=False,
+    )
     opt.set_budget(steps=spec["steps"], samples=spec["samples"], seconds=spec["seconds"], samples_per_step=1)
     rng = random.Random(spec["seed"] * 31 + comm.rank)
     comm.barrier()
@@ -75,8 +98,12 @@ def episode(comm, spec: dict) -> dict:
             time.sleep(rng.uniform(0, spec["compute_s"]))
         opt.step()
     opt.finish()
-    return {"x0": x0[comm.rank].tolist(), "x": w.detach().tolist(), "events": [list(e) for e in opt.events],
-            "measurements": opt.measurements()}
+    return {
+        "x0": x0[comm.rank].tolist(),
+        "x": w.detach().tolist(),
+        "events": [list(e) for e in opt.events],
+        "measurements": opt.measurements(),
+    }
 
 
 def replay(spec: dict, results: list[dict]) -> np.ndarray:

@@ -30,10 +30,18 @@ CASES = [
     ("diloco", "adamw", {"lr": 0.05, "weight_decay": 0.1}, {"period": 3}),
     ("diloco", "adamw", {"lr": 0.05, "weight_decay": 0.1}, {"period": 3, "inner_state": "reset"}),
     ("local_sgd", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 2, "group_size": 2, "global_period": 4}),
-    ("local_sgd", "sgd", {"lr": 0.05, "momentum": 0.9},
-     {"period": 2, "group_size": 2, "global_period": 4, "inner_state": "average"}),
-    ("slowmo", "sgd", {"lr": 0.05, "momentum": 0.9},
-     {"period": 2, "group_size": 2, "global_period": 4, "inner_state": "reset"}),
+    (
+        "local_sgd",
+        "sgd",
+        {"lr": 0.05, "momentum": 0.9},
+        {"period": 2, "group_size": 2, "global_period": 4, "inner_state": "average"},
+    ),
+    (
+        "slowmo",
+        "sgd",
+        {"lr": 0.05, "momentum": 0.9},
+        {"period": 2, "group_size": 2, "global_period": 4, "inner_state": "reset"},
+    ),
     ("bmuf", "sgd", {"lr": 0.05}, {"period": 3}),
 ]
 
@@ -71,8 +79,9 @@ def take_steps(opt, params, loss, steps: int) -> list[list[float]]:
 def trajectory(comm, case, steps: int = STEPS) -> list[list[float]]:
     name, kind, base_options, options = case
     params, loss = model(comm)
-    opt = build(name, make_base(kind, params, base_options), topology=None, comm=comm, broadcast_initial=False,
-                **options)
+    opt = build(
+        name, make_base(kind, params, base_options), topology=None, comm=comm, broadcast_initial=False, **options
+    )
     return take_steps(opt, params, loss, steps)
 
 

@@ -38,8 +38,9 @@ def make_optimizer(algorithm, topology_name, order, momentum, params, comm):
     base = torch.optim.SGD(params, lr=LR, momentum=momentum)
     if algorithm == "allreduce":
         return AllReduce(base, comm=comm, topology=None, broadcast_initial=False)
-    return DPSGD(base, topology=topologies.make(topology_name, comm.size), comm=comm, order=order,
-                 broadcast_initial=False)
+    return DPSGD(
+        base, topology=topologies.make(topology_name, comm.size), comm=comm, order=order, broadcast_initial=False
+    )
 
 
 def trajectory(comm, case) -> list[list[float]]:

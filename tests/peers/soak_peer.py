@@ -38,8 +38,11 @@ def soak(comm, steps: int, topology: str = "ring") -> dict:
     local backend reports, its peers being threads of one process)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = DPSGD(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                topology=topologies.make(topology, comm.size), comm=comm)
+    opt = DPSGD(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        topology=topologies.make(topology, comm.size),
+        comm=comm,
+    )
     gen = torch.Generator().manual_seed(comm.rank)
     x, y = torch.randn(64, 16, generator=gen), torch.randn(64, 1, generator=gen)
     warmup = max(1, int(steps * WARMUP_FRACTION))
@@ -50,7 +53,7 @@ def soak(comm, steps: int, topology: str = "ring") -> dict:
         comm.context = f"step {step}"
         i = (step * 8) % 64
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[i:i + 8]), y[i:i + 8]).backward()
+        torch.nn.functional.mse_loss(model(x[i : i + 8]), y[i : i + 8]).backward()
         opt.step()
         if step == warmup:
             comm.barrier()
@@ -60,12 +63,18 @@ def soak(comm, steps: int, topology: str = "ring") -> dict:
     after = {"threads": threading.active_count(), "fds": open_fds()}
     traffic = gather_scalars(comm, [comm.stats.messages_sent, comm.stats.bytes_sent, comm.stats.bytes_received])
     return {
-        "rank": comm.rank, "steps": steps, "warmup_steps": warmup,
-        "rss_warm_kib": rss_warm, "rss_end_kib": rss_end,
-        "threads_before": before["threads"], "threads_after": after["threads"],
-        "fds_before": before["fds"], "fds_after": after["fds"],
+        "rank": comm.rank,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "rss_warm_kib": rss_warm,
+        "rss_end_kib": rss_end,
+        "threads_before": before["threads"],
+        "threads_after": after["threads"],
+        "fds_before": before["fds"],
+        "fds_after": after["fds"],
         "messages_sent_total": int(traffic[:, 0].sum()),
-        "bytes_sent_total": int(traffic[:, 1].sum()), "bytes_received_total": int(traffic[:, 2].sum()),
+        "bytes_sent_total": int(traffic[:, 1].sum()),
+        "bytes_received_total": int(traffic[:, 2].sum()),
         "unmatched_messages": unmatched_messages(comm),
     }
 

@@ -52,8 +52,9 @@ def model(comm):
 def optimizer(case, params, comm):
     name, topology, base_options, options = case
     base = torch.optim.SGD(params, **base_options)
-    return build(name, base, topology=topologies.make(topology, comm.size), comm=comm, broadcast_initial=False,
-                 **options)
+    return build(
+        name, base, topology=topologies.make(topology, comm.size), comm=comm, broadcast_initial=False, **options
+    )
 
 
 def run(opt, params, loss, steps: int) -> list[list[float]]:

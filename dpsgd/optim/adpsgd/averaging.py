@@ -79,8 +79,18 @@ class Averaging:
     averagings applied to it, `events` (when not None) logs them. `jitter()` is called with the lock
     held (random delays, for tests); the thread ends early once `aborted` is set."""
 
-    def __init__(self, comm: Communicator, topology: Topology | None, *, seed: int, live: torch.Tensor,
-                 lock: threading.Lock, events: list | None, jitter: Callable[[], None], aborted: threading.Event):
+    def __init__(
+        self,
+        comm: Communicator,
+        topology: Topology | None,
+        *,
+        seed: int,
+        live: torch.Tensor,
+        lock: threading.Lock,
+        events: list | None,
+        jitter: Callable[[], None],
+        aborted: threading.Event,
+    ):
         self.comm, self.topology, self.live, self.lock = comm, topology, live, lock
         self.events, self.jitter, self.aborted = events, jitter, aborted
         self.role, self.partners = roles(topology, comm.rank, comm.size)
@@ -178,7 +188,8 @@ class Averaging:
                 raise PeerTimeoutError(
                     f"rank {rank}: AD-PSGD's communication thread heard nothing for {self.comm.timeout_s:g} s from "
                     f"active neighbour(s) {sorted(waiting_for)}, which have not said DONE; a peer died or hangs "
-                    f"(raise comm.timeout_s if peers are just slow)") from None
+                    f"(raise comm.timeout_s if peers are just slow)"
+                ) from None
             code, sender, avg_id = incoming[0].item(), int(incoming[1].item()), int(incoming[2].item())
             if code == DONE:
                 waiting_for.discard(sender)

@@ -28,13 +28,23 @@ class Budget:
     what, then)` is the main thread's bounded wait (it raises naming `what`); the coordinator thread
     ends early once `aborted` is set."""
 
-    def __init__(self, kind: str, seconds: float | None, comm: Communicator, *,
-                 wait: Callable[[Callable[[], bool], str, str], None], aborted: threading.Event):
+    def __init__(
+        self,
+        kind: str,
+        seconds: float | None,
+        comm: Communicator,
+        *,
+        wait: Callable[[Callable[[], bool], str, str], None],
+        aborted: threading.Event,
+    ):
         if kind not in BUDGETS:
             raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
         self.kind, self.comm, self.wait, self.aborted = kind, comm, wait, aborted
-        self.amounts: dict[str, float | None] = {"steps": None, "samples": None,
-                                                 "seconds": None if seconds is None else float(seconds)}
+        self.amounts: dict[str, float | None] = {
+            "steps": None,
+            "samples": None,
+            "seconds": None if seconds is None else float(seconds),
+        }
         # collective and in the same order on every peer: every peer makes the same duplicates
         self.control = comm.duplicate() if comm.size > 1 and kind == "samples" else None
         self.coordinating = self.control is not None and comm.rank == 0
@@ -85,8 +95,11 @@ class Budget:
         if self._answer is None:
             return
         request, answer, send = self._answer
-        self.wait(lambda: send.test() and request.test(), "coordinator (rank 0) did not answer",
-                  "; it died or hangs (raise comm.timeout_s if it is slow)")
+        self.wait(
+            lambda: send.test() and request.test(),
+            "coordinator (rank 0) did not answer",
+            "; it died or hangs (raise comm.timeout_s if it is slow)",
+        )
         self._answer = None
         if answer.item() > 0:
             self.stop.set()
@@ -109,7 +122,8 @@ class Budget:
                 raise PeerTimeoutError(
                     f"rank 0: AD-PSGD's coordinator heard nothing for {timeout_s:g} s from peer(s) "
                     f"{sorted(set(reported) - final)}; a peer died or hangs (raise comm.timeout_s if peers "
-                    f"are just slow)") from None
+                    f"are just slow)"
+                ) from None
             sender = int(msg[0].item())
             reported[sender] = max(reported[sender], msg[1].item())
             if msg[2].item() > 0:

@@ -38,9 +38,19 @@ class ADPSGD(DistributedOptimizer):
 
     asynchronous = True
 
-    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology | None = None, comm: Communicator,
-                 broadcast_initial: bool = True, budget: str = "steps", seconds: float | None = None, seed: int = 0,
-                 jitter_s: float = 0.0, record_events: bool = False):
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology | None = None,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        budget: str = "steps",
+        seconds: float | None = None,
+        seed: int = 0,
+        jitter_s: float = 0.0,
+        record_events: bool = False,
+    ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         if comm.size > 1:
             self.require_topology()
@@ -55,9 +65,16 @@ class ADPSGD(DistributedOptimizer):
         with torch.no_grad():
             self.live = flatten(self.params()).clone()  # x_i: changed only under self.lock
         self.lock = threading.Lock()
-        self.averaging = Averaging(comm, topology, seed=seed, live=self.live, lock=self.lock,
-                                   events=self.events if self.record_events else None, jitter=self._jitter,
-                                   aborted=self._abort)
+        self.averaging = Averaging(
+            comm,
+            topology,
+            seed=seed,
+            live=self.live,
+            lock=self.lock,
+            events=self.events if self.record_events else None,
+            jitter=self._jitter,
+            aborted=self._abort,
+        )
         self.role = self.averaging.role  # "active", "passive" or "alone" (no neighbour to average with)
         if comm.size > 1 and hasattr(comm, "require_thread_multiple"):  # MPI: threads need THREAD_MULTIPLE
             comm.require_thread_multiple("ADPSGD (a communication thread beside the computing one)")
@@ -75,8 +92,13 @@ class ADPSGD(DistributedOptimizer):
         self._finished = False
 
     # --- set-up -----------------------------------------------------------------------------
-    def set_budget(self, steps: int | None = None, samples: int | None = None, seconds: float | None = None,
-                   samples_per_step: int | None = None) -> None:
+    def set_budget(
+        self,
+        steps: int | None = None,
+        samples: int | None = None,
+        seconds: float | None = None,
+        samples_per_step: int | None = None,
+    ) -> None:
         """The amounts of the budgets (only the one named by `budget` ends the run)."""
         self.run_budget.set(steps=steps, samples=samples, seconds=seconds)
         if samples_per_step is not None:
@@ -146,9 +168,12 @@ class ADPSGD(DistributedOptimizer):
         self.step_count += 1
         self.samples += self.samples_per_step
         if self.role == "active":  # one averaging per step, overlapping the next gradient; one in flight
-            self._wait(self.averaging.idle.is_set, "averaging did not finish",
-                       f" (neighbours {sorted(self.averaging.partners)}); a neighbour died or hangs "
-                       f"(raise comm.timeout_s if it is slow)")
+            self._wait(
+                self.averaging.idle.is_set,
+                "averaging did not finish",
+                f" (neighbours {sorted(self.averaging.partners)}); a neighbour died or hangs "
+                f"(raise comm.timeout_s if it is slow)",
+            )
             self.averaging.order()
         self.run_budget.report(self.samples, final=False)
         return loss
@@ -189,8 +214,10 @@ class ADPSGD(DistributedOptimizer):
                     t.join(timeout=0.05)
                     self._raise_thread_error()
                     if time.monotonic() > deadline:
-                        raise PeerTimeoutError(f"rank {self.comm.rank}: AD-PSGD's {t.name} thread did not end within "
-                                               f"{2 * self.comm.timeout_s:g} s")
+                        raise PeerTimeoutError(
+                            f"rank {self.comm.rank}: AD-PSGD's {t.name} thread did not end within "
+                            f"{2 * self.comm.timeout_s:g} s"
+                        )
             self._raise_thread_error()
         except BaseException:
             self.abort()
@@ -214,8 +241,9 @@ class ADPSGD(DistributedOptimizer):
             exc = self._errors[0]
             if isinstance(exc, CommError):
                 raise exc
-            raise CommError(f"rank {self.comm.rank}: AD-PSGD's communication thread failed: "
-                            f"{type(exc).__name__}: {exc}") from exc
+            raise CommError(
+                f"rank {self.comm.rank}: AD-PSGD's communication thread failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _jitter(self) -> None:
         if self.jitter_s > 0:
@@ -255,8 +283,12 @@ class ADPSGD(DistributedOptimizer):
 
     def algorithm_state(self):
         with self.lock:
-            return {**super().algorithm_state(), "live": self.live.clone(), "samples": self.samples,
-                    "staleness_histogram": list(self.staleness_histogram)}
+            return {
+                **super().algorithm_state(),
+                "live": self.live.clone(),
+                "samples": self.samples,
+                "staleness_histogram": list(self.staleness_histogram),
+            }
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
