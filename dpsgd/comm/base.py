@@ -12,7 +12,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,15 +62,7 @@ class CommStats:
     calls: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "messages_sent": self.messages_sent,
-            "comm_time_s": self.comm_time_s,
-            "overlap_s": self.overlap_s,
-            "emulated_wait_s": self.emulated_wait_s,
-            "calls": dict(self.calls),
-        }
+        return asdict(self)
 
 
 class Pending(ABC):

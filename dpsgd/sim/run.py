@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from dpsgd import metrics
 from dpsgd.build import class_histograms, describe
@@ -28,17 +28,10 @@ def evaluate_peers(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(n,) sums of losses, (n,) numbers correct and the count, of every peer's own model on (x, y),
     as `dpsgd.metrics.evaluate` scores one model."""
-    loss_fn = metrics.loss_function(y)
-
-    def score(ps, xb, yb):
-        out = functional_call(model, dict(zip(names, ps)), (xb,))
-        hit = (out.squeeze(-1) - yb).abs() < 0.1 if yb.is_floating_point() else out.argmax(-1) == yb
-        return loss_fn(out, yb, reduction="sum"), hit.sum()
-
     n = params[0].shape[0]
     loss = torch.zeros(n, dtype=torch.float64)
     correct = torch.zeros(n, dtype=torch.float64)
-    batched = vmap(score, in_dims=(0, None, None))
+    batched = vmap(lambda ps, xb, yb: metrics.score(model, dict(zip(names, ps)), xb, yb), in_dims=(0, None, None))
     for a in range(0, n, PEER_CHUNK):
         chunk = tuple(p[a : a + PEER_CHUNK] for p in params)
         for i in range(0, len(x), batch_size):
