@@ -38,13 +38,13 @@ def import_target(target: str, what: str):
         ) from None
 
 
-def topology_options(cfg_topology: dict) -> dict:
-    """The options of `topologies.make` a topology config sets (unset ones are left to defaults)."""
-    return {k: v for k, v in cfg_topology.items() if k != "name" and v is not None}
-
-
-def build_topology(cfg: dict, n: int):
-    return topologies.make(cfg["topology"]["name"], n, **topology_options(cfg["topology"]))
+def build_topology(cfg: dict, n: int) -> topologies.Topology:
+    """The config's topology for n peers: a built-in name, or a `_target_` function (n, **options) -> Topology."""
+    t = cfg["topology"]
+    options = {k: v for k, v in t.items() if k not in ("name", "_target_") and v is not None}
+    if t.get("_target_"):
+        return import_target(t["_target_"], "topology")(n, **options)
+    return topologies.make(t["name"], n, **options)
 
 
 def load_data(cfg: dict) -> data.Split:

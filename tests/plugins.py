@@ -38,3 +38,12 @@ class AlternatingGossip(DistributedOptimizer):
         for i, (p, m) in enumerate(zip(params, mixed)):
             p.copy_(m if self.anchor is None else m + self.pull * (self.anchor[i] - m))
         self.step_count += 1
+
+
+def line_of_peers(n: int, self_weight: float = 0.5):
+    """A user's own topology, named by `topology._target_`: peers on a line (a ring without its closing link)."""
+    import networkx
+
+    import topologies
+
+    return topologies.from_networkx(networkx.path_graph(n), self_weight=self_weight, name="line")
