@@ -307,28 +307,10 @@ class AsynchronousRun(SynchronousRun):
         wall_own = wall_s + time.perf_counter() - finishing
         self.comm.context = "final metrics"
         comm, peer, mine = self.comm, self.peer, self.opt.measurements()
-        names = (
-            "steps",
-            "samples",
-            "averagings_initiated",
-            "averagings_served",
-            "staleness_mean",
-            "staleness_max",
-            "wait_s",
-            "samples_per_s",
-        )
-        table = metrics.gather_scalars(
-            comm,
-            [
-                *(mine[k] for k in names),
-                wall_own,
-                peer.network.slowdown.slept_s,
-                float(ROLES.index(mine["role"])),
-                *binned(mine["staleness_histogram"]),
-            ],
-        )
+        own = [mine[k] for k in MEASURED] + [wall_own, peer.network.slowdown.slept_s, ROLES.index(mine["role"])]
+        table = metrics.gather_scalars(comm, own + binned(mine["staleness_histogram"]))
         columns = [[float(v) for v in column] for column in table.T]
-        self.per_peer = {f"{k}_per_peer": columns[i] for i, k in enumerate(names)}
+        self.per_peer = {f"{k}_per_peer": columns[i] for i, k in enumerate(MEASURED)}
         self.per_peer.update(
             slowdown_s_per_peer=columns[9],
             roles=[ROLES[int(r)] for r in columns[10]],
@@ -353,6 +335,11 @@ class AsynchronousRun(SynchronousRun):
 
 
 ROLES = ("alone", "active", "passive")
+# an asynchronous optimizer's measurements() gathered from every peer; those in COUNTS are whole numbers
+MEASURED = (
+    "steps samples averagings_initiated averagings_served staleness_mean staleness_max wait_s samples_per_s".split()
+)
+COUNTS = {f"{k}_per_peer" for k in "steps samples averagings_initiated averagings_served staleness_max".split()}
 
 
 def binned(histogram: list[int]) -> list[int]:
@@ -367,14 +354,7 @@ def adpsgd_summary(budget: str, per_peer: dict) -> dict:
     histograms = [[int(v) for v in h] for h in per_peer["staleness_histogram_per_peer"]]
     total = [sum(col) for col in zip(*histograms)]
     count = sum(total)
-    ints = (
-        "steps_per_peer",
-        "samples_per_peer",
-        "averagings_initiated_per_peer",
-        "averagings_served_per_peer",
-        "staleness_max_per_peer",
-    )
-    per_peer = {k: [int(v) for v in values] if k in ints else list(values) for k, values in per_peer.items()}
+    per_peer = {k: [int(v) for v in values] if k in COUNTS else list(values) for k, values in per_peer.items()}
     return {
         "budget": budget,
         "averagings": sum(per_peer["averagings_initiated_per_peer"]),
