@@ -39,11 +39,8 @@ class Budget:
 
     def __init__(self, opt: ADPSGD, seconds: float | None):
         self.opt, self.kind, self.comm = opt, check_budget(opt.budget), opt.comm
-        self.amounts: dict[str, float | None] = {
-            "steps": None,
-            "samples": None,
-            "seconds": None if seconds is None else float(seconds),
-        }
+        self.amounts: dict[str, float | None] = {"steps": None, "samples": None, "seconds": None}
+        self.set(seconds=seconds)
         # collective and in the same order on every peer: every peer makes the same duplicates
         self.control = self.comm.duplicate() if self.comm.size > 1 and self.kind == "samples" else None
         self.coordinating = self.control is not None and self.comm.rank == 0
