@@ -54,7 +54,7 @@ class D2(DistributedOptimizer):
         lazy_mixing: bool | str = False,
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
-        self.require_topology()
+        self.require_topology("doubly")
         if not (lazy_mixing is True or lazy_mixing is False or lazy_mixing == "auto"):
             raise ValueError(f"D2 lazy_mixing must be one of {LAZY_CHOICES}, got {lazy_mixing!r}")
         self.lazy_mixing = lazy_mixing
@@ -72,7 +72,6 @@ class D2(DistributedOptimizer):
             return self._lazy[key]
         w = self.topology.mixing_matrix(step)
         name = self.topology.name
-        self._stochastic, self._why = "doubly", ""
         self.check_mixing(key)
         if not np.allclose(w, w.T, rtol=0, atol=1e-12):
             raise ValueError(

@@ -56,7 +56,6 @@ class DPSGD(DistributedOptimizer):
         if overlap and order != "cta":
             raise ValueError("DPSGD overlap=true needs order='cta': only x^k is known before the backward pass")
         self.order = order
-        # overlap: the training loop calls start_communication() before the forward pass
         self.overlap = bool(overlap)
         self._in_flight: tuple[list[torch.Tensor], Handle] | None = None  # (x^k, handle) when started early
         self.qgm = bool(qgm)

@@ -263,10 +263,9 @@ class DiLoCo(LocalSGD):
 
 
 class BMUF(LocalSGD):
-    """Blockwise model-update filtering (Chen & Huo 2016), classic block momentum: with
-    G = x_avg - x_anchor, v <- eta v + zeta G, x <- x_anchor + v. That is outer='momentum' at a
-    constant base lr, with block lr zeta = outer_lr (1) and block momentum eta = outer_momentum,
-    by default the paper's 1 - 1/n for n peers."""
+    """Blockwise model-update filtering (Chen & Huo 2016): outer='momentum', which at a constant base lr
+    is BMUF's block momentum (see the module), with block lr outer_lr (1) and block momentum
+    outer_momentum, by default the paper's 1 - 1/n for n peers."""
 
     def __init__(
         self,

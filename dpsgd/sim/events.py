@@ -1,19 +1,14 @@
-"""AD-PSGD as an event-driven simulation in virtual time: the protocol of `dpsgd.optim.adpsgd`
-replayed exactly (roles, partner draws, locks, staleness), with compute times drawn per peer and step
-from a configurable distribution (stragglers, heavy tails) and message times from a `dpsgd.netem.Link`.
-
-Per peer i, as the real optimizer and its communication thread do:
-- compute: the gradient at the snapshot x_hat_i takes `compute.draw(i)` virtual seconds;
-- step: d_i = base(x_hat_i, g_i) - x_hat_i is applied to the live x_i (x_i <- x_i + d_i) once x_i's
-  lock is free (an active peer holds it from sending its request until the reply is averaged in);
-  staleness = the averagings x_i took since the snapshot; the new snapshot is x_i;
-- active peers, after each step: draw a partner (`choose_partner`, the same generator and candidates
-  as the real peer), lock x_i, send [header, x_i] (arrives after `link.message_time(bytes)`);
-- passive peers serve requests one at a time in arrival order: reply x_j, x_j <- (x_j + x_i) / 2
-  (the reply arrives after its message time, and the server is busy until it is sent);
-- on the reply: x_i <- (x_i + x_j) / 2, unlock. Budgets: 'steps' per peer, total 'samples' (the
-  coordinator's answer is instant here; on real peers it arrives one step late) or virtual 'seconds'.
-  A stopping active peer finishes its averaging in flight, then sends DONE to every partner.
+"""AD-PSGD as an event-driven simulation in virtual time: the protocol of `dpsgd.optim.adpsgd` replayed
+exactly (roles, partner draws with the real peer's generator and candidates, locks, staleness), with
+compute times drawn per peer and step from a configurable distribution (stragglers, heavy tails) and
+message times from a `dpsgd.netem.Link`. What virtual time adds to that protocol:
+- the gradient at the snapshot x_hat_i takes `compute.draw(i)` virtual seconds; the step then waits
+  while x_i is locked (an active peer holds the lock from sending its request until the reply is
+  averaged in);
+- a request [header, x_i] arrives after `link.message_time(bytes)`; a passive peer serves requests one
+  at a time in arrival order, and is busy until its reply (arriving after its own message time) is sent;
+- budgets: 'steps' per peer, total 'samples' (the coordinator's answer is instant here; on real peers it
+  arrives one step late) or virtual 'seconds'.
 
 Events at the same virtual time run in the order they were scheduled, so a seed gives one history.
 `Simulation.log` records it: ("step", t, peer, k, staleness) and ("avg", t, active, id, passive).
@@ -22,6 +17,7 @@ Events at the same virtual time run in the order they were scheduled, so a seed 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -31,9 +27,10 @@ from torch.func import functional_call, grad_and_value
 
 from dpsgd import data
 from dpsgd.build import base_optimizer, build_model, build_topology, load_data, partition
+from dpsgd.comm.base import flatten, unflatten
 from dpsgd.metrics import loss_function
 from dpsgd.netem import NetworkEmulator
-from dpsgd.optim.adpsgd import BUDGETS, HEADER, choose_partner, partner_rng, roles
+from dpsgd.optim.adpsgd import HEADER, check_budget, choose_partner, partner_rng, roles
 from dpsgd.seeds import batch_seed
 
 DISTRIBUTIONS = ("constant", "exponential", "lognormal", "pareto")
@@ -91,9 +88,7 @@ class Simulation:
     ):
         algo, n, seed = cfg["algorithm"], int(cfg["peers"]), int(cfg["seed"])
         self.cfg, self.n = cfg, n
-        self.budget = budget or algo.get("budget", "samples")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {self.budget!r}")
+        self.budget = check_budget(budget or algo.get("budget", "samples"))
         self.link = link if link is not None else NetworkEmulator.from_config(cfg.get("network")).link
         self.compute = compute if compute is not None else compute_times(cfg, n)
         self.split = load_data(cfg)
@@ -110,7 +105,7 @@ class Simulation:
         init = [p.detach() for p in self.model.parameters()]
         self.params = [[p.clone() for p in init] for _ in range(n)]  # each peer's snapshot x_hat_i
         self.base = [base_optimizer(cfg, ps) for ps in self.params]
-        flat0 = torch.cat([p.reshape(-1) for p in init])
+        flat0 = flatten(init)
         self.live = flat0.repeat(n, 1)  # x_i
         self.role, self.partners = zip(*(roles(self.topology, r, n) for r in range(n)))
         self.rng = [partner_rng(int(algo.get("seed", 0)), r) for r in range(n)]
@@ -123,8 +118,6 @@ class Simulation:
         self.batch_size = bs
         item = flat0.element_size()
         self.request_bytes, self.reply_bytes = (HEADER + flat0.numel()) * item, flat0.numel() * item
-
-        # counters, per peer
         self.version = [0] * n
         self.snap_version = [0] * n
         self.steps = [0] * n
@@ -143,17 +136,15 @@ class Simulation:
         self._waiting: list[float | None] = [None] * n  # (time computed) of a step waiting for the lock
         self._stopping = [False] * n
         self._server_free = [0.0] * n
-        self._samples = 0
         self._heap: list = []
-        self._seq = 0
+        self._seq = itertools.count()
         self._grad = grad_and_value(self._loss)
         self._started = False
         self._stepped: int | None = None
 
     # --- the event queue ------------------------------------------------------------------------
     def _at(self, t: float, kind: str, *args) -> None:
-        heapq.heappush(self._heap, (t, self._seq, kind, args))
-        self._seq += 1
+        heapq.heappush(self._heap, (t, next(self._seq), kind, args))
 
     def advance(self) -> int | None:
         """Simulate until some peer takes a step; return that peer (None once every peer has finished)."""
@@ -194,9 +185,9 @@ class Simulation:
         for p, g in zip(params, grads):
             p.grad = g
         with torch.no_grad():
-            before = torch.cat([p.reshape(-1) for p in params])
+            before = flatten(params)
             base.step()
-            after = torch.cat([p.reshape(-1) for p in params])
+            after = flatten(params)
             stale = self.version[i] - self.snap_version[i]
             if self.increments is not None:
                 self.increments.append(after - before)
@@ -205,17 +196,14 @@ class Simulation:
             else:
                 self.live[i].add_(after.sub_(before))
             self.snap_version[i] = self.version[i]
-            offset = 0
-            for p in params:
-                p.copy_(self.live[i, offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, value in zip(params, unflatten(self.live[i], params)):
+                p.copy_(value)
         hist = self.staleness[i]
         hist.extend([0] * (stale + 1 - len(hist)))
         hist[stale] += 1
         self.log.append(("step", self.now, i, self.steps[i], stale))
         self.steps[i] += 1
         self.losses[i].append(float(loss))
-        self._samples += self.batch_size
         if self.role[i] == "active":
             self._request(i)
         if self._should_stop(i):
@@ -231,7 +219,7 @@ class Simulation:
             return self.steps[i] >= self.budget_steps
         if self.budget == "seconds":
             return self.budget_seconds is not None and self.now >= self.budget_seconds
-        return self._samples >= self.budget_samples
+        return sum(self.steps) * self.batch_size >= self.budget_samples
 
     # --- the communication threads --------------------------------------------------------------
     def _request(self, i: int) -> None:
@@ -241,14 +229,8 @@ class Simulation:
         self._locked[i] = True
         self.bytes_sent[i] += self.request_bytes
         self.bytes_received[i] += self.reply_bytes
-        self._at(
-            self.now + self.link.message_time(self.request_bytes),
-            "request",
-            j,
-            i,
-            self.initiated[i],
-            self.live[i].clone(),
-        )
+        arrival = self.now + self.link.message_time(self.request_bytes)
+        self._at(arrival, "request", j, i, self.initiated[i], self.live[i].clone())
 
     def _on_request(self, j: int, i: int, avg_id: int, x_i: torch.Tensor) -> None:
         if self._server_free[j] > self.now:  # still sending its previous reply: serve in arrival order

@@ -4,7 +4,7 @@ averages them atomically with one neighbour at a time (`averaging`), until the r
 samples or seconds is spent (`budget`)."""
 
 from .averaging import HEADER, choose_partner, partner_rng, roles
-from .budget import BUDGETS
+from .budget import BUDGETS, check_budget
 from .optimizer import ADPSGD
 
-__all__ = ["ADPSGD", "BUDGETS", "HEADER", "choose_partner", "partner_rng", "roles"]
+__all__ = ["ADPSGD", "BUDGETS", "HEADER", "check_budget", "choose_partner", "partner_rng", "roles"]

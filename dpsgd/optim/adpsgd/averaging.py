@@ -24,14 +24,16 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from dpsgd.comm import Communicator, PeerTimeoutError
+from dpsgd.comm import PeerTimeoutError
 from dpsgd.comm.base import poll_until
 from dpsgd.seeds import partner_seed
-from topologies import Topology
+
+if TYPE_CHECKING:
+    from .optimizer import ADPSGD
 
 TAG_REQUEST, TAG_REPLY = 11, 12
 AVERAGE, DONE = 0.0, 1.0
@@ -74,28 +76,15 @@ def choose_partner(topology, rank: int, partners: frozenset[int], rng: random.Ra
 
 
 class Averaging:
-    """One peer's side of the protocol: its role and partners, the communicator its thread talks on
-    (`link`), and its counters. The thread averages `live` (x_i) under `lock`; `version` counts the
-    averagings applied to it, `events` (when not None) logs them. `jitter()` is called with the lock
-    held (random delays, for tests); the thread ends early once `aborted` is set."""
+    """One peer's side of the protocol for the optimizer `opt`: its role and partners, the communicator
+    its thread talks on (`link`), and its counters. The thread averages `live` (x_i, the optimizer's) under
+    `lock`; `version` counts the averagings applied to it."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        topology: Topology | None,
-        *,
-        seed: int,
-        live: torch.Tensor,
-        lock: threading.Lock,
-        events: list | None,
-        jitter: Callable[[], None],
-        aborted: threading.Event,
-    ):
-        self.comm, self.topology, self.live, self.lock = comm, topology, live, lock
-        self.events, self.jitter, self.aborted = events, jitter, aborted
-        self.role, self.partners = roles(topology, comm.rank, comm.size)
-        self.rng = partner_rng(seed, comm.rank)
-        self.link = comm.duplicate() if comm.size > 1 else None  # collective: every peer makes it
+    def __init__(self, opt: ADPSGD, seed: int):
+        self.opt, self.comm, self.topology, self.live, self.lock = opt, opt.comm, opt.topology, opt.live, opt.lock
+        self.role, self.partners = roles(opt.topology, opt.comm.rank, opt.comm.size)
+        self.rng = partner_rng(seed, opt.comm.rank)
+        self.link = opt.comm.duplicate() if opt.comm.size > 1 else None  # collective: every peer makes it
         self.version = 0  # averagings applied to x_i so far (changed under the lock)
         self.initiated = 0  # averagings this peer started (active)
         self.served = 0  # averagings this peer answered (passive)
@@ -103,7 +92,7 @@ class Averaging:
         self.idle = threading.Event()  # no averaging in flight
         self.idle.set()
         # emulated network (dpsgd.netem): an averaging ordered at t completes at t + request + reply
-        self.network = getattr(comm, "network", None)
+        self.network = getattr(opt.comm, "network", None)
         self.done_at: float | None = None
 
     # --- the main thread ---------------------------------------------------------------------
@@ -132,8 +121,8 @@ class Averaging:
         """x_i <- (x_i + x_j) / 2, with the lock held."""
         self.live.add_(other).mul_(0.5)
         self.version += 1
-        if self.events is not None:
-            self.events.append(("avg", *event))
+        if self.opt.record_events:
+            self.opt.events.append(("avg", *event))
 
     def run_active(self) -> None:
         """Active peer: one averaging per order of the main thread; DONE to every partner at the end."""
@@ -145,15 +134,15 @@ class Averaging:
             try:
                 order = self.orders.get(timeout=0.05)
             except queue.Empty:
-                if self.aborted.is_set():
+                if self.opt._abort.is_set():
                     return
                 continue
-            if order == "done" or self.aborted.is_set():
+            if order == "done" or self.opt._abort.is_set():
                 break
             partner = choose_partner(self.topology, rank, self.partners, self.rng, self.initiated)
             if partner is not None:
                 with self.lock:  # held across the exchange: x_i cannot change until both sides averaged
-                    self.jitter()
+                    self.opt._jitter()
                     request[0], request[1], request[2] = AVERAGE, float(rank), float(self.initiated)
                     request[HEADER:].copy_(self.live)
                     recv = link.start_recv(reply, partner, TAG_REPLY)
@@ -165,7 +154,7 @@ class Averaging:
                     self._average_in(reply, (rank, self.initiated, partner))
                 self.initiated += 1
             self.idle.set()
-        if self.aborted.is_set():
+        if self.opt._abort.is_set():
             return
         done = torch.zeros(HEADER + self.live.numel(), dtype=self.live.dtype)
         done[0], done[1] = DONE, float(rank)
@@ -182,7 +171,7 @@ class Averaging:
         while waiting_for:
             recv = link.start_recv(incoming, None, TAG_REQUEST)
             try:
-                if not poll_until(recv.test, time.monotonic() + self.comm.timeout_s, abort=self.aborted.is_set):
+                if not poll_until(recv.test, time.monotonic() + self.comm.timeout_s, abort=self.opt._abort.is_set):
                     return
             except PeerTimeoutError:
                 raise PeerTimeoutError(
@@ -195,7 +184,7 @@ class Averaging:
                 waiting_for.discard(sender)
                 continue
             with self.lock:
-                self.jitter()
+                self.opt._jitter()
                 answer = self.live.clone()
                 self._average_in(incoming[HEADER:], (sender, avg_id, rank))
             self.served += 1

@@ -12,44 +12,39 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from dpsgd.comm import Communicator, PeerTimeoutError
+from dpsgd.comm import PeerTimeoutError
 from dpsgd.comm.base import Request, poll_until
+
+if TYPE_CHECKING:
+    from .optimizer import ADPSGD
 
 BUDGETS = ("steps", "samples", "seconds")
 TAG_PROGRESS, TAG_ANSWER = 13, 14
 
 
-class Budget:
-    """The budget named `kind` and the amounts `set` gives (only `kind`'s ends the run). `wait(test,
-    what, then)` is the main thread's bounded wait (it raises naming `what`); the coordinator thread
-    ends early once `aborted` is set."""
+def check_budget(kind: str) -> str:
+    if kind not in BUDGETS:
+        raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
+    return kind
 
-    def __init__(
-        self,
-        kind: str,
-        seconds: float | None,
-        comm: Communicator,
-        *,
-        wait: Callable[[Callable[[], bool], str, str], None],
-        aborted: threading.Event,
-    ):
-        if kind not in BUDGETS:
-            raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
-        self.kind, self.comm, self.wait, self.aborted = kind, comm, wait, aborted
-        self.amounts: dict[str, float | None] = {
-            "steps": None,
-            "samples": None,
-            "seconds": None if seconds is None else float(seconds),
-        }
+
+class Budget:
+    """The budget named `opt.budget` and the amounts `set` gives (only that one ends the run). The main
+    thread waits with `opt._wait` (bounded, naming what it awaited); the coordinator thread ends early
+    once `opt._abort` is set."""
+
+    def __init__(self, opt: ADPSGD, seconds: float | None):
+        self.opt, self.kind, self.comm = opt, check_budget(opt.budget), opt.comm
+        self.amounts: dict[str, float | None] = {"steps": None, "samples": None, "seconds": None}
+        self.set(seconds=seconds)
         # collective and in the same order on every peer: every peer makes the same duplicates
-        self.control = comm.duplicate() if comm.size > 1 and kind == "samples" else None
-        self.coordinating = self.control is not None and comm.rank == 0
+        self.control = self.comm.duplicate() if self.comm.size > 1 and self.kind == "samples" else None
+        self.coordinating = self.control is not None and self.comm.rank == 0
         self.stop = threading.Event()  # the shared samples budget is spent (rank 0: by its coordinator)
-        self.own_samples = 0  # rank 0's samples, as of its last report
         # (request, buffer, send) of the coordinator's answer to our last report
         self._answer: tuple[Request, torch.Tensor, Request] | None = None
 
@@ -78,8 +73,7 @@ class Budget:
         control = self.control
         if control is None:
             return
-        if self.comm.rank == 0:
-            self.own_samples = samples
+        if self.comm.rank == 0:  # the coordinator reads opt.samples
             if final:
                 self.stop.set()
             return
@@ -95,7 +89,7 @@ class Budget:
         if self._answer is None:
             return
         request, answer, send = self._answer
-        self.wait(
+        self.opt._wait(
             lambda: send.test() and request.test(),
             "coordinator (rank 0) did not answer",
             "; it died or hangs (raise comm.timeout_s if it is slow)",
@@ -116,7 +110,7 @@ class Budget:
         while len(final) < n - 1:
             recv = control.start_recv(msg, None, TAG_PROGRESS)
             try:
-                if not poll_until(recv.test, time.monotonic() + timeout_s, abort=self.aborted.is_set):
+                if not poll_until(recv.test, time.monotonic() + timeout_s, abort=self.opt._abort.is_set):
                     return
             except PeerTimeoutError:
                 raise PeerTimeoutError(
@@ -128,7 +122,7 @@ class Budget:
             reported[sender] = max(reported[sender], msg[1].item())
             if msg[2].item() > 0:
                 final.add(sender)
-            if sum(reported.values()) + self.own_samples >= budget:
+            if sum(reported.values()) + self.opt.samples >= budget:
                 self.stop.set()
             answer = torch.tensor([1.0 if self.stop.is_set() else 0.0], dtype=torch.float64)
             send = control.start_send(answer, sender, TAG_ANSWER)

@@ -6,8 +6,7 @@ hold the *snapshot* x_hat_i the gradient is computed at. A step of peer i:
 2. `step()`: d_i = base(x_hat_i, g_i) - x_hat_i, then under the lock x_i <- x_i + d_i and the new
    snapshot x_hat_i <- x_i. The increment goes to the live copy exactly once, whatever averagings
    happened meanwhile; their number is the step's *staleness*;
-3. an active peer then orders one averaging with a neighbour, done by its communication thread
-   while the next gradient is computed.
+3. an active peer then orders one averaging with a neighbour (`averaging`).
 Every wait has the communicator's deadline (`comm.timeout_s`); past it, the error names the peer and
 what was awaited.
 """
@@ -54,9 +53,9 @@ class ADPSGD(DistributedOptimizer):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         if comm.size > 1:
             self.require_topology()
-        self._abort = threading.Event()  # set on a thread's error or by abort(): the threads end early
-        self.run_budget = Budget(budget, seconds, comm, wait=self._wait, aborted=self._abort)
         self.budget = budget
+        self._abort = threading.Event()  # set on a thread's error or by abort(): the threads end early
+        self.run_budget = Budget(self, seconds)
         self.samples_per_step = 1
         self.jitter_s = float(jitter_s)
         self._jitter_rng = random.Random(protocol_jitter_seed(seed, comm.rank))
@@ -65,28 +64,16 @@ class ADPSGD(DistributedOptimizer):
         with torch.no_grad():
             self.live = flatten(self.params()).clone()  # x_i: changed only under self.lock
         self.lock = threading.Lock()
-        self.averaging = Averaging(
-            comm,
-            topology,
-            seed=seed,
-            live=self.live,
-            lock=self.lock,
-            events=self.events if self.record_events else None,
-            jitter=self._jitter,
-            aborted=self._abort,
-        )
+        self.averaging = Averaging(self, seed)
         self.role = self.averaging.role  # "active", "passive" or "alone" (no neighbour to average with)
         if comm.size > 1 and hasattr(comm, "require_thread_multiple"):  # MPI: threads need THREAD_MULTIPLE
             comm.require_thread_multiple("ADPSGD (a communication thread beside the computing one)")
         self._snap_version = 0  # averaging.version when the snapshot was taken
-
-        # counters
         self.samples = 0
         self.staleness_histogram: list[int] = []
         self.wait_s = 0.0  # main thread blocked: lock, previous averaging, coordinator answer
         self.started_at: float | None = None
         self.finished_at: float | None = None
-
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
         self._finished = False
@@ -162,8 +149,7 @@ class ADPSGD(DistributedOptimizer):
                 self.events.append(("step", self.step_count))
             snapshot = self.live.clone()
         self._load_into_model(snapshot)  # outside the lock: only this thread touches the model
-        if stale >= len(self.staleness_histogram):
-            self.staleness_histogram.extend([0] * (stale + 1 - len(self.staleness_histogram)))
+        self.staleness_histogram.extend([0] * (stale + 1 - len(self.staleness_histogram)))
         self.staleness_histogram[stale] += 1
         self.step_count += 1
         self.samples += self.samples_per_step
