@@ -1,10 +1,38 @@
-"""Reading a run folder's outputs in tests: its summary, and its metric records without timings
-(what a resumed run must reproduce exactly)."""
+"""Runs in tests: a small experiment config from the conf/ files, and reading a run folder's outputs
+(its summary, its metric records without timings: what a resumed run must reproduce exactly)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import yaml
+
+CONF = Path(__file__).parent.parent / "conf"
+
+
+def load(group: str, name: str) -> dict:
+    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+
+def experiment(algorithm: dict, topology: str = "ring", peers: int = 4, backend: str = "local") -> dict:
+    """A resolved config: `algorithm` on the MLP and digits, seed 3, one epoch of batches of 16."""
+    return {
+        "algorithm": algorithm,
+        "topology": load("topology", topology),
+        "model": load("model", "mlp"),
+        "data": load("data", "digits"),
+        "backend": {"name": backend},
+        "network": load("network", "loopback"),
+        "peers": peers,
+        "seed": 3,
+        "epochs": 1,
+        "batch_size": 16,
+        "log_every": 10,
+        "device": "cpu",
+        "comm": {"timeout_s": 60},
+    }
+
 
 # the summary keys a resumed run must reproduce bit for bit
 EXACT = (

@@ -9,8 +9,8 @@ import copy
 from pathlib import Path
 
 import pytest
+import runs
 import torch
-import yaml
 
 from dpsgd import data
 from dpsgd.build import build_peer
@@ -19,29 +19,11 @@ from dpsgd.sim import Fleet
 from dpsgd.sim.batches import FleetBatches
 
 torch.set_num_threads(1)
-CONF = Path(__file__).parent.parent / "conf"
 STEPS = 20
 
 
 def config(algorithm: str, topology: str = "ring", peers: int = 4, **algo) -> dict:
-    def load(group, name):
-        return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-
-    return {
-        "algorithm": {**load("algorithm", algorithm), **algo},
-        "topology": load("topology", topology),
-        "model": load("model", "mlp"),
-        "data": load("data", "digits"),
-        "backend": {"name": "fleet"},
-        "network": load("network", "loopback"),
-        "peers": peers,
-        "seed": 3,
-        "epochs": 1,
-        "batch_size": 16,
-        "log_every": 10,
-        "device": "cpu",
-        "comm": {"timeout_s": 60},
-    }
+    return runs.experiment({**runs.load("algorithm", algorithm), **algo}, topology, peers, "fleet")
 
 
 def local_parameters(cfg: dict, steps: int) -> list[torch.Tensor]:

@@ -12,45 +12,29 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))  # plugins.py: the user's own module
+sys.path.insert(0, str(TESTS))  # plugins.py (the user's own module) and runs.py
+
+import runs  # noqa: E402
 
 import topologies  # noqa: E402
 from dpsgd.build import BASE_KEYS, build_peer  # noqa: E402
 from dpsgd.optim import ALGORITHMS, build  # noqa: E402
 
-CONF = TESTS.parent / "conf"
 STEPS = 20
 TOPOLOGY = {"sgp": "directed_exponential"}  # the rest run on a ring
 
 
 def config(peers: int = 4, backend: str = "local") -> dict:
-    def load(group, name):
-        return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-
-    return {
-        "algorithm": {
-            "name": "alternating",
-            "_target_": "plugins.AlternatingGossip",
-            "lr": 0.1,
-            "momentum": 0.9,
-            "period": 7,
-        },
-        "topology": load("topology", "ring"),
-        "model": load("model", "mlp"),
-        "data": load("data", "digits"),
-        "backend": {"name": backend},
-        "network": load("network", "loopback"),
-        "peers": peers,
-        "seed": 3,
-        "epochs": 1,
-        "batch_size": 16,
-        "log_every": 10,
-        "device": "cpu",
-        "comm": {"timeout_s": 60},
+    algorithm = {
+        "name": "alternating",
+        "_target_": "plugins.AlternatingGossip",
+        "lr": 0.1,
+        "momentum": 0.9,
+        "period": 7,
     }
+    return runs.experiment(algorithm, "ring", peers, backend)
 
 
 def initial_parameters(comm) -> dict:
@@ -59,11 +43,7 @@ def initial_parameters(comm) -> dict:
     for name in ALGORITHMS:
         torch.manual_seed(1000 + comm.rank)
         model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
-        options = {
-            k: v
-            for k, v in yaml.safe_load((CONF / "algorithm" / f"{name}.yaml").read_text()).items()
-            if k not in BASE_KEYS
-        }
+        options = {k: v for k, v in runs.load("algorithm", name).items() if k not in BASE_KEYS}
         topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
         opt = build(name, torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, comm=comm, **options)
         if opt.asynchronous:
