@@ -137,14 +137,11 @@ class TopK(_Sparse):
 
     def encode(self, v, key=(0, 0)):
         v = v.detach().reshape(-1)
-        k = self.k(v.numel())
-        idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
-        form, _ = self._index_bytes(v.numel())
-        if form == "list":
+        idx = torch.topk(v.abs(), self.k(v.numel()), sorted=False).indices.sort().values
+        if self._index_bytes(v.numel())[0] == "list":
             index_bytes = _bytes_of(idx.to(_index_dtype(v.numel())))
         else:
-            mask = torch.zeros(v.numel(), dtype=torch.uint8, device=v.device)
-            mask[idx] = 1
+            mask = torch.zeros(v.numel(), dtype=torch.uint8, device=v.device).index_fill_(0, idx, 1)
             index_bytes = pack_bits(mask, 1)
         return torch.cat([_bytes_of(v[idx]), index_bytes])
 
@@ -152,13 +149,12 @@ class TopK(_Sparse):
         self._check(buf, numel, dtype)
         k = self.k(numel)
         split = k * dtype.itemsize
-        values = _values(buf[:split], k, dtype)
         if self._index_bytes(numel)[0] == "list":
             idx = buf[split:].clone().view(_index_dtype(numel)).to(torch.int64)
         else:
             idx = torch.nonzero(unpack_bits(buf[split:], numel, 1)).reshape(-1)
         out = torch.zeros(numel, dtype=dtype, device=buf.device)
-        out[idx] = values
+        out[idx] = _values(buf[:split], k, dtype)
         return out
 
 

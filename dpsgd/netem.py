@@ -179,16 +179,13 @@ class NetworkEmulator:
         cls, network: dict | None, rank: int = 0, size: int | None = None, seed: int = 0
     ) -> NetworkEmulator:
         network = dict(network or {})
-        unknown = sorted(set(network) - set(NETWORK_KEYS))
-        if unknown:
+        if unknown := sorted(set(network) - set(NETWORK_KEYS)):
             raise ValueError(f"unknown network option(s) {unknown}; valid: {', '.join(NETWORK_KEYS)}")
         slow = network.get("slow_peers") or ()
         if isinstance(slow, int):
             slow = (slow,)
-        if size is not None:
-            bad = [p for p in slow if not 0 <= int(p) < size]
-            if bad:
-                raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
+        if size is not None and (bad := [p for p in slow if not 0 <= int(p) < size]):
+            raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
         bandwidth = network.get("bandwidth_bytes_per_s") or None
         link = Link(float(network.get("latency_s") or 0.0), None if bandwidth is None else float(bandwidth))
         slowdown = ComputeSlowdown(
