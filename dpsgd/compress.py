@@ -41,9 +41,7 @@ def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative integer codes < 2**width, `width` bits each (least significant first), as bytes."""
     shifts = torch.arange(width, device=codes.device, dtype=torch.int64)
     bits = ((codes.to(torch.int64).unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
+    bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))  # whole bytes
     weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int64)).to(torch.uint8)
     return (bits.view(-1, 8) * weights).sum(1, dtype=torch.int64).to(torch.uint8)
 
@@ -64,16 +62,10 @@ def _values(buf: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
     return buf.clone().view(dtype)[:count] if count else torch.empty(0, dtype=dtype, device=buf.device)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def _generator(seed: int, key: Key, device: torch.device) -> torch.Generator:
     rank, step = key
     state = np.random.SeedSequence([int(seed), int(rank), int(step)]).generate_state(1, dtype=np.uint64)[0]
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(state) & ((1 << 63) - 1))
-    return gen
+    return torch.Generator(device=device).manual_seed(int(state) & ((1 << 63) - 1))
 
 
 def _check_ratio(name: str, ratio) -> float:
@@ -86,6 +78,7 @@ class Compressor(ABC):
     """encode: flat tensor -> uint8 buffer of nbytes(numel, dtype) bytes; decode: the inverse."""
 
     name = "?"
+    options: tuple[str, ...] = ()  # the attributes __repr__ shows
 
     @abstractmethod
     def nbytes(self, numel: int, dtype: torch.dtype) -> int: ...
@@ -108,16 +101,20 @@ class Compressor(ABC):
                 f"got {buf.numel()} elements of {buf.dtype}"
             )
 
+    def __repr__(self) -> str:
+        values = {k: getattr(self, k) for k in self.options}
+        args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        return f"{type(self).__name__}({args})"
+
 
 class _Sparse(Compressor):
+    options: tuple[str, ...] = ("ratio",)
+
     def __init__(self, ratio: float):
         self.ratio = _check_ratio(self.name, ratio)
 
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.ratio * numel - 1e-9)))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(ratio={self.ratio:g})"
 
 
 def _index_dtype(numel: int) -> torch.dtype:
@@ -131,42 +128,39 @@ class TopK(_Sparse):
     name = "top_k"
 
     def _index_bytes(self, numel: int) -> tuple[str, int]:
-        as_list = self.k(numel) * _itemsize(_index_dtype(numel))
+        as_list = self.k(numel) * _index_dtype(numel).itemsize
         as_bitmap = math.ceil(numel / 8)
         return ("list", as_list) if as_list <= as_bitmap else ("bitmap", as_bitmap)
 
     def nbytes(self, numel, dtype):
-        return self.k(numel) * _itemsize(dtype) + self._index_bytes(numel)[1]
+        return self.k(numel) * dtype.itemsize + self._index_bytes(numel)[1]
 
     def encode(self, v, key=(0, 0)):
         v = v.detach().reshape(-1)
-        k = self.k(v.numel())
-        idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
-        form, _ = self._index_bytes(v.numel())
-        if form == "list":
+        idx = torch.topk(v.abs(), self.k(v.numel()), sorted=False).indices.sort().values
+        if self._index_bytes(v.numel())[0] == "list":
             index_bytes = _bytes_of(idx.to(_index_dtype(v.numel())))
         else:
-            mask = torch.zeros(v.numel(), dtype=torch.uint8, device=v.device)
-            mask[idx] = 1
+            mask = torch.zeros(v.numel(), dtype=torch.uint8, device=v.device).index_fill_(0, idx, 1)
             index_bytes = pack_bits(mask, 1)
         return torch.cat([_bytes_of(v[idx]), index_bytes])
 
     def decode(self, buf, numel, dtype, key=(0, 0)):
         self._check(buf, numel, dtype)
         k = self.k(numel)
-        split = k * _itemsize(dtype)
-        values = _values(buf[:split], k, dtype)
+        split = k * dtype.itemsize
         if self._index_bytes(numel)[0] == "list":
             idx = buf[split:].clone().view(_index_dtype(numel)).to(torch.int64)
         else:
             idx = torch.nonzero(unpack_bits(buf[split:], numel, 1)).reshape(-1)
         out = torch.zeros(numel, dtype=dtype, device=buf.device)
-        out[idx] = values
+        out[idx] = _values(buf[:split], k, dtype)
         return out
 
 
 class RandomK(_Sparse):
     name = "random_k"
+    options = ("ratio", "seed")
 
     def __init__(self, ratio: float, seed: int = 0):
         super().__init__(ratio)
@@ -177,7 +171,7 @@ class RandomK(_Sparse):
         return torch.randperm(numel, generator=gen)[: self.k(numel)].sort().values.to(device)
 
     def nbytes(self, numel, dtype):
-        return self.k(numel) * _itemsize(dtype)
+        return self.k(numel) * dtype.itemsize
 
     def encode(self, v, key=(0, 0)):
         v = v.detach().reshape(-1)
@@ -189,15 +183,12 @@ class RandomK(_Sparse):
         out[self.indices(numel, key, buf.device)] = _values(buf, self.k(numel), dtype)
         return out
 
-    def __repr__(self) -> str:
-        return f"RandomK(ratio={self.ratio:g}, seed={self.seed})"
-
 
 class ScaledSign(Compressor):
     name = "sign"
 
     def nbytes(self, numel, dtype):
-        return _itemsize(dtype) + math.ceil(numel / 8)
+        return dtype.itemsize + math.ceil(numel / 8)
 
     def encode(self, v, key=(0, 0)):
         v = v.detach().reshape(-1)
@@ -206,17 +197,15 @@ class ScaledSign(Compressor):
 
     def decode(self, buf, numel, dtype, key=(0, 0)):
         self._check(buf, numel, dtype)
-        size = _itemsize(dtype)
+        size = dtype.itemsize
         scale = _values(buf[:size], 1, dtype)
         negative = unpack_bits(buf[size:], numel, 1).to(dtype)
         return (1 - 2 * negative) * scale
 
-    def __repr__(self) -> str:
-        return "ScaledSign()"
-
 
 class QSGD(Compressor):
     name = "qsgd"
+    options = ("levels", "seed", "rescale")
 
     def __init__(self, levels: int = 16, seed: int = 0, rescale: bool = False):
         if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
@@ -231,7 +220,7 @@ class QSGD(Compressor):
         return 1.0 + min(numel / s**2, math.sqrt(numel) / s) if self.rescale else 1.0
 
     def nbytes(self, numel, dtype):
-        return _itemsize(dtype) + math.ceil(numel * self.width / 8)
+        return dtype.itemsize + math.ceil(numel * self.width / 8)
 
     def encode(self, v, key=(0, 0)):
         v = v.detach().reshape(-1)
@@ -246,13 +235,10 @@ class QSGD(Compressor):
 
     def decode(self, buf, numel, dtype, key=(0, 0)):
         self._check(buf, numel, dtype)
-        size = _itemsize(dtype)
+        size = dtype.itemsize
         norm = _values(buf[:size], 1, dtype)
         signed_level = (unpack_bits(buf[size:], numel, self.width) - self.levels).to(dtype)
         return signed_level * (norm / (self.levels * self.tau(numel)))
-
-    def __repr__(self) -> str:
-        return f"QSGD(levels={self.levels}, seed={self.seed}, rescale={self.rescale})"
 
 
 COMPRESSORS = {"top_k": TopK, "random_k": RandomK, "sign": ScaledSign, "qsgd": QSGD}

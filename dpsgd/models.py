@@ -46,19 +46,15 @@ def build(
             f"model {name} needs images (channels, height, width), got inputs of shape {input_shape}; "
             f"use model=mlp or model=linear"
         )
-    with _init_lock:
-        state = torch.random.get_rng_state()
+    with _init_lock, torch.random.fork_rng(devices=[]):  # the global CPU generator is restored afterwards
         torch.manual_seed(seed)
-        try:
-            if name in ("linear", "mlp"):
-                return _mlp(prod(input_shape), list(hidden or [64]) if name == "mlp" else [], num_outputs)
-            if name == "cnn":
-                return _cnn(input_shape, num_outputs, width, groups)
-            if name == "transformer":
-                return TinyTransformer(num_outputs, input_shape[0], dim, layers, heads)
-            return ResNet20(input_shape[0], num_outputs, groups)
-        finally:
-            torch.random.set_rng_state(state)
+        if name in ("linear", "mlp"):
+            return _mlp(prod(input_shape), list(hidden or [64]) if name == "mlp" else [], num_outputs)
+        if name == "cnn":
+            return _cnn(input_shape, num_outputs, width, groups)
+        if name == "transformer":
+            return TinyTransformer(num_outputs, input_shape[0], dim, layers, heads)
+        return ResNet20(input_shape[0], num_outputs, groups)
 
 
 def _mlp(inputs: int, hidden: list[int], outputs: int) -> nn.Module:

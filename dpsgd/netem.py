@@ -29,16 +29,7 @@ from dataclasses import dataclass, field
 from dpsgd.comm.base import ring_allreduce_bytes
 from dpsgd.seeds import link_jitter_seed
 
-NETWORK_KEYS = (
-    "name",
-    "mode",
-    "latency_s",
-    "bandwidth_bytes_per_s",
-    "jitter_s",
-    "slow_peers",
-    "compute_scale",
-    "compute_time",
-)
+NETWORK_KEYS = tuple("name mode latency_s bandwidth_bytes_per_s jitter_s slow_peers compute_scale compute_time".split())
 MODES = ("model", "sleep")
 
 
@@ -71,9 +62,7 @@ class Link:
 
     def allreduce_time(self, nbytes: float, n: int) -> float:
         """A bandwidth-optimal ring all-reduce: 2 (n-1) alpha + 2 (n-1)/n M / beta."""
-        if n <= 1:
-            return 0.0
-        return 2 * (n - 1) * self.latency_s + self.transfer_time(ring_allreduce_bytes(nbytes, n))
+        return 0.0 if n <= 1 else 2 * (n - 1) * self.latency_s + self.transfer_time(ring_allreduce_bytes(nbytes, n))
 
 
 class EmulatedClock:
@@ -83,9 +72,7 @@ class EmulatedClock:
     def __init__(self, mode: str = "model"):
         if mode not in MODES:
             raise ValueError(f"network.mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.mode = mode
-        self._now = 0.0
-        self._origin = 0.0
+        self.mode, self._now, self._origin = mode, 0.0, 0.0
         self.reset()
 
     def now(self) -> float:
@@ -108,22 +95,18 @@ class EmulatedClock:
 
     def wait_until(self, t: float) -> float:
         """Block until time `t` (an arrival); returns the time waited."""
+        waited = max(0.0, t - self.now())
         if self.mode == "model":
-            waited = max(0.0, t - self._now)
             self._now += waited
-            return waited
-        waited = t - time.time()
-        if waited > 0:
+        elif waited > 0:
             time.sleep(waited)
-            return waited
-        return 0.0
+        return waited
 
 
 @dataclass
 class ComputeSlowdown:
-    """One peer's compute emulation: call `start()` before the forward pass and `finish()` after the
-    backward pass. Sleeping, the step takes max(real compute, compute_time) x scale seconds; modelled,
-    it counts compute_time x scale (the real compute x scale when compute_time is 0)."""
+    """One peer's compute emulation (`compute_time` and `compute_scale` above): call `start()` before the
+    forward pass and `finish()` after the backward pass."""
 
     rank: int = 0
     slow_peers: tuple[int, ...] = ()
@@ -196,16 +179,13 @@ class NetworkEmulator:
         cls, network: dict | None, rank: int = 0, size: int | None = None, seed: int = 0
     ) -> NetworkEmulator:
         network = dict(network or {})
-        unknown = sorted(set(network) - set(NETWORK_KEYS))
-        if unknown:
+        if unknown := sorted(set(network) - set(NETWORK_KEYS)):
             raise ValueError(f"unknown network option(s) {unknown}; valid: {', '.join(NETWORK_KEYS)}")
         slow = network.get("slow_peers") or ()
         if isinstance(slow, int):
             slow = (slow,)
-        if size is not None:
-            bad = [p for p in slow if not 0 <= int(p) < size]
-            if bad:
-                raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
+        if size is not None and (bad := [p for p in slow if not 0 <= int(p) < size]):
+            raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
         bandwidth = network.get("bandwidth_bytes_per_s") or None
         link = Link(float(network.get("latency_s") or 0.0), None if bandwidth is None else float(bandwidth))
         slowdown = ComputeSlowdown(

@@ -8,6 +8,7 @@ peer's later in-place changes.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -16,16 +17,7 @@ from typing import Any
 
 import torch
 
-from .base import (
-    DEFAULT_TIMEOUT_S,
-    CommError,
-    Communicator,
-    Exchange,
-    PeerFailedError,
-    PeerTimeoutError,
-    Pending,
-    Request,
-)
+from .base import DEFAULT_TIMEOUT_S, CommError, Communicator, Exchange, PeerFailedError, PeerTimeoutError, Request
 
 _POLL_S = 0.05  # how often a blocked receive looks whether another peer failed
 
@@ -81,16 +73,13 @@ class _LocalExchange(Exchange):
         while self._missing:
             peer = self._missing[0]
             q = self._world.channel(peer, self._rank, self._tag)
-            while True:
+            while peer not in self.received:
                 self._world.check(self._rank, "receive")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PeerTimeoutError(f"peer {peer} did not answer")
-                try:
+                with contextlib.suppress(queue.Empty):
                     self.received[peer] = q.get(timeout=min(remaining, _POLL_S))
-                    break
-                except queue.Empty:
-                    continue
             self._world.release(peer, self._rank, self._tag)
             self._missing.pop(0)
 
@@ -100,22 +89,20 @@ class _LocalExchange(Exchange):
         return [p for p in self._missing if (q := queues.get((p, self._rank, self._tag))) is None or q.empty()]
 
 
-class _LocalAllreduce(Pending):
+class _LocalAllreduce(_LocalExchange):
     """All-to-all of the buffer, then every peer sums all n buffers in rank order: the same
     bits on every peer, whatever the thread timing."""
 
-    def __init__(self, exchange: _LocalExchange, buf: torch.Tensor, rank: int, size: int):
-        self._ex, self._buf, self._rank, self._size = exchange, buf, rank, size
+    def __init__(self, world: LocalWorld, rank: int, tag, buf: torch.Tensor):
+        super().__init__(world, rank, [r for r in range(world.n) if r != rank], tag)
+        self._buf = buf
 
     def wait(self, deadline: float) -> None:
-        self._ex.wait(deadline)
+        super().wait(deadline)
         total = torch.zeros_like(self._buf)
-        for r in range(self._size):  # rank order: the same bits on every peer (0 + x is exact)
-            total.add_(self._buf if r == self._rank else self._ex.received[r])
+        for r in range(self._world.n):  # rank order: the same bits on every peer (0 + x is exact)
+            total.add_(self._buf if r == self._rank else self.received[r])
         self._buf.copy_(total)
-
-    def peers_outstanding(self) -> list[int]:
-        return self._ex.peers_outstanding()
 
 
 class _LocalSend(Request):
@@ -162,8 +149,12 @@ class LocalCommunicator(Communicator):
         self._duplicates = 0
         self.drop_message = None  # fault injection (dpsgd.faults): drop_message(peer) -> True loses the message
 
-    def _lost(self, peer: int) -> bool:
-        return self.drop_message is not None and self.drop_message(peer)
+    def _send(self, buf: torch.Tensor, peers: Sequence[int], key) -> None:
+        """Copy `buf` into each peer's queue (but for the messages `drop_message` loses)."""
+        self.world.check(self.rank, "send")
+        for peer in peers:
+            if self.drop_message is None or not self.drop_message(peer):
+                self.world.channel(self.rank, peer, key).put(buf.clone())
 
     def _key(self, tag: int):
         return (self.namespace, tag) if self.namespace else tag
@@ -176,25 +167,20 @@ class LocalCommunicator(Communicator):
         return dup
 
     def _start_send(self, buf, peer, tag) -> Request:
-        self.world.check(self.rank, "send")
-        if not self._lost(peer):
-            self.world.channel(self.rank, peer, self._key(tag)).put(buf.clone())
+        self._send(buf, [peer], self._key(tag))
         return _LocalSend()
 
     def _start_recv(self, buf, source, tag) -> Request:
         return _LocalRecv(self, buf, source, self._key(tag))
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> _LocalExchange:
-        self.world.check(self.rank, "send")
-        tag = self._key(tag)
-        for peer in send_to:
-            if not self._lost(peer):
-                self.world.channel(self.rank, peer, tag).put(buf.clone())
-        return _LocalExchange(self.world, self.rank, recv_from, tag)
+        self._send(buf, send_to, self._key(tag))
+        return _LocalExchange(self.world, self.rank, recv_from, self._key(tag))
 
-    def _start_allreduce_sum(self, buf) -> Pending:
-        others = [r for r in range(self.size) if r != self.rank]
-        return _LocalAllreduce(self._start_exchange(buf, others, others, self._next_tag()), buf, self.rank, self.size)
+    def _start_allreduce_sum(self, buf) -> _LocalAllreduce:
+        key = self._key(self._next_tag())
+        self._send(buf, [r for r in range(self.size) if r != self.rank], key)
+        return _LocalAllreduce(self.world, self.rank, key, buf)
 
     def barrier(self) -> None:
         start = time.monotonic()

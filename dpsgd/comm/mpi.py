@@ -38,9 +38,12 @@ def _mpi_op_buffer(t: torch.Tensor):
     return _as_buffer(t)
 
 
-class _Requests(Pending):
-    def __init__(self, MPI, requests: list, peers: list[int]):
+class _Requests(Exchange):
+    """MPI requests, each with its peer (-1 for a collective's); an exchange's `received` buffers."""
+
+    def __init__(self, MPI, requests: list, peers: list[int], received: dict[int, torch.Tensor] | None = None):
         self._MPI, self._requests, self._peers = MPI, requests, peers
+        self.received = received if received is not None else {}
 
     def wait(self, deadline: float) -> None:
         try:
@@ -54,12 +57,6 @@ class _Requests(Pending):
     def peers_outstanding(self) -> list[int]:
         # a collective has no single peer to blame: the caller then names all of them
         return sorted({p for p, r in zip(self._peers, self._requests) if p >= 0 and not r.Test()})
-
-
-class _MPIExchange(_Requests, Exchange):
-    def __init__(self, MPI, requests, peers, received):
-        super().__init__(MPI, requests, peers)
-        self.received = received
 
 
 class _MPIRequest(Request):
@@ -77,9 +74,7 @@ class _MPIRequest(Request):
         return self._done
 
     def peers_outstanding(self) -> list[int]:
-        if self._done:
-            return []
-        return [self._peer] if self._peer is not None else []
+        return [] if self._done or self._peer is None else [self._peer]
 
 
 class MPICommunicator(Communicator):
@@ -97,14 +92,9 @@ class MPICommunicator(Communicator):
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
         received = {p: self._receive_buffer(buf) for p in recv_from}
-        reqs, peers = [], []
-        for p in recv_from:
-            reqs.append(self._comm.Irecv(_as_buffer(received[p]), source=p, tag=tag))
-            peers.append(p)
-        for p in send_to:
-            reqs.append(self._comm.Isend(_as_buffer(buf), dest=p, tag=tag))
-            peers.append(p)
-        return _MPIExchange(self._MPI, reqs, peers, received)
+        reqs = [self._comm.Irecv(_as_buffer(received[p]), source=p, tag=tag) for p in recv_from]
+        reqs += [self._comm.Isend(_as_buffer(buf), dest=p, tag=tag) for p in send_to]
+        return _Requests(self._MPI, reqs, [*recv_from, *send_to], received)
 
     def duplicate(self) -> MPICommunicator:
         return MPICommunicator(self._comm, self.timeout_s)  # __init__ Dup()s it: a new context
@@ -113,11 +103,7 @@ class MPICommunicator(Communicator):
         """Raise unless MPI runs with MPI_THREAD_MULTIPLE (several threads calling MPI at once)."""
         level = self._MPI.Query_thread()
         if level != self._MPI.THREAD_MULTIPLE:
-            names = {
-                self._MPI.THREAD_SINGLE: "THREAD_SINGLE",
-                self._MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
-                self._MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED",
-            }
+            names = {getattr(self._MPI, n): n for n in ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED")}
             raise RuntimeError(
                 f"{why} needs MPI_THREAD_MULTIPLE, but MPI was initialized with {names.get(level, level)}; "
                 f"let mpi4py initialize MPI (its default asks for THREAD_MULTIPLE, `mpi4py.rc.thread_level`), "

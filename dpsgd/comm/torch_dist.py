@@ -21,10 +21,13 @@ from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, P
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class _Works(Pending):
-    def __init__(self, works: list, peers: list[int]):
+class _Works(Exchange):
+    """torch.distributed works, each with its peer (-1 for a collective's); an exchange's `received` buffers."""
+
+    def __init__(self, works: list, peers: list[int], received: dict[int, torch.Tensor] | None = None):
         self._works, self._peers = works, peers
         self._done = [False] * len(works)
+        self.received = received if received is not None else {}
 
     def wait(self, deadline: float) -> None:
         for i, work in enumerate(self._works):
@@ -39,12 +42,6 @@ class _Works(Pending):
 
     def peers_outstanding(self) -> list[int]:
         return sorted({p for p, done in zip(self._peers, self._done) if p >= 0 and not done})
-
-
-class _TorchExchange(_Works, Exchange):
-    def __init__(self, works, peers, received):
-        super().__init__(works, peers)
-        self.received = received
 
 
 class _TorchRequest(Request):
@@ -89,9 +86,7 @@ class _TorchRequest(Request):
             raise PeerTimeoutError(str(self._error)) from self._error
 
     def peers_outstanding(self) -> list[int]:
-        if self._done.is_set():
-            return []
-        return [self._peer] if self._peer is not None else []
+        return [] if self._done.is_set() or self._peer is None else [self._peer]
 
 
 class TorchCommunicator(Communicator):
@@ -104,12 +99,8 @@ class TorchCommunicator(Communicator):
         init_method: str | None = None,
         group=None,
     ):
-        self._group = group  # None: the default group; duplicate() makes others
+        self._group = group  # None: the default group; duplicate() makes others (of an initialized world)
         self._is_duplicate = group is not None
-        if group is not None:
-            super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
-            self.dist_backend = dist.get_backend(group)
-            return
         if not dist.is_available():
             raise RuntimeError("this torch build has no torch.distributed; choose backend=local or backend=mpi")
         if not dist.is_initialized():
@@ -129,7 +120,7 @@ class TorchCommunicator(Communicator):
             # a group left alive at interpreter exit aborts the process (SIGABRT in gloo)
             atexit.register(self.close)
         super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
-        self.dist_backend = dist.get_backend()
+        self.dist_backend = dist.get_backend(group)
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
@@ -137,7 +128,7 @@ class TorchCommunicator(Communicator):
         ops = [dist.P2POp(dist.irecv, received[p], p, group=self._group, tag=tag) for p in recv_from]
         ops += [dist.P2POp(dist.isend, buf, p, group=self._group, tag=tag) for p in send_to]
         works = dist.batch_isend_irecv(ops) if ops else []
-        return _TorchExchange(works, list(recv_from) + list(send_to), received)
+        return _Works(works, [*recv_from, *send_to], received)
 
     def duplicate(self) -> TorchCommunicator:
         # a new group of all ranks (gloo: the CPU tensors of asynchronous protocols) is its own context

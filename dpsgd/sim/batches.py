@@ -1,6 +1,5 @@
-"""Every peer's minibatches at once: the same samples, in the same order, as each peer's own
-`dpsgd.data.Batches` would draw (same per-peer generator seeds), gathered as one (n, batch, ...)
-tensor so that a fleet computes all peers' gradients in one vectorized call."""
+"""Every peer's minibatches at once, as one (n, batch, ...) tensor, so that a fleet computes all peers'
+gradients in one vectorized call."""
 
 from __future__ import annotations
 
@@ -10,9 +9,9 @@ from dpsgd.seeds import batch_seed
 
 
 class FleetBatches:
-    """Synchronous batches of n peers: `next()` returns (x, y) with a leading peer axis. Peer r
-    shuffles its share with torch.Generator(batch_seed(seed, r)) at the start of each of its
-    passes, exactly as `dpsgd.build.build_peer` seeds its Batches."""
+    """Synchronous batches of n peers: `next()` returns (x, y) with a leading peer axis, the same samples
+    in the same order as each peer's own `dpsgd.data.Batches`: peer r shuffles its share with
+    torch.Generator(batch_seed(seed, r)) at the start of each of its passes, as `dpsgd.build.build_peer` does."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, shares: list, batch_size: int, seed: int):
         sizes = [len(s) for s in shares]

@@ -33,6 +33,5 @@ def mixing(w: np.ndarray, dtype: torch.dtype, device) -> Mixing:
     sends = torch.as_tensor(off.sum(0), dtype=torch.float64)
     recvs = torch.as_tensor(off.sum(1), dtype=torch.float64)
     dense = torch.as_tensor(w, dtype=dtype, device=device)
-    if np.count_nonzero(w) < SPARSE_BELOW * w.size and device.type == "cpu":
-        return Mixing(dense.to_sparse().coalesce(), sends, recvs)
-    return Mixing(dense, sends, recvs)
+    sparse = np.count_nonzero(w) < SPARSE_BELOW * w.size and device.type == "cpu"
+    return Mixing(dense.to_sparse().coalesce() if sparse else dense, sends, recvs)
