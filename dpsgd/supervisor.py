@@ -43,9 +43,6 @@ class Supervisor:
         self._thread = threading.Thread(target=self._serve, name="dpsgd-supervisor", daemon=True)
         self._thread.start()
 
-    def env(self) -> dict:
-        return {ENV: self.path}
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
@@ -96,48 +93,42 @@ class Supervisor:
         sel.close()
 
 
-class _Reporter:
-    def __init__(self, rank: int, path: str):
-        self.rank = rank
-        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
-
-    def send(self, step: int) -> None:
-        if self._sock is None:
-            return
-        try:
-            self._sock.sendall(_FRAME.pack(self.rank, step))
-        except OSError:  # the driver is gone: training goes on, unsupervised
-            self._sock = None
-
-
-_reporter: _Reporter | None = None
+_conn: tuple[socket.socket, int] | None = None  # this peer's connection to the driver, and its rank
 _lock = threading.Lock()
 
 
 def report_step(rank: int, step: int) -> None:
     """Tell the driver (if it started this process) that peer `rank` begins step `step`."""
-    global _reporter
+    global _conn
     path = os.environ.get(ENV)
     if not path:
         return
     with _lock:
-        if _reporter is None:
+        if _conn is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                _reporter = _Reporter(rank, path)
+                sock.connect(path)
             except OSError:
+                sock.close()
                 os.environ.pop(ENV, None)  # no driver listening: stop trying
                 return
-        _reporter.send(step)
+            _conn = (sock, rank)
+        _send(_conn, step)
 
 
 def report_finished() -> None:
     """This peer ended normally: the closing of its connection is not a failure."""
-    global _reporter
+    global _conn
     with _lock:
-        if _reporter is not None:
-            _reporter.send(_FINISHED)
-            if _reporter._sock is not None:
-                with contextlib.suppress(OSError):
-                    _reporter._sock.close()
-            _reporter = None
+        if _conn is not None:
+            _send(_conn, _FINISHED)
+            with contextlib.suppress(OSError):
+                _conn[0].close()
+            _conn = None
+
+
+def _send(conn: tuple[socket.socket, int], step: int) -> None:
+    try:
+        conn[0].sendall(_FRAME.pack(conn[1], step))
+    except OSError:  # the driver is gone: training goes on, unsupervised
+        os.environ.pop(ENV, None)
