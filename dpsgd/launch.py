@@ -31,12 +31,8 @@ def peer_env(extra: dict | None = None) -> dict:
     # (4x a 44 MB exchange on this VM): keep freed memory for reuse, as jemalloc / tcmalloc do
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**34))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**34))
-    for key, value in (extra or {}).items():  # None removes a variable
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
+    env.update(extra or {})
+    return {key: value for key, value in env.items() if value is not None}  # None in `extra` removes a variable
 
 
 def mpiexec() -> str:
@@ -83,28 +79,20 @@ def run_processes(
         try:
             for cmd, env, log in commands:
                 out = logs.enter_context(log.open("w")) if log is not None else None
+                stdout = out if stdout_to_log else None
                 procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=peer_env(env),
-                        start_new_session=True,
-                        stderr=out,
-                        stdout=out if stdout_to_log else None,
-                    )
+                    subprocess.Popen(cmd, env=peer_env(env), start_new_session=True, stdout=stdout, stderr=out)
                 )
             while True:
                 codes = [p.poll() for p in procs]
                 if codes_out is not None:
                     codes_out[:] = codes
-                failed = [c for c in codes if c not in (None, 0)]
-                if failed:
-                    _stop(procs)
-                    return failed[0]
                 if all(c == 0 for c in codes):
                     return 0
-                if deadline is not None and time.monotonic() > deadline:
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed or (deadline is not None and time.monotonic() > deadline):
                     _stop(procs)
-                    return 124
+                    return failed[0] if failed else 124
                 time.sleep(0.05)
         except BaseException:
             _stop(procs)

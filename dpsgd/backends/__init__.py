@@ -1,11 +1,6 @@
-"""Backends as records: everything the toolkit asks of a backend, in one `Backend` per module.
-
-A record says how to make this process's communicator (`connect`), whether a launcher (mpiexec,
-srun, torchrun) made this process one rank of its world (`world`), how the driver starts the peers
-of a run (`start`, `spawn`), whether it can run here (`missing`) and what it can do (`threads`,
-`processes`, `checkpoints`); the rest of the code asks these, never a backend's name. A new
-backend is one module here that calls `register(...)` and one config file, conf/backend/NAME.yaml.
-"""
+"""Backends as records: everything the toolkit asks of a backend, in one `Backend` per module; the rest
+of the code asks these, never a backend's name. A new backend is one module here that calls
+`register(...)` and one config file, conf/backend/NAME.yaml."""
 
 from __future__ import annotations
 
