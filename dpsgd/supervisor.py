@@ -58,22 +58,19 @@ class Supervisor:
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._server, selectors.EVENT_READ)
-        pending: dict[socket.socket, list] = {}  # connection -> [unparsed bytes, its rank]
         while not self._stop.is_set():
             for key, _ in sel.select(timeout=0.1):
                 if key.fileobj is self._server:
                     conn, _ = self._server.accept()
                     conn.setblocking(False)
-                    sel.register(conn, selectors.EVENT_READ)
-                    pending[conn] = [b"", None]
+                    sel.register(conn, selectors.EVENT_READ, data=[b"", None])  # [unparsed bytes, its rank]
                     continue
-                conn = cast(socket.socket, key.fileobj)
+                conn, state = cast(socket.socket, key.fileobj), key.data
                 try:
                     data = conn.recv(4096)
                 except OSError:
                     data = b""
                 now = time.time()
-                state = pending[conn]
                 state[0] += data
                 while len(state[0]) >= _FRAME.size:
                     rank, step = _FRAME.unpack_from(state[0])
@@ -87,9 +84,9 @@ class Supervisor:
                         self.ended.setdefault(state[1], now)
                     sel.unregister(conn)
                     conn.close()
-                    del pending[conn]
-        for conn in pending:
-            conn.close()
+        for key in list(sel.get_map().values()):
+            if key.fileobj is not self._server:
+                cast(socket.socket, key.fileobj).close()
         sel.close()
 
 
