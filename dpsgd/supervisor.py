@@ -27,7 +27,7 @@ _FRAME = struct.Struct("<iq")  # rank, step
 _FINISHED = -1  # the step value a peer sends when it ends normally
 
 
-class Supervisor:
+class Supervisor(contextlib.AbstractContextManager):
     """The driver's record of its peers: the last step each began and when each one's process ended."""
 
     def __init__(self):
@@ -48,9 +48,6 @@ class Supervisor:
         self._thread.join(timeout=2)
         self._server.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> Supervisor:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
