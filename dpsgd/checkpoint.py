@@ -28,10 +28,10 @@ def _step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as fh:
-        write(fh)
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -44,8 +44,7 @@ def _write_atomic(path: Path, write) -> None:
 
 def write_json_atomic(path: Path, obj) -> None:
     """A JSON file written to a temporary name and renamed: a reader never sees half of it."""
-    data = (json.dumps(obj, indent=2) + "\n").encode()
-    _write_atomic(Path(path), lambda fh: fh.write(data))
+    _write_atomic(Path(path), (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def save(comm, run_dir: Path, step: int, state: dict) -> None:
@@ -55,13 +54,11 @@ def save(comm, run_dir: Path, step: int, state: dict) -> None:
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
-    _write_atomic(folder / f"rank{comm.rank}.pt", lambda fh: fh.write(data))
-    digest = f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
-    _write_atomic(folder / f"rank{comm.rank}.sha256", lambda fh: fh.write(digest))
+    _write_atomic(folder / f"rank{comm.rank}.pt", data)
+    _write_atomic(folder / f"rank{comm.rank}.sha256", f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode())
     comm.barrier()
     if comm.rank == 0:
-        marker = json.dumps({"step": step, "peers": comm.size}).encode()
-        _write_atomic(folder / "COMPLETE", lambda fh: fh.write(marker))
+        _write_atomic(folder / "COMPLETE", json.dumps({"step": step, "peers": comm.size}).encode())
         for old in complete_steps(run_dir, comm.size, verify=False)[:-KEEP]:
             shutil.rmtree(_step_dir(run_dir, old), ignore_errors=True)
 
@@ -69,12 +66,8 @@ def save(comm, run_dir: Path, step: int, state: dict) -> None:
 def complete_steps(run_dir: Path, peers: int, verify: bool = True) -> list[int]:
     """Steps with a complete checkpoint of all `peers`, oldest first (`verify`: every file's size and
     digest checked too, which reads every file)."""
-    root = Path(run_dir) / "checkpoints"
-    steps = []
-    for folder in sorted(root.glob("step_*")) if root.is_dir() else []:
-        if torn(folder, peers, verify) is None:
-            steps.append(int(json.loads((folder / "COMPLETE").read_text())["step"]))
-    return steps
+    folders = sorted((Path(run_dir) / "checkpoints").glob("step_*"))  # none when there is no such folder
+    return [int(json.loads((f / "COMPLETE").read_text())["step"]) for f in folders if torn(f, peers, verify) is None]
 
 
 def torn(folder: Path, peers: int, verify: bool = True) -> str | None:
@@ -104,6 +97,4 @@ def load_latest(run_dir: Path, rank: int, peers: int) -> dict | None:
     """This peer's state at the newest complete checkpoint, or None when there is none. Every peer
     reaches the same answer (each checks all files); newer torn steps are skipped, never mixed in."""
     steps = complete_steps(run_dir, peers)
-    if not steps:
-        return None
-    return torch.load(_step_dir(run_dir, steps[-1]) / f"rank{rank}.pt", weights_only=True)
+    return None if not steps else torch.load(_step_dir(run_dir, steps[-1]) / f"rank{rank}.pt", weights_only=True)

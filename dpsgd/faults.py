@@ -65,13 +65,11 @@ class FaultPlan:
             record = backends.get(backend)
             if not record.real_peers:
                 raise ValueError(
-                    f"faults need real peers and backend={backend} simulates them; use "
-                    f"backend={_one_of([n for n in backends.names() if backends.get(n).real_peers])}"
+                    f"faults need real peers and backend={backend} simulates them; use backend={_having('real_peers')}"
                 )
             if plan.drop_messages and not record.threads:
                 raise ValueError(
-                    f"faults.drop_messages works on backend="
-                    f"{_one_of([n for n in backends.names() if backends.get(n).threads])} only (got "
+                    f"faults.drop_messages works on backend={_having('threads')} only (got "
                     f"backend={backend}); on processes, kill or hang a peer instead (faults.kill_peer)"
                 )
         return plan
@@ -131,6 +129,7 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _one_of(choices: list[str]) -> str:
-    """'local, mpi or torch'."""
+def _having(capability: str) -> str:
+    """'local, mpi or torch': the backends whose record has `capability`."""
+    choices = [n for n in backends.names() if getattr(backends.get(n), capability)]
     return " or ".join(filter(None, (", ".join(choices[:-1]), choices[-1])))

@@ -1,16 +1,13 @@
-"""Start peers on this machine: mpiexec from the MPI wheel, or n torch.distributed processes (which
-backend does which, and how a launched rank is recognised, is each record's in dpsgd.backends).
+"""Start peer processes on this machine, and say in one line why a run of them failed.
 
-Everything a runtime needs on one machine (loopback only, one torch thread per peer, ranks
-beyond the core count) is set here, so users never set it by hand.
-
-`run_peers` is what the experiment driver uses: each peer's output goes to LOG_DIR/rank{r}.log, the
-driver follows every peer's steps (dpsgd.supervisor), the first failure stops all peers, and the
-outcome names the peer that failed first, the step and why, in one line.
+Everything a runtime needs on one machine (loopback only, one thread per peer, ranks beyond the
+core count) is set here, so users never set it by hand. A run's processes are followed together:
+the first failure (or the deadline) stops all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -18,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from dpsgd.supervisor import Supervisor
@@ -35,12 +31,8 @@ def peer_env(extra: dict | None = None) -> dict:
     # (4x a 44 MB exchange on this VM): keep freed memory for reuse, as jemalloc / tcmalloc do
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**34))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**34))
-    for key, value in (extra or {}).items():  # None removes a variable
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
+    env.update(extra or {})
+    return {key: value for key, value in env.items() if value is not None}  # None in `extra` removes a variable
 
 
 def mpiexec() -> str:
@@ -71,28 +63,40 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _supervise(procs: list[subprocess.Popen], timeout_s: float | None, codes_out: list | None = None) -> int:
-    """Wait for all; the first failure (or the deadline) stops the rest. Returns the exit code;
-    `codes_out` receives each process's exit code as it was when the first failure was seen."""
+def run_processes(
+    commands: list[tuple[list[str], dict | None, Path | None]],
+    timeout_s: float | None,
+    codes_out: list | None = None,
+    stdout_to_log: bool = False,
+) -> int:
+    """Start each (command line, extra environment, log file) in its own session, its stderr (and with
+    `stdout_to_log` its stdout) to its log, and wait for all; the first failure (or the deadline) stops
+    the rest. Returns the exit code; `codes_out` receives each process's exit code as it was when the
+    first failure was seen."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if codes_out is not None:
-                codes_out[:] = codes
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                _stop(procs)
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                _stop(procs)
-                return 124
-            time.sleep(0.05)
-    except BaseException:
-        _stop(procs)
-        raise
+    procs: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as logs:
+        try:
+            for cmd, env, log in commands:
+                out = logs.enter_context(log.open("w")) if log is not None else None
+                stdout = out if stdout_to_log else None
+                procs.append(
+                    subprocess.Popen(cmd, env=peer_env(env), start_new_session=True, stdout=stdout, stderr=out)
+                )
+            while True:
+                codes = [p.poll() for p in procs]
+                if codes_out is not None:
+                    codes_out[:] = codes
+                if all(c == 0 for c in codes):
+                    return 0
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed or (deadline is not None and time.monotonic() > deadline):
+                    _stop(procs)
+                    return failed[0] if failed else 124
+                time.sleep(0.05)
+        except BaseException:
+            _stop(procs)
+            raise
 
 
 def spawn_mpi(
@@ -109,79 +113,8 @@ def spawn_mpi(
         # MPICH's mpiexec would start its proxy with srun, which waits forever for CPUs the
         # running job step already holds: start the ranks on this node directly
         cmd += ["-launcher", "fork"]
-    cmd += [sys.executable, *argv]
-    out = (Path(log_dir) / "launcher.log").open("w") if log_dir is not None else None
-    try:
-        proc = subprocess.Popen(
-            cmd, env=peer_env(env), start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
-        )
-        return _supervise([proc], timeout_s)
-    finally:
-        if out:
-            out.close()
-
-
-def spawn_torch(
-    n: int,
-    argv: list[str],
-    timeout_s: float | None = None,
-    env: dict | None = None,
-    log_dir: Path | None = None,
-    codes_out: list | None = None,
-) -> int:
-    """Run `argv` as n processes of one torch.distributed world on this machine (with `log_dir`,
-    rank r's stderr goes to log_dir/rank{r}.log)."""
-    base = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-        "GLOO_SOCKET_IFNAME": "lo",
-        **(env or {}),
-    }
-    logs = [(Path(log_dir) / f"rank{r}.log").open("w") if log_dir is not None else None for r in range(n)]
-    try:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, *argv],
-                start_new_session=True,
-                stderr=logs[r],
-                env=peer_env({**base, "RANK": str(r), "LOCAL_RANK": str(r)}),
-            )
-            for r in range(n)
-        ]
-        return _supervise(procs, timeout_s, codes_out)
-    finally:
-        for f in logs:
-            if f:
-                f.close()
-
-
-@dataclass
-class Outcome:
-    """How a run of peer processes ended."""
-
-    code: int  # 0: every peer finished
-    failure: str | None  # one line: the peer that failed first, at which step, and why
-    seconds: float
-
-
-def run_peers(spawn, n: int, argv: list[str], log_dir: Path, env: dict | None = None) -> Outcome:
-    """Start n peers with `spawn` (a backend's: spawn(n, argv, env=, log_dir=, codes_out=) -> exit code),
-    follow them, and on the first failure stop all of them and say who failed."""
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    codes: list = []  # each process's exit code when the first failure was seen, where the spawner knows them
-    with Supervisor() as sup:
-        env = {**(env or {}), **sup.env()}
-        code = spawn(n, argv, env=env, log_dir=log_dir, codes_out=codes)
-        # the supervisor reads closings in its own thread: let it see the last of them
-        settle = time.monotonic() + 1.0
-        while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:
-            time.sleep(0.01)
-        failure = None if code == 0 else first_failure(log_dir, sup, code, n, codes)
-    return Outcome(code, failure, time.monotonic() - start)
+    log = Path(log_dir) / "launcher.log" if log_dir is not None else None
+    return run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
 
 
 def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None) -> str:
@@ -192,18 +125,17 @@ def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list
         path = log_dir / ERROR_FILE.format(rank=r)
         if path.exists():
             errors[r] = (path.stat().st_mtime, path.read_text().strip())
-    silent_deaths = sorted((t, r) for r, t in dict(sup.ended).items() if r not in errors)
-    silent = (silent_deaths[0][1], silent_deaths[0][0]) if silent_deaths else None
+    silent = min(((t, r) for r, t in dict(sup.ended).items() if r not in errors), default=None)  # (when, rank)
     signalled = [r for r, c in enumerate(codes or []) if c is not None and c < 0]  # torch: not by us, yet
     if signalled:
-        silent = (signalled[0], sup.ended.get(signalled[0], 0.0))
+        silent = (sup.ended.get(signalled[0], 0.0), signalled[0])
     first_error = min(errors.values()) if errors else None
     # a silent death is the cause when it came first, or when the first error says a peer failed (a
     # survivor may notice the death before the driver's thread does); a peer that timed out is the
     # cause of the silent deaths that follow (the launcher kills the others, the hung one included)
     caused = first_error is not None and ": PeerFailedError: " in first_error[1]
-    if silent is not None and (first_error is None or caused or signalled or silent[1] <= first_error[0]):
-        rank = silent[0]
+    if silent is not None and (first_error is None or caused or signalled or silent[0] <= first_error[0]):
+        rank = silent[1]
         step = sup.steps.get(rank)
         last = _last_line(log_dir / f"rank{rank}.log")
         reason = _exit_reason(log_dir, codes[rank] if codes and codes[rank] else code)

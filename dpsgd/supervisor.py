@@ -27,7 +27,7 @@ _FRAME = struct.Struct("<iq")  # rank, step
 _FINISHED = -1  # the step value a peer sends when it ends normally
 
 
-class Supervisor:
+class Supervisor(contextlib.AbstractContextManager):
     """The driver's record of its peers: the last step each began and when each one's process ended."""
 
     def __init__(self):
@@ -43,17 +43,11 @@ class Supervisor:
         self._thread = threading.Thread(target=self._serve, name="dpsgd-supervisor", daemon=True)
         self._thread.start()
 
-    def env(self) -> dict:
-        return {ENV: self.path}
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._server.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> Supervisor:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -61,22 +55,19 @@ class Supervisor:
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._server, selectors.EVENT_READ)
-        pending: dict[socket.socket, list] = {}  # connection -> [unparsed bytes, its rank]
         while not self._stop.is_set():
             for key, _ in sel.select(timeout=0.1):
                 if key.fileobj is self._server:
                     conn, _ = self._server.accept()
                     conn.setblocking(False)
-                    sel.register(conn, selectors.EVENT_READ)
-                    pending[conn] = [b"", None]
+                    sel.register(conn, selectors.EVENT_READ, data=[b"", None])  # [unparsed bytes, its rank]
                     continue
-                conn = cast(socket.socket, key.fileobj)
+                conn, state = cast(socket.socket, key.fileobj), key.data
                 try:
                     data = conn.recv(4096)
                 except OSError:
                     data = b""
                 now = time.time()
-                state = pending[conn]
                 state[0] += data
                 while len(state[0]) >= _FRAME.size:
                     rank, step = _FRAME.unpack_from(state[0])
@@ -90,54 +81,48 @@ class Supervisor:
                         self.ended.setdefault(state[1], now)
                     sel.unregister(conn)
                     conn.close()
-                    del pending[conn]
-        for conn in pending:
-            conn.close()
+        for key in list(sel.get_map().values()):
+            if key.fileobj is not self._server:
+                cast(socket.socket, key.fileobj).close()
         sel.close()
 
 
-class _Reporter:
-    def __init__(self, rank: int, path: str):
-        self.rank = rank
-        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
-
-    def send(self, step: int) -> None:
-        if self._sock is None:
-            return
-        try:
-            self._sock.sendall(_FRAME.pack(self.rank, step))
-        except OSError:  # the driver is gone: training goes on, unsupervised
-            self._sock = None
-
-
-_reporter: _Reporter | None = None
+_conn: tuple[socket.socket, int] | None = None  # this peer's connection to the driver, and its rank
 _lock = threading.Lock()
 
 
 def report_step(rank: int, step: int) -> None:
     """Tell the driver (if it started this process) that peer `rank` begins step `step`."""
-    global _reporter
+    global _conn
     path = os.environ.get(ENV)
     if not path:
         return
     with _lock:
-        if _reporter is None:
+        if _conn is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                _reporter = _Reporter(rank, path)
+                sock.connect(path)
             except OSError:
+                sock.close()
                 os.environ.pop(ENV, None)  # no driver listening: stop trying
                 return
-        _reporter.send(step)
+            _conn = (sock, rank)
+        _send(_conn, step)
 
 
 def report_finished() -> None:
     """This peer ended normally: the closing of its connection is not a failure."""
-    global _reporter
+    global _conn
     with _lock:
-        if _reporter is not None:
-            _reporter.send(_FINISHED)
-            if _reporter._sock is not None:
-                with contextlib.suppress(OSError):
-                    _reporter._sock.close()
-            _reporter = None
+        if _conn is not None:
+            _send(_conn, _FINISHED)
+            with contextlib.suppress(OSError):
+                _conn[0].close()
+            _conn = None
+
+
+def _send(conn: tuple[socket.socket, int], step: int) -> None:
+    try:
+        conn[0].sendall(_FRAME.pack(conn[1], step))
+    except OSError:  # the driver is gone: training goes on, unsupervised
+        os.environ.pop(ENV, None)

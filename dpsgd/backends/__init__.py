@@ -1,20 +1,17 @@
-"""Backends as records: everything the toolkit asks of a backend, in one `Backend` per module.
-
-A record says how to make this process's communicator (`connect`), whether a launcher (mpiexec,
-srun, torchrun) made this process one rank of its world (`world`), how the driver starts the peers
-of a run (`start`, `spawn`), whether it can run here (`missing`) and what it can do (`threads`,
-`processes`, `checkpoints`); the rest of the code asks these, never a backend's name. A new
-backend is one module here that calls `register(...)` and one config file, conf/backend/NAME.yaml.
-"""
+"""Backends as records: everything the toolkit asks of a backend, in one `Backend` per module; the rest
+of the code asks these, never a backend's name. A new backend is one module here that calls
+`register(...)` and one config file, conf/backend/NAME.yaml."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from dpsgd.comm import Communicator
-from dpsgd.launch import run_peers
+from dpsgd.launch import first_failure
+from dpsgd.supervisor import ENV, Supervisor
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -69,18 +66,28 @@ class Backend:
         codes_out: list | None = None,
     ) -> int:
         """Run `argv` (a python command line without the interpreter) on n processes of one world on this
-        machine; the exit code (dpsgd.launch: the first failure stops all)."""
+        machine, rank r's stderr to log_dir/rank{r}.log; the exit code (the first failure stops all)."""
         valid = ", ".join(n for n in names() if get(n).processes)
         raise ValueError(f"cannot spawn processes for backend {self.name!r}; valid: {valid}")
 
     def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
         """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
-        return its summary; `argv` is one peer process's command line. Raises RunFailed."""
+        return its summary; `argv` is one peer process's command line. Raises RunFailed: one line
+        naming the peer that failed first (followed by dpsgd.supervisor), the step and why."""
         logs = run_dir / "logs"
-        progress = {"DPSGD_PROGRESS": "1" if sys.stdout.isatty() else "0"}  # the peers' stdout is a pipe
-        outcome = run_peers(self.spawn, cfg["peers"], argv, logs, env=progress)
-        if outcome.code != 0:
-            raise RunFailed(f"{outcome.failure}; all peers stopped after {outcome.seconds:.1f} s (logs: {logs})")
+        logs.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        codes: list = []  # each process's exit code when the first failure was seen, where `spawn` knows them
+        with Supervisor() as sup:
+            progress = "1" if sys.stdout.isatty() else "0"  # decided here: the peers' stdout is a pipe
+            env = {"DPSGD_PROGRESS": progress, ENV: sup.path}
+            code = self.spawn(cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
+            if code != 0:
+                settle = time.monotonic() + 1.0  # the supervisor's thread reads closings: let it see the last
+                while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:
+                    time.sleep(0.01)
+                failure = first_failure(logs, sup, code, cfg["peers"], codes)
+                raise RunFailed(f"{failure}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
         return json.loads((run_dir / "summary.json").read_text())
 
 

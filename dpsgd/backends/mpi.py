@@ -14,14 +14,6 @@ from dpsgd.comm import DEFAULT_TIMEOUT_S
 from . import Backend, register
 
 
-def in_mpi_world() -> bool:
-    """True when this process was started by mpiexec/srun as one rank of several."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        if int(os.environ.get(var, "1") or 1) > 1:
-            return True
-    return False
-
-
 def mpi_import_error() -> str | None:
     """Why mpi4py cannot load an MPI library here, or None. Tried in a child process: loading MPI
     into the driver would initialize it there."""
@@ -44,7 +36,8 @@ class MPIBackend(Backend):
         return MPICommunicator(timeout_s=timeout_s, **options)
 
     def world(self) -> tuple[int, int] | None:
-        if not in_mpi_world():
+        sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")  # set by mpiexec/srun
+        if all(int(os.environ.get(var, "1") or 1) <= 1 for var in sizes):
             return None
         from dpsgd.comm.mpi import load_mpi
 

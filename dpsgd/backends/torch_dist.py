@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 from dpsgd import launch
 from dpsgd.comm import DEFAULT_TIMEOUT_S
@@ -63,7 +64,20 @@ class TorchBackend(Backend):
             )
         return None
 
-    spawn = staticmethod(launch.spawn_torch)
+    def spawn(self, n: int, argv: list[str], timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+        base = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(launch.free_port()),
+            "WORLD_SIZE": str(n),
+            "LOCAL_WORLD_SIZE": str(n),
+            "GLOO_SOCKET_IFNAME": "lo",
+            **(env or {}),
+        }
+        logs = [None if log_dir is None else Path(log_dir) / f"rank{r}.log" for r in range(n)]
+        ranks = [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
+        return launch.run_processes(
+            [([sys.executable, *argv], ranks[r], logs[r]) for r in range(n)], timeout_s, codes_out
+        )
 
 
 register(TorchBackend())
