@@ -164,6 +164,6 @@ def _exit_reason(log_dir: Path, code: int) -> str:
     for line in text.splitlines():  # MPICH: "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)"
         if "EXIT STRING:" in line:
             return line.split("EXIT STRING:", 1)[1].strip()
-    if text:  # mpiexec did not say how the rank ended (another rank's exit reached it first)
+    if launcher.exists():  # mpiexec did not say how the rank ended (another rank's exit reached it first)
         return f"its process ended; mpiexec exited with code {code}"
     return f"exit code {code}"
