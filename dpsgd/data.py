@@ -10,6 +10,7 @@ packages, file-based ones are read from `root`.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import pickle
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ DATASETS = ("digits", "mnist_small", "synthetic", "synthetic_regression", "tiny_
 PARTITIONS = ("iid", "dirichlet", "shards")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Split:
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -43,6 +44,7 @@ class DataNotFoundError(FileNotFoundError):
     """A file-based dataset whose files are not under `root`."""
 
 
+@functools.lru_cache(maxsize=4)  # peers in one process (local backend, fleet, checks) share one read-only copy
 def load(
     name: str,
     test_fraction: float = 0.2,

@@ -133,9 +133,13 @@ def pytest_collection_modifyitems(config, items):
         fn = getattr(item, "function", None)
         if fn is None:
             continue
-        if fn not in verdicts:
-            verdicts[fn] = _starts_processes(fn, getattr(item, "module", None), set())
-        if verdicts[fn] or "app" in getattr(item, "fixturenames", ()):
+        module = getattr(item, "module", None)
+        # the test's own code, and the fixtures it uses (a module-scoped one may start the peers)
+        fixtures = [defs[-1].func for defs in item._fixtureinfo.name2fixturedefs.values() if defs]
+        for code in [fn, *(f for f in fixtures if getattr(f, "__module__", None) == getattr(module, "__name__", ""))]:
+            if code not in verdicts:
+                verdicts[code] = _starts_processes(code, module, set())
+        if any(verdicts[c] for c in verdicts if c is fn or c in fixtures) or "app" in item.fixturenames:
             item.add_marker(pytest.mark.processes)
 
 
