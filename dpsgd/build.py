@@ -1,11 +1,11 @@
 """One peer's parts, built from a resolved experiment config (a plain dict): data split and share,
 batches, model, topology, base and distributed optimizer, loss, straggler emulation.
 
-Both training loops (synchronous and asynchronous) and the config validator build through here,
-so a config means the same thing everywhere. A model or algorithm config may name its own class
-with Hydra's `_target_` (e.g. `model._target_=mypkg.MyNet`): the class is imported and called with
-the config's other keys (a model also gets no positional arguments; a distributed optimizer gets
-the base optimizer, `comm=` and `topology=`).
+Real peers, the fleet, the event simulator and the config validator build through here, so a config
+means the same thing everywhere. A model, algorithm or topology config may name its own class or
+function with Hydra's `_target_` (e.g. `model._target_=mypkg.MyNet`): it is imported and called with
+the config's other keys (a model with no positional arguments; a distributed optimizer with the base
+optimizer, `topology=` and `comm=`; a topology with the number of peers).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """An experiment on the fleet: `train_fleet(cfg, out_dir)` is `dpsgd.training.train` for
-`backend=fleet`. It runs all peers in this process (dpsgd.sim.Fleet; AD-PSGD by the event simulator,
-dpsgd.sim.events) and writes the same files with the same keys as a real run: `metrics.jsonl` (one
-record every `log_every` steps) and `summary.json`, so `experiments.report` reads fleet sweeps as it
-reads real ones. `comm_time_s` is the time the fleet spent in its communication operations (the
-products with W, the means), which every peer shares; nothing waits, so `comm_overlap_s` is 0."""
+`backend=fleet`. It runs all peers in this process (dpsgd.sim.Fleet; an asynchronous algorithm on the
+event simulator, dpsgd.sim.events) through the one training loop (`dpsgd.training.run_loop`), which
+writes the same files with the same keys as a real run, so `experiments.report` reads fleet sweeps.
+`comm_time_s` is the time the fleet spent in its communication operations (the products with W, the
+means), which every peer shares; nothing waits, so `comm_overlap_s` is 0."""
 
 from __future__ import annotations
 
