@@ -50,5 +50,5 @@ def test_peers_seeded_differently_start_from_rank_0s_parameters(results, backend
     for name in ALGORITHMS:
         first = ranks[0]["initial"][name]
         assert all(r["initial"][name] == first for r in ranks[1:]), f"{backend}: {name} left the peers apart"
-    seeded = [torch.manual_seed(1000 + r) and torch.nn.Linear(5, 4).weight.reshape(-1)[0].item() for r in range(N)]
+    seeded = [peer.seeded_model(r)[0].weight.reshape(-1)[0].item() for r in range(N)]
     assert len(set(seeded)) == N and ranks[0]["initial"]["dpsgd"][0] == pytest.approx(seeded[0])

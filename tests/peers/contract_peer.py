@@ -37,12 +37,22 @@ def config(peers: int = 4, backend: str = "local") -> dict:
     return runs.experiment(algorithm, "ring", peers, backend)
 
 
+def seeded_model(rank: int) -> torch.nn.Module:
+    """A model whose parameters differ per rank, drawn from the rank's own generator: local-backend
+    peers are threads, and torch's global RNG would be shared (and raced) between them."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    generator = torch.Generator().manual_seed(1000 + rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return model
+
+
 def initial_parameters(comm) -> dict:
     """Each algorithm's parameters right after construction, on a model seeded by this rank."""
     out = {}
     for name in ALGORITHMS:
-        torch.manual_seed(1000 + comm.rank)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+        model = seeded_model(comm.rank)
         options = {k: v for k, v in runs.load("algorithm", name).items() if k not in BASE_KEYS}
         topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
         opt = build(name, torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, comm=comm, **options)
