@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import topologies
-from dpsgd import data, faults, metrics, models, netem, supervisor
+from dpsgd import data, faults, metrics, models, netem, placement, supervisor
 from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.seeds import batch_seed
 
@@ -206,7 +206,7 @@ def build_peer(comm, cfg: dict) -> Peer:
     seed = int(cfg["seed"])
     network = netem.NetworkEmulator.from_config(cfg.get("network"), comm.rank, comm.size, seed)
     comm.attach_network(network)  # before the optimizer: some exchange at construction
-    device = torch.device(cfg.get("device", "cpu"))
+    device = placement.place(cfg, comm.rank, comm.size)
     split = load_data(cfg)
     shares = partition(cfg, split, comm.size)
     share = shares[comm.rank]

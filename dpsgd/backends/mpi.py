@@ -35,6 +35,9 @@ class MPIBackend(Backend):
 
         return MPICommunicator(timeout_s=timeout_s, **options)
 
+    def options(self, cfg: dict) -> dict:
+        return {"staging": cfg["backend"].get("staging", "auto")}
+
     def world(self) -> tuple[int, int] | None:
         sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")  # set by mpiexec/srun
         if all(int(os.environ.get(var, "1") or 1) <= 1 for var in sizes):

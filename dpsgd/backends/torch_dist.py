@@ -8,7 +8,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from dpsgd import launch
+from dpsgd import launch, placement
 from dpsgd.comm import DEFAULT_TIMEOUT_S
 
 from . import Backend, register
@@ -26,8 +26,10 @@ class TorchBackend(Backend):
         return TorchCommunicator(timeout_s=timeout_s, **options)
 
     def options(self, cfg: dict) -> dict:
-        default = "nccl" if cfg.get("device") == "cuda" else "gloo"
-        return {"dist_backend": cfg["backend"].get("dist_backend") or default}
+        return {
+            "dist_backend": "nccl" if placement.uses_nccl(cfg) else "gloo",
+            "staging": cfg["backend"].get("staging", "auto"),
+        }
 
     def world(self) -> tuple[int, int] | None:
         size = int(os.environ.get("WORLD_SIZE", "1") or 1)

@@ -22,6 +22,8 @@ from topologies import Neighbors, Topology
 if TYPE_CHECKING:
     from dpsgd.netem import NetworkEmulator
 
+    from .staging import HostStaging
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -106,18 +108,33 @@ class Handle:
     """A started public operation; `wait()` returns its result as a list of tensors shaped
     like the input list."""
 
-    def __init__(self, comm: Communicator, op: str, pending: Pending, finish, peers: Sequence[int], arrival=None):
+    def __init__(
+        self, comm: Communicator, op: str, pending: Pending, finish, peers: Sequence[int], arrival=None, device=None
+    ):
         self._comm, self._op, self._pending, self._finish = comm, op, pending, finish
         self._arrival = arrival  # emulated network: when the last message this operation needs arrives
         self._peers = list(peers)
         self._result: list[torch.Tensor] | None = None
         self._started = time.monotonic()
         self._counting = comm._counting
+        # on a GPU the host only queues work: the computation overlapped is timed on the device
+        self._started_on_device = None
+        if self._counting and device is not None and device.type == "cuda":
+            self._started_on_device = torch.cuda.Event(enable_timing=True)
+            self._started_on_device.record()
+
+    def _overlap_s(self) -> float:
+        if self._started_on_device is None:
+            return time.monotonic() - self._started
+        waited = torch.cuda.Event(enable_timing=True)
+        waited.record()
+        waited.synchronize()
+        return self._started_on_device.elapsed_time(waited) / 1000
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
             if self._counting:
-                self._comm.stats.overlap_s += time.monotonic() - self._started
+                self._comm.stats.overlap_s += self._overlap_s()
             self._comm._wait(self._op, self._pending, self._peers)
             arrival = self._arrival() if self._arrival is not None else None  # before finish() frees buffers
             self._result = self._finish()
@@ -165,6 +182,8 @@ class Communicator(ABC):
         self._tag = 0
         self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
         self.network: NetworkEmulator | None = None  # see attach_network
+        # CUDA tensors through host buffers, for transports that read host memory only (dpsgd.comm.staging)
+        self.staging: HostStaging | None = None
 
     def attach_network(self, network: NetworkEmulator) -> None:
         """Emulate `network` (a `dpsgd.netem.NetworkEmulator`) in every counted operation: messages carry
@@ -209,14 +228,14 @@ class Communicator(ABC):
         buf = flatten(tensors)  # a fresh copy: the reduction never touches the caller's tensors
         ring = ring_allreduce_bytes(buf.nbytes, self.size)
         self._count("allreduce_mean", sent=ring, received=ring, messages=2 * (self.size - 1))
-        pending = self._start_allreduce_sum(buf) if self.size > 1 else _Done()
+        pending = self._allreduce_sum(buf) if self.size > 1 else _Done()
         arrival = None
         net = self._emulation()
         if net is not None and self.size > 1:
             # every peer's start time, summed into its own slot: the reduction completes at the latest
             started = torch.zeros(self.size, dtype=torch.float64, device=buf.device)
             started[self.rank] = net.clock.now() + net.jitter()
-            pending = _All([pending, self._start_allreduce_sum(started)])
+            pending = _All([pending, self._allreduce_sum(started)])
 
             def arrival(net=net):
                 return float(started.max()) + net.link.allreduce_time(buf.nbytes, self.size)
@@ -224,7 +243,7 @@ class Communicator(ABC):
         def finish():
             return unflatten(buf.div_(self.size), tensors)
 
-        return Handle(self, "allreduce_mean", pending, finish, range(self.size), arrival)
+        return Handle(self, "allreduce_mean", pending, finish, range(self.size), arrival, buf.device)
 
     def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self.start_allreduce_mean(tensors).wait()
@@ -253,7 +272,7 @@ class Communicator(ABC):
             self._release_buffers(ex.received.values())
             return unflatten(out, tensors)
 
-        return Handle(self, "neighbor_average", ex, finish, recv_from, arrival)
+        return Handle(self, "neighbor_average", ex, finish, recv_from, arrival, buf.device)
 
     def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> list[torch.Tensor]:
         return self.start_neighbor_average(tensors, weights).wait()
@@ -272,7 +291,9 @@ class Communicator(ABC):
             messages=len(send_to),
         )
         ex, received, arrival = self._start_stamped_exchange(buf, send_to, recv_from)
-        return Handle(self, "neighbor_exchange", ex, lambda: [received(p) for p in recv_from], recv_from, arrival)
+        return Handle(
+            self, "neighbor_exchange", ex, lambda: [received(p) for p in recv_from], recv_from, arrival, buf.device
+        )
 
     def neighbor_exchange(
         self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]
@@ -286,7 +307,7 @@ class Communicator(ABC):
         self._check_peers("exchange", [peer])
         self._count("exchange", sent=buf.nbytes, received=buf.nbytes, messages=1)
         ex, received, arrival = self._start_stamped_exchange(buf, [peer], [peer])
-        return Handle(self, "exchange", ex, lambda: unflatten(received(peer), tensors), [peer], arrival)
+        return Handle(self, "exchange", ex, lambda: unflatten(received(peer), tensors), [peer], arrival, buf.device)
 
     def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
         return self.start_exchange(tensors, peer).wait()
@@ -348,7 +369,7 @@ class Communicator(ABC):
                     if self.rank == root
                     else torch.zeros(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
                 )
-                self._wait("broadcast", self._start_allreduce_sum(buf), range(self.size))
+                self._wait("broadcast", self._allreduce_sum(buf), range(self.size))
                 for t, value in zip(group, unflatten(buf, group)):
                     t.copy_(value)
 
@@ -366,7 +387,10 @@ class Communicator(ABC):
         self._check_peers("send", [peer])
         self._check_tag(tag)
         self._count("send", sent=buf.nbytes, received=0, messages=1)
-        return self._start_send(buf.contiguous(), peer, tag)
+        buf = buf.contiguous()
+        if self.staging is not None and self.staging.applies(buf):
+            return self.staging.send(self._start_send, buf, peer, tag)
+        return self._start_send(buf, peer, tag)
 
     def start_recv(self, buf: torch.Tensor, source: int | None = None, tag: int = 0) -> Request:
         """Receive into the contiguous `buf` from `source` (None: any peer; the request's
@@ -377,6 +401,8 @@ class Communicator(ABC):
             self._check_peers("recv", [source])
         self._check_tag(tag)
         self._count("recv", sent=0, received=buf.nbytes, messages=0)
+        if self.staging is not None and self.staging.applies(buf):
+            return self.staging.recv(self._start_recv, buf, source, tag)
         return self._start_recv(buf, source, tag)
 
     def wait_request(self, op: str, request: Request, peers: Sequence[int]) -> None:
@@ -406,11 +432,11 @@ class Communicator(ABC):
         emulated network each message carries 8 more bytes: when, on the sender's clock, it arrives."""
         net = self._emulation()
         if net is None:
-            ex = self._start_exchange(buf, send_to, recv_from, self._next_tag())
+            ex = self._exchange(buf, send_to, recv_from, self._next_tag())
             return ex, lambda peer: ex.received[peer], None
         sent_at = net.send_stamp(buf.nbytes, len(send_to))
         stamp = torch.tensor([sent_at], dtype=torch.float64, device=buf.device).view(torch.uint8)
-        ex = self._start_exchange(torch.cat([buf.view(torch.uint8), stamp]), send_to, recv_from, self._next_tag())
+        ex = self._exchange(torch.cat([buf.view(torch.uint8), stamp]), send_to, recv_from, self._next_tag())
 
         def received(peer):
             return ex.received[peer][:-8].view(buf.dtype)
@@ -419,6 +445,16 @@ class Communicator(ABC):
             return max([sent_at] + [float(ex.received[p][-8:].clone().view(torch.float64)) for p in recv_from])
 
         return ex, received, arrival
+
+    def _exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int], tag: int) -> Exchange:
+        if self.staging is not None and self.staging.applies(buf):
+            return self.staging.exchange(self._start_exchange, self, buf, send_to, recv_from, tag)
+        return self._start_exchange(buf, send_to, recv_from, tag)
+
+    def _allreduce_sum(self, buf: torch.Tensor) -> Pending:
+        if self.staging is not None and self.staging.applies(buf):
+            return self.staging.allreduce_sum(self._start_allreduce_sum, buf)
+        return self._start_allreduce_sum(buf)
 
     def _wait_for_arrival(self, t: float) -> None:
         start = time.monotonic()

@@ -1,16 +1,20 @@
 """The `mpi` backend: mpi4py point-to-point messages and all-reduce on a duplicated communicator.
 
 CPU tensors travel as zero-copy buffers (a tensor's memory seen as a numpy array); CUDA tensors
-are handed to mpi4py directly, which works where the MPI library is CUDA-aware. Waits poll the
+are handed to mpi4py directly where the MPI library is CUDA-aware (asked with MPIX_Query_cuda_support,
+which MPICH and Open MPI export), else through pinned host buffers (dpsgd.comm.staging). Waits poll the
 requests with short sleeps instead of blocking inside MPI, because MPICH's blocking waits spin
 and halve the speed of the peers still computing on a small machine.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, Pending, Request, poll_until
+from .staging import HostStaging, check_mode
 
 
 def load_mpi():
@@ -23,6 +27,16 @@ def load_mpi():
             f"`pip install mpi4py mpich`, or choose backend=local or backend=torch"
         ) from exc
     return MPI
+
+
+def cuda_aware(MPI) -> bool:
+    """Whether the MPI library under mpi4py reads and writes GPU memory itself. Asked of the library
+    (MPIX_Query_cuda_support, looked up through mpi4py's extension, which links it); False where absent."""
+    try:
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return False
+    return bool(query())
 
 
 def _as_buffer(t: torch.Tensor):
@@ -80,14 +94,20 @@ class _MPIRequest(Request):
 class MPICommunicator(Communicator):
     backend = "mpi"
 
-    def __init__(self, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S, staging: str = "auto"):
+        """`staging` (auto, always, never): CUDA tensors through host buffers; auto does it unless the
+        MPI library is CUDA-aware, always also stages CPU tensors (the staged path without a GPU)."""
         MPI = load_mpi()
+        self._staging_mode = check_mode(staging)
         # our own context: user code using COMM_WORLD can never match our messages. Duplicating is
         # collective: non-blocking, so that a peer that never arrives is a timeout, not a hang
         parent = comm or MPI.COMM_WORLD
         self._MPI, (self._comm, request) = MPI, parent.Idup()
         super().__init__(parent.Get_rank(), parent.Get_size(), timeout_s)
         self._wait("start-up (MPI communicator duplication)", _Requests(MPI, [request], [-1]), range(self.size))
+        self.cuda_aware = cuda_aware(MPI)
+        if staging == "always" or (staging == "auto" and not self.cuda_aware):
+            self.staging = HostStaging(always=staging == "always")
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
@@ -97,7 +117,7 @@ class MPICommunicator(Communicator):
         return _Requests(self._MPI, reqs, [*recv_from, *send_to], received)
 
     def duplicate(self) -> MPICommunicator:
-        return MPICommunicator(self._comm, self.timeout_s)  # __init__ Dup()s it: a new context
+        return MPICommunicator(self._comm, self.timeout_s, self._staging_mode)  # __init__ Dup()s it: a new context
 
     def require_thread_multiple(self, why: str) -> None:
         """Raise unless MPI runs with MPI_THREAD_MULTIPLE (several threads calling MPI at once)."""

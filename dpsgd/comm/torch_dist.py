@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, Pending, Request
+from .staging import HostStaging, check_mode
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -98,7 +99,11 @@ class TorchCommunicator(Communicator):
         dist_backend: str | None = None,
         init_method: str | None = None,
         group=None,
+        staging: str = "auto",
     ):
+        """`staging` (auto, always, never): CUDA tensors through host buffers; auto does it for gloo,
+        which carries CUDA tensors in no point-to-point operation; always also stages CPU tensors."""
+        self._staging_mode = check_mode(staging)
         self._group = group  # None: the default group; duplicate() makes others (of an initialized world)
         self._is_duplicate = group is not None
         if not dist.is_available():
@@ -121,6 +126,10 @@ class TorchCommunicator(Communicator):
             atexit.register(self.close)
         super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
         self.dist_backend = dist.get_backend(group)
+        if self.dist_backend == "nccl" and staging == "always":
+            raise ValueError("backend.staging=always hands nccl host buffers, which it cannot carry; use auto or never")
+        if staging == "always" or (staging == "auto" and self.dist_backend != "nccl"):
+            self.staging = HostStaging(always=staging == "always")
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
@@ -133,7 +142,7 @@ class TorchCommunicator(Communicator):
     def duplicate(self) -> TorchCommunicator:
         # a new group of all ranks (gloo: the CPU tensors of asynchronous protocols) is its own context
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-        return TorchCommunicator(self.timeout_s, group=group)
+        return TorchCommunicator(self.timeout_s, group=group, staging=self._staging_mode)
 
     def _start_send(self, buf, peer, tag) -> Request:
         return _TorchRequest(dist.isend(buf, peer, group=self._group, tag=tag), peer, self.timeout_s)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, vmap
 
-from dpsgd import metrics
+from dpsgd import metrics, placement
 from dpsgd.build import build_model, build_optimizer, build_topology, load_data, partition
 from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
 from topologies import Topology
@@ -140,7 +140,7 @@ class Fleet:
     def __init__(self, cfg: dict, peers: int | None = None):
         self.cfg, self.n = cfg, int(peers if peers is not None else cfg["peers"])
         n = self.n
-        self.device = torch.device(cfg.get("device", "cpu"))
+        self.device = placement.single_device(cfg)
         self.split = load_data(cfg)
         self.shares = partition(cfg, self.split, n)
         self.batches = FleetBatches(

@@ -12,6 +12,9 @@ A passive thread never waits for anybody while holding its lock, and active peer
 passive ones, so no cycle of waits can form. Both sides compute (x_i + x_j) * 0.5 with the same
 operands, so they hold bit-identical values afterwards and the sum of all parameters is conserved.
 
+Messages live in host memory (page-locked when x_i is on a GPU), the transports of this thread's
+communicator (gloo, MPI) reading host memory only; x_i is averaged on its own device.
+
 At the end an active thread finishes its averaging in flight and sends DONE to each partner; a
 passive thread serves until every active partner said DONE. Messages (dtype of the parameters): a
 request is [code, sender, averaging id, x_i...] with code AVERAGE or DONE, tag TAG_REQUEST; the
@@ -117,9 +120,13 @@ class Averaging:
             self.comm.stats.emulated_wait_s += net.clock.wait_until(self.done_at)
 
     # --- the communication thread -----------------------------------------------------------------
+    def _host(self, numel: int) -> torch.Tensor:
+        """A message buffer in host memory, page-locked when x_i is on a GPU (fast copies both ways)."""
+        return torch.empty(numel, dtype=self.live.dtype, pin_memory=self.live.is_cuda)
+
     def _average_in(self, other: torch.Tensor, event: tuple) -> None:
         """x_i <- (x_i + x_j) / 2, with the lock held."""
-        self.live.add_(other).mul_(0.5)
+        self.live.add_(other.to(self.live.device)).mul_(0.5)
         self.version += 1
         if self.opt.record_events:
             self.opt.events.append(("avg", *event))
@@ -128,8 +135,8 @@ class Averaging:
         """Active peer: one averaging per order of the main thread; DONE to every partner at the end."""
         link, rank, network = self.link, self.comm.rank, self.network
         assert link is not None  # a thread runs only with partners
-        request = torch.empty(HEADER + self.live.numel(), dtype=self.live.dtype)
-        reply = torch.empty_like(self.live)
+        request = self._host(HEADER + self.live.numel())
+        reply = self._host(self.live.numel())
         while True:
             try:
                 order = self.orders.get(timeout=0.05)
@@ -156,7 +163,7 @@ class Averaging:
             self.idle.set()
         if self.opt._abort.is_set():
             return
-        done = torch.zeros(HEADER + self.live.numel(), dtype=self.live.dtype)
+        done = self._host(HEADER + self.live.numel()).zero_()
         done[0], done[1] = DONE, float(rank)
         sends = [(p, link.start_send(done, p, TAG_REQUEST)) for p in sorted(self.partners)]
         for p, send in sends:
@@ -167,7 +174,7 @@ class Averaging:
         link, rank = self.link, self.comm.rank
         assert link is not None  # a thread runs only with partners
         waiting_for = set(self.partners)
-        incoming = torch.empty(HEADER + self.live.numel(), dtype=self.live.dtype)
+        incoming = self._host(HEADER + self.live.numel())
         while waiting_for:
             recv = link.start_recv(incoming, None, TAG_REQUEST)
             try:
@@ -185,7 +192,7 @@ class Averaging:
                 continue
             with self.lock:
                 self.opt._jitter()
-                answer = self.live.clone()
+                answer = self.live.to("cpu", copy=True)
                 self._average_in(incoming[HEADER:], (sender, avg_id, rank))
             self.served += 1
             send = link.start_send(answer, sender, TAG_REPLY)

@@ -1,0 +1,109 @@
+"""Which device a peer computes on: one GPU per peer, chosen from the peer's rank on its own node.
+
+Launchers say a process's rank on its node in different variables (torchrun LOCAL_RANK, MPICH's hydra
+MPI_LOCALRANKID, Open MPI OMPI_COMM_WORLD_LOCAL_RANK, Slurm SLURM_LOCALID; the app's own spawners set
+LOCAL_RANK or run hydra) and the number of such processes likewise. Peer i on a node gets
+cuda:(i % GPUs). Two peers on one GPU is refused for nccl (it cannot), and allowed for gloo, mpi and
+in-process peers only with `device_share: true`, a testing aid: such peers compete for one device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+# (local rank, processes on the node), most specific launcher first
+LAUNCHER_VARS = (
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, the app's torch spawner
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH (hydra), the app's mpi spawner
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI
+    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),  # srun
+)
+DEVICES = "cpu, cuda, auto (cuda when torch sees a GPU, else cpu) or cuda:N"
+
+
+def node_rank(env: Mapping[str, str], rank: int, peers: int) -> tuple[int, int]:
+    """(this peer's index among the peers of its node, how many peers the node runs), from the
+    launcher's variables; in-process peers (no launcher) are all on this node: (rank, peers)."""
+    for rank_var, size_var in LAUNCHER_VARS:
+        if env.get(rank_var, "").isdigit():
+            size = env.get(size_var, "").split("(")[0]  # SLURM_NTASKS_PER_NODE may read "2(x3)"
+            return int(env[rank_var]), int(size) if size.isdigit() else peers
+    return rank, peers
+
+
+def kind(device: str) -> str:
+    """'cuda' or 'cpu': what `device` (a config value) means on this machine."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        return device.split(":")[0]
+    raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+
+
+def peer_device(
+    cfg: Mapping,
+    rank: int,
+    peers: int,
+    env: Mapping[str, str] | None = None,
+    gpus: int | None = None,
+    nccl: bool = False,
+) -> torch.device:
+    """The device of peer `rank` of `peers` under the config `cfg` (keys device, device_share). `env` and
+    `gpus` default to this process's environment and torch.cuda.device_count(); `nccl`: the peers
+    communicate with nccl, which needs a GPU of its own per peer."""
+    device = str(cfg.get("device", "cpu"))
+    if kind(device) == "cpu":
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if gpus == 0:
+        raise RuntimeError(
+            f"device={device} but torch sees no GPU (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda or 'not built in'}); install a CUDA build of torch on a GPU machine, "
+            f"or set device=cpu"
+        )
+    if ":" in device:  # the user chose the GPU
+        index = int(device[5:])
+        if index >= gpus:
+            raise ValueError(f"device={device} but this machine has {gpus} GPU(s): cuda:0 ... cuda:{gpus - 1}")
+        return torch.device(device)
+    local, on_node = node_rank(os.environ if env is None else env, rank, peers)
+    if on_node > gpus:
+        if nccl:
+            raise RuntimeError(
+                f"{on_node} peers on this node but {gpus} GPU(s): nccl needs one GPU per peer; start at most "
+                f"{gpus} peers per node, or use backend.dist_backend=gloo with device_share=true (testing only)"
+            )
+        if not cfg.get("device_share", False):
+            raise RuntimeError(
+                f"{on_node} peers on this node but {gpus} GPU(s): peers would share GPUs; start at most {gpus} "
+                f"peers per node, or set device_share=true to let them share (a testing aid: they compete)"
+            )
+    return torch.device("cuda", local % gpus)
+
+
+def uses_nccl(cfg: Mapping) -> bool:
+    """The run's peers talk over nccl: backend=torch with dist_backend nccl, or unset on a GPU device."""
+    backend = cfg.get("backend") or {}
+    if backend.get("name") != "torch":
+        return False
+    return (
+        backend.get("dist_backend") or ("nccl" if kind(str(cfg.get("device", "cpu"))) == "cuda" else "gloo")
+    ) == "nccl"
+
+
+def single_device(cfg: Mapping) -> torch.device:
+    """The one device of a run in one process (the fleet): `device`, auto resolved, cuda the current GPU."""
+    device = str(cfg.get("device", "cpu"))
+    return torch.device(kind(device) if device == "auto" else device)
+
+
+def place(cfg: Mapping, rank: int, peers: int) -> torch.device:
+    """`peer_device` for peer `rank` of this process, made the current CUDA device of the calling thread
+    (where nccl and new tensors go)."""
+    device = peer_device(cfg, rank, peers, nccl=uses_nccl(cfg))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
