@@ -32,9 +32,10 @@ def check_group_overrides(argv: list[str]) -> None:
 def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -> None:
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a
     user's launcher, in every rank before it joins the others)."""
-    from dpsgd import backends, data, models
+    from dpsgd import backends, data, models, placement
     from dpsgd.build import build_model, build_peer, build_topology, check_algorithm, load_data
     from dpsgd.comm import LocalCommunicator, LocalWorld
+    from dpsgd.comm.staging import check_mode
     from dpsgd.faults import FaultPlan
     from dpsgd.optim import BASE_OPTIMIZERS
 
@@ -75,6 +76,11 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     problem = None if launched else record.missing()  # under a launcher the runtime is already loaded
     if problem:
         raise ConfigError(problem)
+    try:  # the GPU of the first peer on this node: the refusals (no GPU, too few for nccl) come here
+        check_mode(cfg["backend"].get("staging", "auto"))
+        placement.peer_device(cfg, 0, peers, nccl=placement.uses_nccl(cfg))
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from None
     if not cfg["model"].get("_target_"):
         _check_choice("model", cfg["model"].get("name"), models.MODELS)
     _check_choice("dataset", cfg["data"].get("name"), data.DATASETS)
@@ -107,7 +113,8 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
                 f"the model {cfg['model'].get('_target_') or cfg['model'].get('name')!r} has no parameters to train"
             )
         # peer 0 alone: it must not wait for the others' parameters
-        alone = {**cfg, "faults": None, "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}
+        # on the CPU: the driver keeps off the GPUs its peers will use
+        alone = {**cfg, "faults": None, "device": "cpu", "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}
         build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), alone)
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None

@@ -1,0 +1,128 @@
+"""GPU peers without a GPU: which device each launcher's environment gives a peer, the one-line refusals,
+and the host-staging path (dpsgd.comm.staging) forced on CPU tensors, equal bit for bit to the direct one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpsgd import placement
+from dpsgd.comm.local import run_local
+from dpsgd.comm.staging import HostStaging
+from tests.runs import EXACT, summary
+from topologies import Neighbors
+
+TORCHRUN_4 = [{"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4", "RANK": str(r), "WORLD_SIZE": "4"} for r in range(4)]
+LAUNCHERS = {
+    "torchrun": lambda r, n: {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)},
+    "mpich": lambda r, n: {"MPI_LOCALRANKID": str(r), "MPI_LOCALNRANKS": str(n), "PMI_RANK": str(r + 10)},
+    "openmpi": lambda r, n: {"OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": str(n)},
+    "srun": lambda r, n: {"SLURM_LOCALID": str(r), "SLURM_NTASKS_PER_NODE": f"{n}(x2)", "SLURM_PROCID": str(r + 4)},
+}
+
+
+def cfg(device="cuda", share=False, backend="mpi", dist_backend=None):
+    return {"device": device, "device_share": share, "backend": {"name": backend, "dist_backend": dist_backend}}
+
+
+def test_torchrun_4_processes_on_4_gpus_put_peer_r_on_cuda_r_and_nccl_never_shares():
+    config = cfg(backend="torch")  # nccl: the default with device=cuda
+    assert placement.uses_nccl(config)
+    devices = [placement.peer_device(config, 0, 4, env=env, gpus=4, nccl=True) for env in TORCHRUN_4]
+    assert devices == [torch.device("cuda", r) for r in range(4)]
+    with pytest.raises(RuntimeError, match="4 peers on this node but 2 GPU"):
+        placement.peer_device(config, 0, 4, env=TORCHRUN_4[3], gpus=2, nccl=True)
+    with pytest.raises(RuntimeError, match="nccl needs one GPU per peer"):  # device_share does not lift it
+        placement.peer_device({**config, "device_share": True}, 0, 4, env=TORCHRUN_4[3], gpus=2, nccl=True)
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_every_launchers_local_rank_picks_the_gpu(launcher):
+    # 2 nodes of 4 peers, 4 GPUs each: the global rank never decides, the rank on the node does
+    for local in range(4):
+        env = LAUNCHERS[launcher](local, 4)
+        assert placement.peer_device(cfg(), rank=99, peers=8, env=env, gpus=4) == torch.device("cuda", local)
+
+
+def test_sharing_gpus_only_when_asked_and_never_for_nccl():
+    env = LAUNCHERS["mpich"](5, 8)
+    with pytest.raises(RuntimeError, match="set device_share=true"):
+        placement.peer_device(cfg(), 5, 8, env=env, gpus=4)
+    assert placement.peer_device(cfg(share=True), 5, 8, env=env, gpus=4) == torch.device("cuda", 1)
+    # in-process peers (no launcher variables): all on this node, by rank
+    assert placement.peer_device(cfg(share=True, backend="local"), 6, 8, env={}, gpus=4) == torch.device("cuda", 2)
+    with pytest.raises(RuntimeError, match="8 peers on this node but 1 GPU"):
+        placement.peer_device(cfg(backend="local"), 6, 8, env={}, gpus=1)
+
+
+def test_device_values():
+    assert placement.peer_device(cfg(device="cpu"), 3, 4, env={}, gpus=8) == torch.device("cpu")
+    assert placement.peer_device(cfg(device="cuda:3"), 0, 4, env={}, gpus=4) == torch.device("cuda", 3)
+    with pytest.raises(ValueError, match="has 4 GPU"):
+        placement.peer_device(cfg(device="cuda:4"), 0, 4, env={}, gpus=4)
+    with pytest.raises(ValueError, match="device must be one of cpu, cuda, auto"):
+        placement.kind("gpu")
+    assert placement.kind("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert not placement.uses_nccl(cfg(backend="torch", dist_backend="gloo"))
+    assert not placement.uses_nccl(cfg(device="cpu", backend="torch"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_without_a_gpu_says_so_in_one_line():
+    with pytest.raises(RuntimeError) as err:
+        placement.peer_device(cfg(), 0, 1, env={})
+    assert "torch sees no GPU" in str(err.value) and "\n" not in str(err.value)
+
+
+def _every_operation(comm, staged: bool) -> list[torch.Tensor]:
+    """The communicator's operations on a rank's own values; with `staged`, through host buffers."""
+    if staged:
+        comm.staging = HostStaging(always=True)
+    g = torch.Generator().manual_seed(comm.rank)
+    x = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    out = list(comm.allreduce_mean(x))
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    nb = Neighbors({left: 0.25, right: 0.25}, {left: 0.25, right: 0.25}, 0.5)
+    out += comm.neighbor_average(x, nb)
+    out += comm.exchange(x, comm.rank ^ 1)
+    b = [t.clone() for t in x]
+    comm.broadcast_(b, root=2)
+    out += b
+    buf = torch.empty(12)
+    recv = comm.start_recv(buf, None, tag=5)
+    send = comm.start_send(torch.arange(12.0) * comm.rank, (comm.rank + 1) % comm.size, tag=5)
+    comm.wait_request("send", send, [right])
+    comm.wait_request("recv", recv, [left])
+    assert recv.source == left
+    return [*out, buf]
+
+
+def test_staging_on_cpu_equals_the_direct_path_bit_for_bit():
+    direct = run_local(4, _every_operation, False)
+    staged = run_local(4, _every_operation, True)
+    for a, b in zip(direct, staged):
+        assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_staged_peers_end_with_the_direct_runs_numbers(app, backend, tmp_path):
+    """Real processes: backend.staging=always (every message through host buffers) against never."""
+    runs = {}
+    for mode in ("never", "always"):
+        run_dir = tmp_path / mode
+        args = [f"backend={backend}", f"backend.staging={mode}", "peers=2", "epochs=1", "log_every=5"]
+        proc = app(args, run_dir)
+        assert proc.returncode == 0, proc.stderr
+        runs[mode] = summary(run_dir)
+    assert {k: runs["always"][k] for k in EXACT} == {k: runs["never"][k] for k in EXACT}
+
+
+def test_bad_staging_and_device_are_refused_in_one_line(app, tmp_path):
+    cases = [
+        (["backend.staging=sometimes"], "backend.staging must be one of auto, always, never"),
+        (["device=gpu"], "device must be one of cpu, cuda, auto"),
+    ]
+    for i, (args, words) in enumerate(cases):
+        proc = app(["backend=mpi", "epochs=1", *args], tmp_path / str(i))
+        assert proc.returncode == 2, proc.stderr
+        assert words in proc.stderr, proc.stderr
