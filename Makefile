@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests
 
-.PHONY: setup run test test-fast lint typecheck clean soak bench
+.PHONY: setup run test test-fast lint typecheck clean soak bench gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -52,3 +52,35 @@ BENCHMARKS := comm_overhead allreduce_vs_ddp local_sgd_vs_torch step_time_vs_net
 	stragglers fleet
 bench: $(STAMP)
 	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) -m experiments.bench.$$b; done
+
+# --- GPU machines (README "GPU peers") ---------------------------------------------------------------------------
+# gpu-wheels (here, with internet): the pure-Python dependencies a CUDA machine's image may lack, plus the MPI
+# runtime and mpi4py, as wheels for Python $(GPU_PY) on x86-64 in .whl/ (about 20 MB). gpu-check (there, offline):
+# installs them beside that machine's own torch (never the venv: its torch is this machine's CPU build) and runs
+# experiments/bench/gpu_check.py: the `gpu` tests, peers on the GPU against the same runs on CPU, an nccl world
+# of one, the fleet's scaling table; a table on stdout and $(GPU_CHECK_OUT). GPU_CHECK_DRY=1: the same on CPU.
+GPU_PY ?= 3.12
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 mpi4py==4.1.2 mpich==5.0.2
+PYTHON ?= python3
+GPU_SITE ?= /tmp/dpsgd-site
+WHEELS ?= .whl
+GPU_CHECK_OUT ?= outputs/gpu_check.json
+
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	# antlr4 (omegaconf's parser) is published as source only: built here into a pure-Python wheel
+	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	du -sh .whl
+
+# pip --target keeps the MPI wheel's programs (bin/) but not its libraries (lib/): those come from the wheel itself
+gpu-check:
+	set -e; site=; if [ -d $(WHEELS) ]; then site=$(GPU_SITE); \
+		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $$site $(WHEELS)/*.whl; \
+		$(PYTHON) -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('$(WHEELS)/mpich-*.whl')[0]); \
+			[z.extract(n, '$(GPU_SITE)/mpich') for n in z.namelist() if '.data/data/lib/' in n]"; fi; \
+	if [ -n "$$site" ]; then export DPSGD_MPIEXEC=$$site/bin/mpiexec; fi; \
+	PYTHONPATH=$$site:$(CURDIR) PATH=$$site/bin:$$PATH LD_LIBRARY_PATH=$$(echo $$site/mpich/*.data/data/lib):$$LD_LIBRARY_PATH \
+		GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(PYTHON) -m experiments.bench.gpu_check

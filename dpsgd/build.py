@@ -52,6 +52,8 @@ def load_data(cfg: dict) -> data.Split:
     options = {
         k: d[k] for k in ("root", "num_samples", "num_features", "num_classes", "seq_len") if d.get(k) is not None
     }
+    if d.get("image_shape") is not None:
+        options["image_shape"] = tuple(int(s) for s in d["image_shape"])  # hashable: data.load caches
     return data.load(d["name"], d.get("test_fraction", 0.2), int(cfg["seed"]), **options)
 
 

@@ -54,9 +54,11 @@ def load(
     num_features: int = 32,
     num_classes: int = 10,
     seq_len: int = 32,
+    image_shape: tuple[int, ...] | None = None,
 ) -> Split:
     """The dataset `name` with a fixed held-out test split. Bundled or generated datasets are split
-    by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets."""
+    by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets.
+    `image_shape` (synthetic): its samples shaped as images, e.g. (3, 32, 32) for CIFAR-shaped inputs."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
     if name in ("mnist", "cifar10"):
@@ -77,6 +79,8 @@ def load(
         x, y = mnist_data()
         x, classes = (x / 255.0).reshape(-1, 1, 28, 28), 10
     elif name == "synthetic":
+        if image_shape is not None:
+            num_features = int(np.prod(image_shape))
         x, y = datasets.make_classification(
             n_samples=num_samples,
             n_features=num_features,
@@ -86,6 +90,8 @@ def load(
             random_state=seed,
         )
         classes = num_classes
+        if image_shape is not None:
+            x = x.reshape(-1, *image_shape)
     else:
         x, y = datasets.make_regression(n_samples=num_samples, n_features=num_features, noise=0.1, random_state=seed)
         y, classes = (y / np.abs(y).max()).astype(np.float32), 0

@@ -36,9 +36,10 @@ def peer_env(extra: dict | None = None) -> dict:
 
 
 def mpiexec() -> str:
-    """The mpiexec beside this Python (the MPI wheel's), else the one on PATH."""
+    """The mpiexec named by DPSGD_MPIEXEC, else the one beside this Python (the MPI wheel's), else the one on
+    PATH. (DPSGD_MPIEXEC: where the MPI wheel lives elsewhere, as in `make gpu-check`'s offline install.)"""
     here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
+    found = os.environ.get("DPSGD_MPIEXEC") or (str(here) if here.exists() else shutil.which("mpiexec"))
     if not found:
         raise RuntimeError("no mpiexec found: install an MPI runtime wheel (`pip install mpich`) or use backend=torch")
     return found

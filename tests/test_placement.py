@@ -3,6 +3,8 @@ and the host-staging path (dpsgd.comm.staging) forced on CPU tensors, equal bit 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -126,3 +128,27 @@ def test_bad_staging_and_device_are_refused_in_one_line(app, tmp_path):
         proc = app(["backend=mpi", "epochs=1", *args], tmp_path / str(i))
         assert proc.returncode == 2, proc.stderr
         assert words in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
+    """`make gpu-check` with GPU_CHECK_DRY=1: the prepared device check's own script, on CPU tensors."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu_check.json"
+    cmd = [
+        "make",
+        "-s",
+        "gpu-check",
+        f"PYTHON={sys.executable}",
+        f"GPU_CHECK_OUT={out}",
+        f"WHEELS={tmp_path / 'no-wheels'}",  # CI has none: the checkout's own Python packages
+    ]
+    proc = subprocess.run(cmd, env={**os.environ, "GPU_CHECK_DRY": "1"}, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] and set(result["parts"]) == {"gpu_tests", "peers", "adpsgd", "nccl", "fleet"}
+    assert all(r["differences"]["train_loss"] == 0 for r in result["parts"]["peers"]["runs"])  # staged == direct
+    assert "largest n at >= 1 step/s" in proc.stdout

@@ -1,0 +1,220 @@
+"""The prepared GPU check: `make gpu-check` on a machine with one GPU (README "GPU peers"); under 6 minutes.
+
+Parts, each on its own (one that fails or cannot run here is recorded with why, and the next runs):
+1. gpu_tests: the `gpu`-marked tests (tests/test_gpu.py).
+2. peers: 4 peers sharing the GPU (device_share=true) on ResNet-20 with CIFAR-shaped synthetic data, as
+   in-process threads, torch/gloo processes and mpi processes (the last two through pinned host staging),
+   D-PSGD (also with overlap) and all-reduce, each against the same run on the CPU: the summaries agree
+   within float tolerance (TF32 off for these runs: NVIDIA_TF32_OVERRIDE=0).
+3. adpsgd: AD-PSGD's peers on the GPU over torch/gloo, their averaging thread staging its messages.
+4. nccl: a world of one over nccl (an all-reduce and a barrier), and the app's training loop on it.
+5. fleet: the fleet's scaling table (experiments.bench.fleet_gpu): ResNet-20 peers per GPU.
+One JSON (GPU_CHECK_OUT, default outputs/gpu_check.json), rewritten after each part, and a table on stdout.
+GPU_CHECK_DRY=1 runs the same script on CPU tensors, small (the CPU's peers stage with backend.staging=always,
+the fleet's ladder is 4 and 8 peers): what CI runs, since no CI machine has a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+DRY = os.environ.get("GPU_CHECK_DRY") == "1"
+DEVICE = "cpu" if DRY else "cuda"
+OUT = Path(os.environ.get("GPU_CHECK_OUT", "outputs/gpu_check.json"))
+RUN_TIMEOUT_S = 240
+# the small run every comparison makes: 4 ResNet-20 peers, 16 steps of 8 CIFAR-shaped images each (the dry
+# run on 2 CPU cores: 2 CNN peers, 16 steps)
+RUN = ["data=synthetic_cifar", "epochs=1", "batch_size=8", "log_every=4", "algorithm.lr=0.02", "comm.timeout_s=120"]
+RUN += (
+    ["model=cnn", "peers=2", "data.num_samples=320"] if DRY else ["model=resnet20", "peers=4", "data.num_samples=640"]
+)
+TOLERANCE = {"train_loss": 1e-3, "test_loss": 1e-3, "consensus_distance": 1e-2}  # relative
+ACCURACY_TOLERANCE = 1 / 128 + 1e-9  # one of the 128 test images classified differently (ResNet-20 runs)
+
+
+def app(args: list[str], run_dir: Path) -> dict:
+    """The app's run of `args` in `run_dir`: its summary, or RuntimeError with the error's last line."""
+    env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0"}  # cuBLAS and cuDNN in full float32: comparable to the CPU
+    cmd = [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        raise RuntimeError(f"exit {proc.returncode}: {lines[-1] if lines else '(no output)'}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def differences(run: dict, reference: dict) -> dict:
+    """Relative difference per compared key (accuracy: absolute)."""
+    out = {k: abs(run[k] - reference[k]) / max(abs(reference[k]), 1e-12) for k in TOLERANCE}
+    out["test_accuracy"] = abs(run["test_accuracy"] - reference["test_accuracy"])
+    return out
+
+
+def within(diff: dict) -> bool:
+    return all(diff[k] <= tol for k, tol in TOLERANCE.items()) and diff["test_accuracy"] <= ACCURACY_TOLERANCE
+
+
+def part_gpu_tests(work: Path) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider", "-rs"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
+    return {"passed": proc.returncode == 0, "summary": last[0], "output_tail": proc.stdout[-1500:]}
+
+
+def part_peers(work: Path) -> dict:
+    cases = [
+        ("local", "dpsgd", []),
+        ("torch", "dpsgd", ["backend.dist_backend=gloo"]),
+        ("torch", "dpsgd", ["backend.dist_backend=gloo", "algorithm.overlap=true"]),
+        ("torch", "allreduce", ["backend.dist_backend=gloo"]),
+        ("mpi", "dpsgd", []),
+        ("mpi", "allreduce", []),
+    ]
+    if DRY:  # on 2 CPU cores: the staged paths of both process backends
+        cases = [cases[2], cases[5]]
+
+    def one(i: int) -> dict:
+        backend, algorithm, extra = cases[i]
+        args = [f"backend={backend}", f"algorithm={algorithm}", *RUN, *extra]
+        row: dict = {"backend": backend, "algorithm": algorithm, "options": extra}
+        try:
+            if DRY and backend != "local":  # the CPU run through host buffers against the direct one
+                device_run = app([*args, "device=cpu", "backend.staging=always"], work / f"peers{i}-device")
+            else:
+                device_run = app([*args, f"device={DEVICE}", "device_share=true"], work / f"peers{i}-device")
+            reference = app([*args, "device=cpu"], work / f"peers{i}-cpu")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            return {**row, "passed": False, "error": str(exc)}
+        diff = differences(device_run, reference)
+        return {
+            **row,
+            "passed": within(diff),
+            "differences": diff,
+            "device": {k: device_run[k] for k in (*TOLERANCE, "test_accuracy", "wall_time_s", "comm_overlap_s")},
+            "cpu": {k: reference[k] for k in (*TOLERANCE, "test_accuracy", "wall_time_s", "comm_overlap_s")},
+        }
+
+    with ThreadPoolExecutor(1 if DRY else 3) as pool:  # each run is 4 processes; the GPU has room for all
+        rows = list(pool.map(one, range(len(cases))))
+    return {"passed": all(r["passed"] for r in rows), "runs": rows}
+
+
+def part_adpsgd(work: Path) -> dict:
+    args = ["backend=torch", "backend.dist_backend=gloo", "algorithm=adpsgd", "topology=ring", *RUN]
+    device = ["device=cpu", "backend.staging=always"] if DRY else [f"device={DEVICE}", "device_share=true"]
+    s = app([*args, *device], work / "adpsgd")
+    return {"passed": s["steps"] > 0, "steps": s["steps"], "test_accuracy": s["test_accuracy"]}
+
+
+NCCL_ONE = """
+import os, torch
+from dpsgd.comm.torch_dist import TorchCommunicator
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
+comm = TorchCommunicator(timeout_s=60, dist_backend="nccl")
+x = torch.arange(6.0, device="cuda")
+comm._wait("allreduce", comm._allreduce_sum(x), [0])
+assert torch.equal(x.cpu(), torch.arange(6.0)), x
+comm.barrier()
+print(comm.dist_backend, comm.staging)
+comm.close()
+"""
+
+
+def part_nccl(work: Path) -> dict:
+    if DRY or not torch.cuda.is_available():
+        return {"skipped": "nccl needs a GPU"}
+    from dpsgd.launch import free_port
+
+    proc = subprocess.run(
+        [sys.executable, "-c", NCCL_ONE.format(port=free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode != 0:
+        return {"passed": False, "error": proc.stderr[-800:]}
+    one = ["model=resnet20", "data=synthetic_cifar", "data.num_samples=640", "epochs=1", "batch_size=8", "peers=1"]
+    s = app(["backend=torch", *one, f"device={DEVICE}"], work / "nccl")
+    return {
+        "passed": proc.stdout.split()[:2] == ["nccl", "None"],
+        "printed": proc.stdout.strip(),
+        "app_steps": s["steps"],
+    }
+
+
+def part_fleet(work: Path) -> dict:
+    from experiments.bench import fleet_gpu
+
+    if DRY:
+        return {"passed": True, **fleet_gpu.scan("cpu", [4, 8], batch_size=2, steps=2, budget_s=20)}
+    ladder = [64 * 2**k for k in range(7)]  # 64 ... 4096
+    return {"passed": True, **fleet_gpu.scan(DEVICE, ladder, batch_size=8, steps=3, budget_s=100)}
+
+
+PARTS = {
+    "gpu_tests": part_gpu_tests,
+    "peers": part_peers,
+    "adpsgd": part_adpsgd,
+    "nccl": part_nccl,
+    "fleet": part_fleet,
+}
+
+
+def main() -> int:
+    result: dict = {
+        "date": datetime.date.today().isoformat(),
+        "dry_run": DRY,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "parts": {},
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        for name, part in PARTS.items():
+            print(f"== {name}", flush=True)
+            start = time.monotonic()
+            try:
+                outcome = part(Path(tmp))
+            except Exception as exc:  # noqa: BLE001 - recorded; the next part runs
+                outcome = {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
+            outcome["seconds"] = round(time.monotonic() - start, 1)
+            result["parts"][name] = outcome
+            OUT.write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(f"written: {OUT}")
+    return 0 if all(p.get("passed", True) for p in result["parts"].values()) else 1
+
+
+def table(result: dict) -> str:
+    lines = [f"GPU check{' (dry run, CPU)' if result['dry_run'] else ''}: {result['gpu']}, torch {result['torch']}"]
+    for name, p in result["parts"].items():
+        state = "skipped" if "skipped" in p else ("passed" if p.get("passed") else "FAILED")
+        why = p.get("skipped") or p.get("error") or p.get("summary") or ""
+        lines.append(f"{name:10s} {state:8s} {p['seconds']:6.1f} s  {why}")
+        for r in p.get("runs", []):
+            d = r.get("differences")
+            shown = ", ".join(f"{k} {v:.1e}" for k, v in d.items()) if d else r.get("error", "")
+            lines.append(f"    {r['backend']:6s} {r['algorithm']:9s} {' '.join(r['options']):45s} {shown}")
+        for r in p.get("rows", []):
+            rate, peer_rate = r["steps_per_s"], r["peer_steps_per_s"]
+            lines.append(f"    {r['peers']:5d} peers  {rate:8.2f} steps/s  {peer_rate:10.1f} peer-steps/s")
+        if "largest_n_at_1_step_per_s" in p:
+            lines.append(f"    largest n at >= 1 step/s: {p['largest_n_at_1_step_per_s']} ({p['stopped']})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
