@@ -69,9 +69,14 @@ def test_fleet_on_the_gpu_matches_the_cpu_fleet():
     from experiments.bench.fleet_gpu import config
 
     losses = {}
-    for device in ("cpu", "cuda"):
-        fleet = Fleet(config(8, 4, device, samples=200))
-        losses[device] = torch.stack([fleet.train_step().detach().cpu() for _ in range(3)])
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full float32, as the CPU
+    try:
+        for device in ("cpu", "cuda"):
+            fleet = Fleet(config(8, 4, device, samples=200))
+            losses[device] = torch.stack([fleet.train_step().detach().cpu() for _ in range(3)])
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
     assert torch.allclose(losses["cuda"], losses["cpu"], rtol=1e-3)
 
 
