@@ -60,7 +60,7 @@ bench: $(STAMP)
 # experiments/bench/gpu_check.py: the `gpu` tests, peers on the GPU against the same runs on CPU, an nccl world
 # of one, the fleet's scaling table; a table on stdout and $(GPU_CHECK_OUT). GPU_CHECK_DRY=1: the same on CPU.
 GPU_PY ?= 3.12
-GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 mpi4py==4.1.2 mpich==5.0.2
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 PyYAML==6.0.4 packaging==26.4 mpi4py==4.1.2 mpich==5.0.2
 PYTHON ?= python3
 GPU_SITE ?= /tmp/dpsgd-site
 WHEELS ?= .whl
