@@ -75,9 +75,10 @@ gpu-wheels: $(STAMP)
 	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 	du -sh .whl
 
+# the wheels only where $(PYTHON) lacks the packages (a venv that has them is used as it is, e.g. for the dry run)
 # pip --target keeps the MPI wheel's programs (bin/) but not its libraries (lib/): those come from the wheel itself
 gpu-check:
-	set -e; site=; if [ -d $(WHEELS) ]; then site=$(GPU_SITE); \
+	set -e; site=; if [ -d $(WHEELS) ] && ! $(PYTHON) -c 'import hydra, omegaconf, yaml, mpi4py' 2>/dev/null; then site=$(GPU_SITE); \
 		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $$site $(WHEELS)/*.whl; \
 		$(PYTHON) -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('$(WHEELS)/mpich-*.whl')[0]); \
 			[z.extract(n, '$(GPU_SITE)/mpich') for n in z.namelist() if '.data/data/lib/' in n]"; fi; \
