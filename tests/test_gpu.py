@@ -20,15 +20,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def full_float32():
-    """TF32 off (cuDNN convolutions use it by default): GPU results then compare with the CPU's at float32 tolerance."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def test_place_makes_the_peers_gpu_current():
     cfg = {"device": "cuda", "device_share": True, "backend": {"name": "mpi"}}
     device = placement.place(cfg, 0, 1)
