@@ -60,7 +60,7 @@ bench: $(STAMP)
 # experiments/bench/gpu_check.py: the `gpu` tests, peers on the GPU against the same runs on CPU, an nccl world
 # of one, the fleet's scaling table; a table on stdout and $(GPU_CHECK_OUT). GPU_CHECK_DRY=1: the same on CPU.
 GPU_PY ?= 3.12
-GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 mpi4py==4.1.2 mpich==5.0.2
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 PyYAML==6.0.4 packaging==26.4 mpi4py==4.1.2 mpich==5.0.2
 PYTHON ?= python3
 GPU_SITE ?= /tmp/dpsgd-site
 WHEELS ?= .whl
@@ -75,9 +75,10 @@ gpu-wheels: $(STAMP)
 	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 	du -sh .whl
 
+# the wheels only where $(PYTHON) lacks the packages (a venv that has them is used as it is, e.g. for the dry run)
 # pip --target keeps the MPI wheel's programs (bin/) but not its libraries (lib/): those come from the wheel itself
 gpu-check:
-	set -e; site=; if [ -d $(WHEELS) ]; then site=$(GPU_SITE); \
+	set -e; site=; if [ -d $(WHEELS) ] && ! $(PYTHON) -c 'import hydra, omegaconf, yaml, mpi4py' 2>/dev/null; then site=$(GPU_SITE); \
 		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $$site $(WHEELS)/*.whl; \
 		$(PYTHON) -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('$(WHEELS)/mpich-*.whl')[0]); \
 			[z.extract(n, '$(GPU_SITE)/mpich') for n in z.namelist() if '.data/data/lib/' in n]"; fi; \

@@ -54,7 +54,9 @@ def measure(peers: int, batch_size: int, device: str, samples: int, steps: int, 
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    built = time.perf_counter()
     fleet = Fleet(config(peers, batch_size, device, samples))
+    built = time.perf_counter() - built
     for _ in range(warmup):
         fleet.train_step()
     _sync(device)
@@ -68,6 +70,7 @@ def measure(peers: int, batch_size: int, device: str, samples: int, steps: int, 
         "steps_per_s": 1 / per_step,
         "peer_steps_per_s": peers / per_step,
         "s_per_step": per_step,
+        "build_s": built,
     }
     if device.startswith("cuda"):
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -88,7 +91,8 @@ def scan(
     samples = max(200, int(max(ladder) * batch_size / 0.8) + max(ladder))
     rows, stopped, start = [], "the ladder's end", time.monotonic()
     for n in ladder:
-        expected = rows[-1]["s_per_step"] * 2 * (steps + 2) if rows else 0.0  # about twice the last rung's
+        # the next rung costs about twice the last one: building its fleet, 2 warm-up steps and the timed ones
+        expected = 2 * (rows[-1]["build_s"] + rows[-1]["s_per_step"] * (steps + 2)) if rows else 0.0
         if time.monotonic() - start + expected > budget_s:
             stopped = f"n={n} would pass the {budget_s:g} s budget"
             break
