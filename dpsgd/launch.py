@@ -79,6 +79,13 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         LIVE.discard(p.pid)
 
 
+def stop_live() -> None:
+    """SIGTERM to every peer group running now; `run_processes` sees them end and stops the rest."""
+    for group in list(LIVE):
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGTERM)
+
+
 def run_processes(
     commands: list[tuple[list[str], dict | None, Path | None]],
     timeout_s: float | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,3 +91,70 @@ def test_peers_die_with_a_killed_driver(app, tmp_path):
     finally:
         for pid in processes_of(run_dir):
             os.kill(pid, signal.SIGKILL)
+
+
+def _torchrun() -> list[str]:
+    from dpsgd.launch import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"] + [
+        "--master-port",
+        str(free_port()),
+        "--no-python",
+    ]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGTERM), ("mpiexec", signal.SIGINT)])
+def test_user_launcher_forwards_the_signal_and_rank_0_says_how_to_resume(app, tmp_path, launcher, sig):
+    from dpsgd.launch import mpiexec
+
+    run_dir = tmp_path / "run"
+    backend = "torch" if launcher == "torchrun" else "mpi"
+    prefix = _torchrun() if launcher == "torchrun" else [mpiexec(), "-n", "2"]
+    cmd = app.command([f"backend={backend}", "peers=2", *ARGS], run_dir, prefix)
+    proc = subprocess.Popen(
+        cmd, cwd=app.root, env=app.env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in processes_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
+    print(f"\n{launcher} {sig.name}: launcher ended {took:.2f} s after the signal, code {proc.returncode}")
+    assert took < 5
+    assert proc.returncode != 0
+    assert f"resume with your launcher command plus: resume=true hydra.run.dir={run_dir}" in err, err
+    assert processes_of(run_dir) == [], "processes left behind"
+
+
+@pytest.mark.timeout(120)
+def test_second_signal_kills_at_once(app, tmp_path):
+    """A peer that ignores SIGTERM would hold the first stop for its grace period: the 2nd SIGINT does not wait."""
+    run_dir = tmp_path / "run"
+    proc = app.start(["backend=mpi", "peers=2", *ARGS], run_dir, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        peers = [p for p in processes_of(run_dir) if p != proc.pid]
+        for pid in peers:  # stopped peers ignore SIGTERM until continued: the first stop must wait
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still in its grace period
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=5)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\nsecond SIGINT: app ended {took:.2f} s after it")
+    assert proc.returncode == 128 + signal.SIGINT
+    assert took < 1
+    time.sleep(0.3)
+    assert processes_of(run_dir) == [], "processes left behind"
