@@ -20,6 +20,9 @@ from pathlib import Path
 from dpsgd.supervisor import Supervisor
 
 ERROR_FILE = "rank{rank}.error"  # a peer that fails writes its one-line error here (experiments.peer)
+GRACE_S = 3.0  # a peer sent SIGTERM is killed (SIGKILL) after this long
+LIVE: set[int] = set()  # the process groups of the peers running now (dpsgd.interrupt kills them on a 2nd signal)
+_PR_SET_PDEATHSIG = 1
 
 
 def peer_env(extra: dict | None = None) -> dict:
@@ -51,17 +54,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the driver dies (even by SIGKILL), so no peer outlives it."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 5
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    for p in procs:  # the group's other members (mpiexec's proxies and ranks) go with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        LIVE.discard(p.pid)
+
+
+def stop_live() -> None:
+    """SIGTERM to every peer group running now; `run_processes` sees them end and stops the rest."""
+    for group in list(LIVE):
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGTERM)
 
 
 def run_processes(
@@ -82,13 +105,22 @@ def run_processes(
                 out = logs.enter_context(log.open("w")) if log is not None else None
                 stdout = out if stdout_to_log else None
                 procs.append(
-                    subprocess.Popen(cmd, env=peer_env(env), start_new_session=True, stdout=stdout, stderr=out)
+                    subprocess.Popen(
+                        cmd,
+                        env=peer_env(env),
+                        start_new_session=True,
+                        stdout=stdout,
+                        stderr=out,
+                        preexec_fn=_die_with_parent,  # noqa: PLW1509 - prctl only, no locks taken
+                    )
                 )
+                LIVE.add(procs[-1].pid)
             while True:
                 codes = [p.poll() for p in procs]
                 if codes_out is not None:
                     codes_out[:] = codes
                 if all(c == 0 for c in codes):
+                    LIVE.difference_update(p.pid for p in procs)
                     return 0
                 failed = [c for c in codes if c not in (None, 0)]
                 if failed or (deadline is not None and time.monotonic() > deadline):

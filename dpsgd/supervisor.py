@@ -39,6 +39,7 @@ class Supervisor(contextlib.AbstractContextManager):
         self.steps: dict[int, int] = {}  # rank -> the last step it began
         self.ended: dict[int, float] = {}  # rank -> time.time() its connection closed without `finished`
         self.finished: set[int] = set()
+        self.last_progress: float | None = None  # time.monotonic() of the newest step heard (dpsgd.watchdog)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="dpsgd-supervisor", daemon=True)
         self._thread.start()
@@ -76,6 +77,7 @@ class Supervisor(contextlib.AbstractContextManager):
                         self.finished.add(rank)
                     else:
                         self.steps[rank] = step
+                        self.last_progress = time.monotonic()
                 if not data:  # the peer's process closed the connection: it ended
                     if state[1] is not None and state[1] not in self.finished:
                         self.ended.setdefault(state[1], now)
@@ -89,11 +91,15 @@ class Supervisor(contextlib.AbstractContextManager):
 
 _conn: tuple[socket.socket, int] | None = None  # this peer's connection to the driver, and its rank
 _lock = threading.Lock()
+# steps of peers that are threads of this process (backend=local), for the driver's watchdog there
+in_process_steps: dict[int, int] = {}
+in_process_progress: float | None = None  # time.monotonic() of the newest one
 
 
 def report_step(rank: int, step: int) -> None:
-    """Tell the driver (if it started this process) that peer `rank` begins step `step`."""
-    global _conn
+    """Tell the driver (if it started this process, or is this process) that peer `rank` begins step `step`."""
+    global _conn, in_process_progress
+    in_process_steps[rank], in_process_progress = step, time.monotonic()
     path = os.environ.get(ENV)
     if not path:
         return

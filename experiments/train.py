@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpsgd import backends
 from dpsgd.backends import Backend
+from dpsgd.interrupt import Interrupted, exit_on_signals, stop_on_signals
 from experiments.table import format_table
 from experiments.validate import ConfigError, check_group_overrides, check_same_run, validate
 
@@ -85,6 +87,21 @@ def _fit_batch_size(cfg: dict) -> str | None:
         return None
 
 
+def resume_line(cfg: dict, run_dir: Path, launcher: Backend | None) -> str:
+    """The one line an interrupted run ends with: what stopped it, what is kept, the command that resumes it."""
+    from dpsgd import checkpoint
+
+    steps = checkpoint.complete_steps(run_dir, cfg["peers"], verify=False)
+    kept = f"the newest complete checkpoint is step {steps[-1]}" if steps else "no complete checkpoint yet"
+    args = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir=", "hydra.job.name="))]
+    args = [a for a in args if a != "hydra.output_subdir=null"]
+    again = ["resume=true", f"hydra.run.dir={run_dir}"]
+    if launcher is not None:  # the user's launcher command is not ours to repeat
+        return f"interrupted by {{signal}}; {kept}; resume with your launcher command plus: {shlex.join(again)}"
+    command = shlex.join(["python", "-m", "experiments.train", *args, *again])
+    return f"interrupted by {{signal}}; {kept}; resume with: {command}"
+
+
 def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
     """Run the experiment; return the summary where this process has it (driver or rank 0)."""
     import torch
@@ -93,6 +110,7 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
     if launcher is not None:
         from experiments.peer import run_peer
 
+        exit_on_signals(resume_line(cfg, run_dir, launcher) if launcher.world()[0] == 0 else "")
         comm = backends.connect(cfg)
         if comm.rank == 0:
             OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
@@ -101,9 +119,21 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
         return summary if comm.rank == 0 else None
     OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
     try:
-        return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, ["-m", "experiments.peer", str(run_dir)])
+        with stop_on_signals():
+            return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, ["-m", "experiments.peer", str(run_dir)])
     except backends.RunFailed as exc:
         fail(str(exc), code=1)
+    except Interrupted as exc:  # every peer is stopped by now (dpsgd.launch) or dies with this process (local)
+        line = resume_line(cfg, run_dir, launcher).format(signal=signal_name(exc.signum))
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + exc.signum)  # local peers are threads still running: the interpreter's teardown aborts
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

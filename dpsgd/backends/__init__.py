@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from dpsgd.comm import Communicator
-from dpsgd.launch import first_failure
+from dpsgd.launch import first_failure, stop_live
 from dpsgd.supervisor import ENV, Supervisor
+from dpsgd.watchdog import Watchdog
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -81,7 +82,13 @@ class Backend:
         with Supervisor() as sup:
             progress = "1" if sys.stdout.isatty() else "0"  # decided here: the peers' stdout is a pipe
             env = {"DPSGD_PROGRESS": progress, ENV: sup.path}
-            code = self.spawn(cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
+            # the watchdog stops the peers when none progresses (every one hung): spawn then returns
+            with Watchdog(
+                cfg["comm"]["timeout_s"], lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
+            ) as dog:
+                code = self.spawn(cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
+            if dog.line is not None:
+                raise RunFailed(f"{dog.line}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
             if code != 0:
                 settle = time.monotonic() + 1.0  # the supervisor's thread reads closings: let it see the last
                 while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:

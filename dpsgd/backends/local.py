@@ -6,8 +6,10 @@ import time
 import traceback
 from pathlib import Path
 
-from dpsgd.comm import DEFAULT_TIMEOUT_S, LocalCommunicator, LocalWorld, run_local
+from dpsgd import supervisor
+from dpsgd.comm import DEFAULT_TIMEOUT_S, CommError, LocalCommunicator, LocalWorld, run_local
 from dpsgd.comm.local import current_peer
+from dpsgd.watchdog import Watchdog
 
 from . import Backend, RunFailed, error_line, register
 
@@ -35,8 +37,18 @@ class LocalBackend(Backend):
 
     def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
         start = time.monotonic()
+        world = LocalWorld(cfg["peers"])
+        supervisor.in_process_steps.clear()
+        supervisor.in_process_progress = None
+        timeout_s = float(cfg["comm"]["timeout_s"])
+        dog = Watchdog(timeout_s, lambda: supervisor.in_process_progress, world.stop, supervisor.in_process_steps.copy)
         try:
-            return run_local(cfg["peers"], _peer, cfg, run_dir, timeout_s=float(cfg["comm"]["timeout_s"]))[0]
+            with dog:
+                return run_local(cfg["peers"], _peer, cfg, run_dir, timeout_s=timeout_s, world=world)[0]
+        except CommError:
+            if dog.line is None:
+                raise
+            raise RunFailed(f"{dog.line}; all peers stopped after {time.monotonic() - start:.1f} s") from None
         except _PeerError as exc:  # the first peer that failed; the others were released at once
             logs = run_dir / "logs"
             logs.mkdir(exist_ok=True)

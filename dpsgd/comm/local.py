@@ -33,6 +33,7 @@ class LocalWorld:
         self._lock = threading.Lock()
         self._barrier = threading.Barrier(n)
         self.failed_rank: int | None = None
+        self.stopped: str | None = None  # why the driver stopped every peer (its watchdog), once it did
 
     def channel(self, src: int, dst: int, tag: int) -> queue.SimpleQueue:
         key = (src, dst, tag)
@@ -57,6 +58,12 @@ class LocalWorld:
             if self.failed_rank is None:
                 self.failed_rank = rank
         self._barrier.abort()
+
+    def stop(self, reason: str) -> None:
+        """The driver ends the run (every peer is stuck): `run_local` raises CommError(reason) at
+        once, and peers waiting on the world are released as if a peer had failed."""
+        self.stopped = reason
+        self.fail(-1)
 
     def check(self, rank: int, op: str) -> None:
         if self.failed_rank is not None and self.failed_rank != rank:
@@ -204,13 +211,20 @@ def current_peer() -> LocalCommunicator | None:
     return getattr(_current, "comm", None)
 
 
-def run_local(n: int, fn: Callable[..., Any], *args, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+def run_local(
+    n: int,
+    fn: Callable[..., Any],
+    *args,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    world: LocalWorld | None = None,
+    **kwargs,
+) -> list:
     """Run `fn(comm, *args, **kwargs)` on n in-process peers and return their results in rank
     order. If any peer raises, the others are released from their waits and the first
-    failing peer's exception is raised here."""
+    failing peer's exception is raised here. `world` (of n peers): one the caller can `stop`."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"run_local needs n >= 1 peers, got {n!r}")
-    world = LocalWorld(n)
+    world = world or LocalWorld(n)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
 
@@ -229,7 +243,10 @@ def run_local(n: int, fn: Callable[..., Any], *args, timeout_s: float = DEFAULT_
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive() and world.stopped is None:  # a stuck thread cannot be killed: stop waiting for it
+            t.join(0.1)
+    if world.stopped is not None:
+        raise CommError(world.stopped)
     if world.failed_rank is not None:
         raise errors[world.failed_rank] or CommError(f"peer {world.failed_rank} failed")
     return results

@@ -1,0 +1,63 @@
+"""Signals to the driver: the first SIGINT or SIGTERM raises `Interrupted` where the driver waits, so
+the code that started the peers stops them (dpsgd.launch: SIGTERM, SIGKILL after a grace period) and
+the app ends with one line saying how to resume; a second signal kills every peer group at once.
+
+`timeout`, `kill`, systemd, container runtimes and Slurm's preemption send SIGTERM to the driver
+alone: without this the driver died and its peers (in their own sessions) ran on unsupervised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+
+from dpsgd import launch
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):  # noqa: N818 - not an error: the user asked to stop
+    """The run was stopped by `signum`; the app exits with 128 + signum, as a shell reports it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """In the main thread: SIGINT/SIGTERM raise Interrupted once; a second one kills every peer
+    process group the run started (dpsgd.launch.LIVE) and this process, at once."""
+    seen: list[int] = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+        if len(seen) > 1:
+            for group in list(launch.LIVE):
+                with contextlib.suppress(OSError):
+                    os.killpg(group, signal.SIGKILL)
+            os._exit(128 + signum)
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def exit_on_signals(line: str) -> None:
+    """In a rank a user's launcher started (it forwards the signal to every rank): print `line`
+    (rank 0 passes the resume line, the others '') and end at once. Checkpoints are written
+    atomically, so ending mid-write leaves the newest complete one intact."""
+
+    def handler(signum, frame):
+        if line:
+            os.write(2, f"{line.format(signal=signal.Signals(signum).name)}\n".encode())
+        os._exit(128 + signum)
+
+    for s in SIGNALS:
+        signal.signal(s, handler)

@@ -1,0 +1,162 @@
+"""Interruption: SIGINT or SIGTERM to the app stops every peer it started within 5 s, keeps the newest
+complete checkpoint and ends with one line giving the command that resumes; peers die with the driver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpsgd import checkpoint
+
+pytestmark = pytest.mark.processes
+
+ARGS = ["epochs=200", "log_every=10", "checkpoint.every=10", "comm.timeout_s=20"]
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Pids of live processes whose command line names the run folder (the driver and its peers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+                state = (proc / "stat").read_text().split(") ", 1)[1][0]
+            except OSError:
+                continue
+            if str(run_dir).encode() in cmdline and state != "Z":
+                found.append(int(proc.name))
+    return found
+
+
+def wait_for_checkpoint(run_dir: Path, peers: int, app: subprocess.Popen, limit_s: float = 90) -> None:
+    deadline = time.monotonic() + limit_s
+    while not checkpoint.complete_steps(run_dir, peers, verify=False):
+        assert app.poll() is None, app.communicate()[1]
+        assert time.monotonic() < deadline, "no checkpoint within the time limit"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "backend, sig",
+    [("local", signal.SIGINT), ("torch", signal.SIGTERM), ("mpi", signal.SIGTERM), ("mpi", signal.SIGINT)],
+)
+def test_signal_stops_every_peer_and_says_how_to_resume(app, tmp_path, backend, sig):
+    run_dir = tmp_path / "run"
+    args = [f"backend={backend}", "peers=2", *ARGS]
+    proc = app.start(args, run_dir, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        peers = [p for p in processes_of(run_dir) if p != proc.pid]
+        assert backend == "local" or peers, "no peer process found"
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=10)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\n{backend} {sig.name}: app ended {took:.2f} s after the signal")
+    assert proc.returncode == 128 + sig, err
+    assert took < 5
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: interrupted by {sig.name}; "), err
+    named = int(lines[0].split("the newest complete checkpoint is step ", 1)[1].split(";")[0])
+    assert named in checkpoint.complete_steps(run_dir, 2)  # the one named is intact (verified digests)
+    assert f"resume=true hydra.run.dir={run_dir}" in lines[0]
+    time.sleep(0.2)
+    assert processes_of(run_dir) == [], "processes left behind"
+
+
+@pytest.mark.timeout(120)
+def test_peers_die_with_a_killed_driver(app, tmp_path):
+    """SIGKILL leaves the driver no handler: its peers end by themselves (parent-death signal)."""
+    run_dir = tmp_path / "run"
+    proc = app.start(["backend=torch", "peers=2", *ARGS], run_dir, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        assert len(processes_of(run_dir)) == 3
+        killed = time.monotonic()
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = killed + 5
+        while processes_of(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"\ndriver SIGKILLed: its peers gone {time.monotonic() - killed:.2f} s later")
+        assert processes_of(run_dir) == [], "peers outlived their driver"
+    finally:
+        for pid in processes_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _torchrun() -> list[str]:
+    from dpsgd.launch import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"] + [
+        "--master-port",
+        str(free_port()),
+        "--no-python",
+    ]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGTERM), ("mpiexec", signal.SIGINT)])
+def test_user_launcher_forwards_the_signal_and_rank_0_says_how_to_resume(app, tmp_path, launcher, sig):
+    from dpsgd.launch import mpiexec
+
+    run_dir = tmp_path / "run"
+    backend = "torch" if launcher == "torchrun" else "mpi"
+    prefix = _torchrun() if launcher == "torchrun" else [mpiexec(), "-n", "2"]
+    cmd = app.command([f"backend={backend}", "peers=2", *ARGS], run_dir, prefix)
+    proc = subprocess.Popen(
+        cmd, cwd=app.root, env=app.env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in processes_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
+    print(f"\n{launcher} {sig.name}: launcher ended {took:.2f} s after the signal, code {proc.returncode}")
+    assert took < 5
+    assert proc.returncode != 0
+    assert f"resume with your launcher command plus: resume=true hydra.run.dir={run_dir}" in err, err
+    assert processes_of(run_dir) == [], "processes left behind"
+
+
+@pytest.mark.timeout(120)
+def test_second_signal_kills_at_once(app, tmp_path):
+    """A peer that ignores SIGTERM would hold the first stop for its grace period: the 2nd SIGINT does not wait."""
+    run_dir = tmp_path / "run"
+    proc = app.start(["backend=mpi", "peers=2", *ARGS], run_dir, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        peers = [p for p in processes_of(run_dir) if p != proc.pid]
+        for pid in peers:  # stopped peers ignore SIGTERM until continued: the first stop must wait
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still in its grace period
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=5)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\nsecond SIGINT: app ended {took:.2f} s after it")
+    assert proc.returncode == 128 + signal.SIGINT
+    assert took < 1
+    time.sleep(0.3)
+    assert processes_of(run_dir) == [], "processes left behind"
