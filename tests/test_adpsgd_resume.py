@@ -53,6 +53,7 @@ def test_one_peer_resumes_to_the_numbers_of_an_uninterrupted_run(app, tmp_path):
     assert records(full) == records(killed)
 
 
+@pytest.mark.slow  # make soak: three runs of two MPI peers (about 45 s)
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_mpi_partner_killed_is_named_and_the_run_resumes(app, tmp_path):
