@@ -252,12 +252,7 @@ class AsynchronousRun(SynchronousRun):
         )
 
     def begin(self, state: dict | None) -> None:
-        if state:
-            raise ValueError(
-                "an asynchronous algorithm cannot resume from a checkpoint (an asynchronous run has "
-                "no common step to save at); start a new run"
-            )
-        super().begin(None)
+        super().begin(state)  # x_i, the counters and the generators come with the optimizer's state
         self.opt.start()
 
     def done(self) -> bool:
@@ -331,7 +326,15 @@ class AsynchronousRun(SynchronousRun):
         return {"adpsgd": adpsgd_summary(self.opt.budget, self.per_peer), **super().summary(final, wall_s)}
 
     def state(self, extra: dict) -> dict | None:
-        return None
+        """With a steps budget every peer reaches each checkpoint step (experiments.validate refuses the
+        others): wait for this peer's averaging in flight, then for every peer's (barrier), so that no
+        exchange is half done and the saved x_i conserve the sum of the models."""
+        if self.opt.budget != "steps":
+            return None
+        self.opt.settle()
+        self.comm.context = f"checkpoint at step {self.step_count}"
+        self.comm.barrier()
+        return super().state(extra)
 
 
 ROLES = ("alone", "active", "passive")

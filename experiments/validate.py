@@ -91,6 +91,12 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     every = (cfg.get("checkpoint") or {}).get("every", 0)
     if not _is_int(every) or every < 0:
         raise ConfigError(f"checkpoint.every must be an integer >= 0 (0: no checkpoints), got {every!r}")
+    if every and getattr(algorithm, "asynchronous", False) and cfg["algorithm"].get("budget") != "steps":
+        raise ConfigError(  # peers stop at different steps: one would wait at a checkpoint for those gone
+            f"checkpoint.every needs algorithm.budget=steps with an asynchronous algorithm (every peer then "
+            f"reaches each checkpoint step), got budget={cfg['algorithm'].get('budget')!r}; set "
+            "algorithm.budget=steps or checkpoint.every=0"
+        )
     timeout = cfg.get("comm", {}).get("timeout_s")
     if not _is_number(timeout) or timeout <= 0:
         raise ConfigError(f"comm.timeout_s must be a number of seconds > 0, got {timeout!r}")

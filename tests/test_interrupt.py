@@ -45,7 +45,12 @@ def wait_for_checkpoint(run_dir: Path, peers: int, app: subprocess.Popen, limit_
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "backend, sig",
-    [("local", signal.SIGINT), ("torch", signal.SIGTERM), ("mpi", signal.SIGTERM), ("mpi", signal.SIGINT)],
+    [
+        ("local", signal.SIGINT),
+        ("torch", signal.SIGTERM),
+        ("mpi", signal.SIGTERM),
+        pytest.param("mpi", signal.SIGINT, marks=pytest.mark.slow),  # the same path as SIGTERM
+    ],
 )
 def test_signal_stops_every_peer_and_says_how_to_resume(app, tmp_path, backend, sig):
     run_dir = tmp_path / "run"
@@ -74,6 +79,7 @@ def test_signal_stops_every_peer_and_says_how_to_resume(app, tmp_path, backend, 
     assert processes_of(run_dir) == [], "processes left behind"
 
 
+@pytest.mark.slow  # make soak: each starts a world of peers (20-40 s on 2 loaded cores)
 @pytest.mark.timeout(120)
 def test_peers_die_with_a_killed_driver(app, tmp_path):
     """SIGKILL leaves the driver no handler: its peers end by themselves (parent-death signal)."""
@@ -105,6 +111,7 @@ def _torchrun() -> list[str]:
     ]
 
 
+@pytest.mark.slow  # make soak: each starts a world of peers (20-40 s on 2 loaded cores)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGTERM), ("mpiexec", signal.SIGINT)])
 def test_user_launcher_forwards_the_signal_and_rank_0_says_how_to_resume(app, tmp_path, launcher, sig):
@@ -135,6 +142,7 @@ def test_user_launcher_forwards_the_signal_and_rank_0_says_how_to_resume(app, tm
     assert processes_of(run_dir) == [], "processes left behind"
 
 
+@pytest.mark.slow  # make soak: each starts a world of peers (20-40 s on 2 loaded cores)
 @pytest.mark.timeout(120)
 def test_second_signal_kills_at_once(app, tmp_path):
     """A peer that ignores SIGTERM would hold the first stop for its grace period: the 2nd SIGINT does not wait."""

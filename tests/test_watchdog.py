@@ -46,7 +46,7 @@ def test_a_stopped_local_world_releases_its_caller_from_a_stuck_peer():
 
 @pytest.mark.processes
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("backend", ["local", "mpi"])
+@pytest.mark.parametrize("backend", [pytest.param("local", marks=pytest.mark.slow), "mpi"])
 def test_the_only_peer_hanging_ends_the_run_with_one_line(app, tmp_path, backend):
     run_dir = tmp_path / "run"
     args = [f"backend={backend}", "peers=1", "epochs=2", f"comm.timeout_s={TIMEOUT_S}"]

@@ -217,6 +217,10 @@ class ADPSGD(DistributedOptimizer):
             if link is not None:
                 link.close()
 
+    def settle(self) -> None:
+        """Wait for this peer's averaging in flight (a checkpoint follows, once every peer settled)."""
+        self._wait(self.averaging.idle.is_set, "averaging did not finish before the checkpoint", "")
+
     def abort(self) -> None:
         """Stop the communication threads without the closing handshake (after an error)."""
         self._abort.set()
@@ -268,17 +272,48 @@ class ADPSGD(DistributedOptimizer):
         }
 
     def algorithm_state(self):
+        """x_i, the counters and the generators' states: with no averaging in flight (dpsgd.training
+        checkpoints after every peer's averaging completed), a peer resumes where it stood."""
+        a = self.averaging
         with self.lock:
             return {
                 **super().algorithm_state(),
                 "live": self.live.clone(),
                 "samples": self.samples,
                 "staleness_histogram": list(self.staleness_histogram),
+                "version": a.version,
+                "snap_version": self._snap_version,
+                "initiated": a.initiated,
+                "served": a.served,
+                "wait_s": self.wait_s,
+                "partner_rng": _rng_state(a.rng),
+                "jitter_rng": _rng_state(self._jitter_rng),
+                "link_stats": a.link.stats.as_dict() if a.link is not None else {},  # merged at finish()
             }
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
+        a = self.averaging
         with self.lock:
             self.live.copy_(state["live"])
         self.samples = int(state.get("samples", 0))
         self.staleness_histogram = list(state.get("staleness_histogram", []))
+        if "version" in state:  # saved by a checkpoint of a run (an older state_dict lacks them)
+            a.version, self._snap_version = int(state["version"]), int(state["snap_version"])
+            a.initiated, a.served, self.wait_s = int(state["initiated"]), int(state["served"]), float(state["wait_s"])
+            a.rng.setstate(_rng_from(state["partner_rng"]))
+            self._jitter_rng.setstate(_rng_from(state["jitter_rng"]))
+            if a.link is not None:
+                for key, value in state["link_stats"].items():
+                    setattr(a.link.stats, key, value)
+
+
+def _rng_state(rng: random.Random) -> list[int]:
+    """A generator's state as plain integers (checkpoints load with torch.load(weights_only=True))."""
+    version, internal, gauss = rng.getstate()
+    assert version == 3 and gauss is None, "random.Random's state format changed"
+    return list(internal)
+
+
+def _rng_from(state: list[int]) -> tuple:
+    return (3, tuple(int(v) for v in state), None)
