@@ -101,3 +101,28 @@ def test_interface_is_the_one_on_the_route_to_the_master(hosts, app):
     r = hosts.run(2, [sys.executable, "-c", probe.format("192.0.2.9")], timeout=30, cwd=app.root,
                   capture_output=True, text=True)  # fmt: skip
     assert r.returncode != 0 and "no route to the master address 192.0.2.9" in r.stderr, r.stderr
+
+
+def test_mpiexec_two_hosts(hosts, app, tmp_path):
+    """MPICH's hydra starts its proxy on host 2 through tools/netns_exec.sh where it would use ssh;
+    UCX over tcp on eth0 only: shared memory (the single-host default UCX_TLS=self,sm) reaches across
+    namespaces of one machine, so with it the traffic would bypass the hosts' links."""
+    from dpsgd.launch import mpiexec
+
+    ref = app(["backend=local", *SHORT], tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "run"
+    launcher = [
+        "env", "UCX_TLS=tcp,self", "UCX_NET_DEVICES=eth0",
+        mpiexec(), "-launcher", "ssh", "-launcher-exec", str(app.root / "tools" / "netns_exec.sh"),
+        "-iface", "eth0", "-hosts", f"{hosts.address(1)}:2,{hosts.address(2)}:2", "-n", "4", "-genvall",
+    ]  # fmt: skip
+    done = _run_on_hosts(hosts, app, {1: app.command(["backend=mpi", *SHORT], run_dir, launcher)})
+    assert done[1].returncode == 0, done[1].stdout[-3000:]
+    s, want = summary(run_dir), summary(tmp_path / "ref")
+    assert s["peers"] == 4 and s["steps"] == want["steps"]
+    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
+        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # both hosts carried the run's traffic: each sent at least half of what one host's two peers sent
+    sent = hosts.counters(2)["tx_bytes"]
+    assert sent > 0.5 * 2 * s["mb_sent_per_peer"] * 1e6 * 0.5, sent
