@@ -47,8 +47,8 @@ def test_hosts_talk_and_counters_count_the_bytes():
         got, _, d1, d2 = _send(hosts)
         assert got == N
         # TCP/IP/Ethernet headers: 66 bytes a packet (14 + 20 + 32 with timestamps)
-        assert d2["tx_bytes"] - 66 * d2["tx_packets"] == pytest.approx(N, rel=0.01)
-        assert d1["rx_bytes"] - 66 * d1["rx_packets"] == pytest.approx(N, rel=0.01)
+        assert d2["tx_bytes"] - 66 * d2["tx_packets"] == pytest.approx(N, rel=0.01), (d1, d2)
+        assert d1["rx_bytes"] - 66 * d1["rx_packets"] == pytest.approx(N, rel=0.01), (d1, d2)
     assert testhosts.leftovers() == []
 
 
