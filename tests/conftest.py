@@ -161,3 +161,19 @@ def _no_processes_unless_marked(request, monkeypatch):
 
     monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refuse)
     yield
+
+
+# --- test hosts (tools/testhosts.py): none may outlive the session ----------------------------------
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.geteuid() != 0:
+        return
+    sys.path.insert(0, str(ROOT / "tools"))
+    import testhosts
+
+    left = testhosts.leftovers() if testhosts.unavailable() is None else []
+    if left:
+        testhosts.down()  # remove them, and fail the session so the leak is fixed where it happened
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nERROR: test host namespaces were left behind by a test: {left} (removed now)")

@@ -8,7 +8,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from dpsgd import launch, placement
+from dpsgd import launch, netif, placement
 from dpsgd.comm import DEFAULT_TIMEOUT_S
 
 from . import Backend, register
@@ -40,8 +40,8 @@ class TorchBackend(Backend):
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            if "MASTER_ADDR" in os.environ:  # the interface on the route to the master; `lo` on one host
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
             )

@@ -16,10 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dpsgd import netif
+
 from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, Pending, Request
 from .staging import HostStaging, check_mode
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class _Works(Exchange):
@@ -116,8 +116,8 @@ class TorchCommunicator(Communicator):
                         f"`torchrun --nproc-per-node N python -m experiments.train backend=torch`, let "
                         f"experiments.train spawn them, or call torch.distributed.init_process_group first"
                     )
-            if os.environ.get("MASTER_ADDR") in _LOOPBACK:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay off external interfaces
+            if "MASTER_ADDR" in os.environ:  # the interface on the route to the master; `lo` on one host
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
             dist_backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
             dist.init_process_group(
                 dist_backend, init_method=init_method or "env://", timeout=timedelta(seconds=timeout_s)

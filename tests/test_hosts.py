@@ -1,0 +1,128 @@
+"""Runs across two test hosts (tools/testhosts.py network namespaces), 2 peers on each: the ranks find
+each other over the hosts' subnet, agree on one run folder, and get the single-host numbers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from runs import summary
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import testhosts  # noqa: E402
+
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(testhosts.unavailable() is not None, reason=str(testhosts.unavailable())),
+]
+
+SHORT = ["epochs=3", "log_every=5"]
+TIMEOUT_S = 120
+
+
+@pytest.fixture
+def hosts():
+    with testhosts.TestHosts(2) as h:
+        yield h
+
+
+def _run_on_hosts(hosts, app, commands: dict[int, list[str]]) -> dict[int, subprocess.CompletedProcess]:
+    """Start each host's command, wait for all; stop every one on a timeout (down() ends the rest)."""
+    procs = {
+        i: hosts.popen(i, cmd, cwd=app.root, env=app.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i, cmd in commands.items()
+    }
+    out = {}
+    try:
+        for i, p in procs.items():
+            text, _ = p.communicate(timeout=TIMEOUT_S)
+            out[i] = subprocess.CompletedProcess(p.args, p.returncode, text, "")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return out
+
+
+def test_torchrun_two_hosts_c10d_rendezvous(hosts, app, tmp_path):
+    ref = app(["backend=local", *SHORT], tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "run"
+    endpoint = f"{hosts.address(1)}:29400"
+    commands = {
+        i: app.command(
+            ["backend=torch", *SHORT],
+            run_dir,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "hosts",
+                # host 1 holds the rendezvous store: the hostname resolves to loopback on every host,
+                # so torchrun cannot tell by itself; --local-addr is the address peers reach it at
+                "--rdzv-conf",
+                f"is_host={int(i == 1)}",
+                "--local-addr",
+                hosts.address(i),
+                "--no-python",
+            ],
+        )  # fmt: skip
+        for i in (1, 2)
+    }
+    done = _run_on_hosts(hosts, app, commands)
+    for i, r in done.items():
+        assert r.returncode == 0, f"host {i}: {r.stdout[-3000:]}"
+    s, want = summary(run_dir), summary(tmp_path / "ref")
+    assert s["peers"] == 4 and s["steps"] == want["steps"]
+    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
+        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    logs = sorted(p.name for p in run_dir.glob("train_rank*.log"))
+    assert logs == [f"train_rank{r}.log" for r in range(4)], logs
+
+
+def test_interface_is_the_one_on_the_route_to_the_master(hosts, app):
+    probe = "from dpsgd.netif import interface_to as f; print(f('{}'), f('127.0.0.1'))"
+    r = hosts.run(2, [sys.executable, "-c", probe.format(hosts.address(1))], timeout=30, cwd=app.root,
+                  capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.split() == ["eth0", "lo"], r.stdout + r.stderr
+    # `ip route get` only looks the route up: nothing is sent to this address outside the test subnet
+    r = hosts.run(2, [sys.executable, "-c", probe.format("192.0.2.9")], timeout=30, cwd=app.root,
+                  capture_output=True, text=True)  # fmt: skip
+    assert r.returncode != 0 and "no route to the master address 192.0.2.9" in r.stderr, r.stderr
+
+
+def test_mpiexec_two_hosts(hosts, app, tmp_path):
+    """MPICH's hydra starts its proxy on host 2 through tools/netns_exec.sh where it would use ssh;
+    UCX over tcp on eth0 only: shared memory (the single-host default UCX_TLS=self,sm) reaches across
+    namespaces of one machine, so with it the traffic would bypass the hosts' links."""
+    from dpsgd.launch import mpiexec
+
+    ref = app(["backend=local", *SHORT], tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "run"
+    launcher = [
+        "env", "UCX_TLS=tcp,self", "UCX_NET_DEVICES=eth0",
+        mpiexec(), "-launcher", "ssh", "-launcher-exec", str(app.root / "tools" / "netns_exec.sh"),
+        "-iface", "eth0", "-hosts", f"{hosts.address(1)}:2,{hosts.address(2)}:2", "-n", "4", "-genvall",
+    ]  # fmt: skip
+    done = _run_on_hosts(hosts, app, {1: app.command(["backend=mpi", *SHORT], run_dir, launcher)})
+    assert done[1].returncode == 0, done[1].stdout[-3000:]
+    s, want = summary(run_dir), summary(tmp_path / "ref")
+    assert s["peers"] == 4 and s["steps"] == want["steps"]
+    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
+        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # both hosts carried the run's traffic: each sent at least half of what one host's two peers sent
+    sent = hosts.counters(2)["tx_bytes"]
+    assert sent > 0.5 * 2 * s["mb_sent_per_peer"] * 1e6 * 0.5, sent
