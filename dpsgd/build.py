@@ -208,7 +208,7 @@ def build_peer(comm, cfg: dict) -> Peer:
     seed = int(cfg["seed"])
     network = netem.NetworkEmulator.from_config(cfg.get("network"), comm.rank, comm.size, seed)
     comm.attach_network(network)  # before the optimizer: some exchange at construction
-    device = placement.place(cfg, comm.rank, comm.size)
+    device = placement.place(cfg, comm.rank, comm.size, in_process=comm.in_process)
     split = load_data(cfg)
     shares = partition(cfg, split, comm.size)
     share = shares[comm.rank]

@@ -3,8 +3,9 @@
 Launchers say a process's rank on its node in different variables (torchrun LOCAL_RANK, MPICH's hydra
 MPI_LOCALRANKID, Open MPI OMPI_COMM_WORLD_LOCAL_RANK, Slurm SLURM_LOCALID; the app's own spawners set
 LOCAL_RANK or run hydra) and the number of such processes likewise. Peer i on a node gets
-cuda:(i % GPUs). Two peers on one GPU is refused for nccl (it cannot), and allowed for gloo, mpi and
-in-process peers only with `device_share: true`, a testing aid: such peers compete for one device.
+cuda:(i % GPUs). Two peers on one GPU is refused for nccl (it cannot), and allowed for gloo and mpi
+only with `device_share: true`, a testing aid: such peers compete for one device. Peers in one process
+(the local backend's threads, the fleet) share that process's device: their messages are plain tensors.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ LAUNCHER_VARS = (
 DEVICES = "cpu, cuda, auto (cuda when torch sees a GPU, else cpu) or cuda:N"
 
 
-def node_rank(env: Mapping[str, str], rank: int, peers: int) -> tuple[int, int]:
-    """(this peer's index among the peers of its node, how many peers the node runs), from the
-    launcher's variables; in-process peers (no launcher) are all on this node: (rank, peers)."""
+def node_rank(env: Mapping[str, str], rank: int, peers: int) -> tuple[int, int | None]:
+    """(this peer's index among the peers of its node, how many peers the node runs, None where the
+    launcher does not say: srun sets SLURM_NTASKS_PER_NODE only when asked for a count per node), from
+    the launcher's variables; without a launcher the app starts every peer here: (rank, peers)."""
     for rank_var, size_var in LAUNCHER_VARS:
         if env.get(rank_var, "").isdigit():
-            size = env.get(size_var, "").split("(")[0]  # SLURM_NTASKS_PER_NODE may read "2(x3)"
-            return int(env[rank_var]), int(size) if size.isdigit() else peers
+            size = env.get(size_var, "")
+            return int(env[rank_var]), int(size) if size.isdigit() else None
     return rank, peers
 
 
@@ -64,24 +66,30 @@ def peer_device(
             f"{torch.version.cuda or 'not built in'}); install a CUDA build of torch on a GPU machine, "
             f"or set device=cpu"
         )
-    if ":" in device:  # the user chose the GPU
+    local, on_node = node_rank(os.environ if env is None else env, rank, peers)
+    if ":" in device:  # the user chose the GPU: every peer of the node on it
         index = int(device[5:])
         if index >= gpus:
             raise ValueError(f"device={device} but this machine has {gpus} GPU(s): cuda:0 ... cuda:{gpus - 1}")
+        _refuse_sharing(cfg, on_node, 1, nccl, f"device={device} puts them all on one GPU")
         return torch.device(device)
-    local, on_node = node_rank(os.environ if env is None else env, rank, peers)
-    if on_node > gpus:
+    _refuse_sharing(cfg, on_node, gpus, nccl, f"{gpus} GPU(s)")
+    return torch.device("cuda", local % gpus)
+
+
+def _refuse_sharing(cfg: Mapping, on_node: int | None, gpus: int, nccl: bool, what: str) -> None:
+    """More peers on this node than `gpus`: refused for nccl always, for others without device_share."""
+    if on_node is not None and on_node > gpus:
         if nccl:
             raise RuntimeError(
-                f"{on_node} peers on this node but {gpus} GPU(s): nccl needs one GPU per peer; start at most "
+                f"{on_node} peers on this node but {what}: nccl needs one GPU per peer; start at most "
                 f"{gpus} peers per node, or use backend.dist_backend=gloo with device_share=true (testing only)"
             )
         if not cfg.get("device_share", False):
             raise RuntimeError(
-                f"{on_node} peers on this node but {gpus} GPU(s): peers would share GPUs; start at most {gpus} "
+                f"{on_node} peers on this node but {what}: peers would share GPUs; start at most {gpus} "
                 f"peers per node, or set device_share=true to let them share (a testing aid: they compete)"
             )
-    return torch.device("cuda", local % gpus)
 
 
 def uses_nccl(cfg: Mapping) -> bool:
@@ -95,15 +103,23 @@ def uses_nccl(cfg: Mapping) -> bool:
 
 
 def single_device(cfg: Mapping) -> torch.device:
-    """The one device of a run in one process (the fleet): `device`, auto resolved, cuda the current GPU."""
+    """The one device of the peers of one process (local threads, the fleet): `device`, auto resolved,
+    cuda the current GPU."""
     device = str(cfg.get("device", "cpu"))
-    return torch.device(kind(device) if device == "auto" else device)
+    resolved = torch.device(kind(device) if device == "auto" else device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={device} but torch sees no GPU (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda or 'not built in'}); install a CUDA build of torch on a GPU machine, "
+            f"or set device=cpu"
+        )
+    return resolved
 
 
-def place(cfg: Mapping, rank: int, peers: int) -> torch.device:
-    """`peer_device` for peer `rank` of this process, made the current CUDA device of the calling thread
-    (where nccl and new tensors go)."""
-    device = peer_device(cfg, rank, peers, nccl=uses_nccl(cfg))
+def place(cfg: Mapping, rank: int, peers: int, in_process: bool = False) -> torch.device:
+    """The device of peer `rank` (`in_process`: one of several peers in this process, which share its
+    device), made the current CUDA device of the calling thread (where nccl and new tensors go)."""
+    device = single_device(cfg) if in_process else peer_device(cfg, rank, peers, nccl=uses_nccl(cfg))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

@@ -78,7 +78,10 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         raise ConfigError(problem)
     try:  # the GPU of the first peer on this node: the refusals (no GPU, too few for nccl) come here
         check_mode(cfg["backend"].get("staging", "auto"))
-        placement.peer_device(cfg, 0, peers, nccl=placement.uses_nccl(cfg))
+        if record.processes:
+            placement.peer_device(cfg, 0, peers, nccl=placement.uses_nccl(cfg))
+        else:  # peers in one process share its device
+            placement.single_device(cfg)
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from None
     if not cfg["model"].get("_target_"):

@@ -19,7 +19,7 @@ LAUNCHERS = {
     "torchrun": lambda r, n: {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)},
     "mpich": lambda r, n: {"MPI_LOCALRANKID": str(r), "MPI_LOCALNRANKS": str(n), "PMI_RANK": str(r + 10)},
     "openmpi": lambda r, n: {"OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": str(n)},
-    "srun": lambda r, n: {"SLURM_LOCALID": str(r), "SLURM_NTASKS_PER_NODE": f"{n}(x2)", "SLURM_PROCID": str(r + 4)},
+    "srun": lambda r, n: {"SLURM_LOCALID": str(r), "SLURM_NTASKS_PER_NODE": str(n), "SLURM_PROCID": str(r + 4)},
 }
 
 
@@ -51,17 +51,25 @@ def test_sharing_gpus_only_when_asked_and_never_for_nccl():
     with pytest.raises(RuntimeError, match="set device_share=true"):
         placement.peer_device(cfg(), 5, 8, env=env, gpus=4)
     assert placement.peer_device(cfg(share=True), 5, 8, env=env, gpus=4) == torch.device("cuda", 1)
-    # in-process peers (no launcher variables): all on this node, by rank
-    assert placement.peer_device(cfg(share=True, backend="local"), 6, 8, env={}, gpus=4) == torch.device("cuda", 2)
+    # no launcher's variables (the app's own spawner): every peer on this node, by rank
+    assert placement.peer_device(cfg(share=True), 6, 8, env={}, gpus=4) == torch.device("cuda", 2)
     with pytest.raises(RuntimeError, match="8 peers on this node but 1 GPU"):
-        placement.peer_device(cfg(backend="local"), 6, 8, env={}, gpus=1)
+        placement.peer_device(cfg(), 6, 8, env={}, gpus=1)
+    # srun without --ntasks-per-node does not say how many share the node: nothing to refuse
+    assert placement.peer_device(cfg(), 5, 8, env={"SLURM_LOCALID": "1"}, gpus=4) == torch.device("cuda", 1)
+    # one GPU named for every peer of the node is sharing too
+    with pytest.raises(RuntimeError, match="device=cuda:1 puts them all on one GPU"):
+        placement.peer_device(cfg(device="cuda:1"), 0, 4, env=LAUNCHERS["mpich"](0, 4), gpus=2)
+    assert placement.peer_device(cfg(device="cuda:1", share=True), 0, 4, env={}, gpus=2) == torch.device("cuda", 1)
 
 
 def test_device_values():
     assert placement.peer_device(cfg(device="cpu"), 3, 4, env={}, gpus=8) == torch.device("cpu")
-    assert placement.peer_device(cfg(device="cuda:3"), 0, 4, env={}, gpus=4) == torch.device("cuda", 3)
+    assert placement.peer_device(cfg(device="cuda:3"), 0, 1, env={}, gpus=4) == torch.device("cuda", 3)
     with pytest.raises(ValueError, match="has 4 GPU"):
-        placement.peer_device(cfg(device="cuda:4"), 0, 4, env={}, gpus=4)
+        placement.peer_device(cfg(device="cuda:4"), 0, 1, env={}, gpus=4)
+    # peers in one process (local threads, the fleet) share its device, however many
+    assert placement.place(cfg(device="cpu", backend="local"), 5, 64, in_process=True) == torch.device("cpu")
     with pytest.raises(ValueError, match="device must be one of cpu, cuda, auto"):
         placement.kind("gpu")
     assert placement.kind("auto") == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -123,18 +123,19 @@ class Handle:
             self._started_on_device = torch.cuda.Event(enable_timing=True)
             self._started_on_device.record()
 
-    def _overlap_s(self) -> float:
+    def _count_overlap(self) -> None:
         if self._started_on_device is None:
-            return time.monotonic() - self._started
+            self._comm.stats.overlap_s += time.monotonic() - self._started
+            return
         waited = torch.cuda.Event(enable_timing=True)
         waited.record()
-        waited.synchronize()
-        return self._started_on_device.elapsed_time(waited) / 1000
+        self._comm._device_overlap.append((self._started_on_device, waited))
+        self._comm._settle_device_overlap()
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
             if self._counting:
-                self._comm.stats.overlap_s += self._overlap_s()
+                self._count_overlap()
             self._comm._wait(self._op, self._pending, self._peers)
             arrival = self._arrival() if self._arrival is not None else None  # before finish() frees buffers
             self._result = self._finish()
@@ -171,6 +172,7 @@ class Communicator(ABC):
     `timeout_s` seconds; past it, a PeerTimeoutError names the operation and the peers."""
 
     backend: str = "?"
+    in_process = False  # its peers are threads of one process (they share its device)
 
     def __init__(self, rank: int, size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         if timeout_s <= 0:
@@ -184,6 +186,14 @@ class Communicator(ABC):
         self.network: NetworkEmulator | None = None  # see attach_network
         # CUDA tensors through host buffers, for transports that read host memory only (dpsgd.comm.staging)
         self.staging: HostStaging | None = None
+        self._device_overlap: list = []  # (start, wait) CUDA event pairs not yet reached by the device
+
+    def _settle_device_overlap(self) -> None:
+        """Add the device time of the overlaps the GPU has got past (events complete in order); never
+        waits for the device, so the host keeps queuing work ahead of it."""
+        while self._device_overlap and self._device_overlap[0][1].query():
+            start, waited = self._device_overlap.pop(0)
+            self.stats.overlap_s += start.elapsed_time(waited) / 1000
 
     def attach_network(self, network: NetworkEmulator) -> None:
         """Emulate `network` (a `dpsgd.netem.NetworkEmulator`) in every counted operation: messages carry

@@ -148,6 +148,7 @@ class _LocalRecv(Request):
 
 class LocalCommunicator(Communicator):
     backend = "local"
+    in_process = True
 
     def __init__(self, world: LocalWorld, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S, namespace: tuple = ()):
         super().__init__(rank, world.n, timeout_s)

@@ -39,6 +39,15 @@ def cuda_aware(MPI) -> bool:
     return bool(query())
 
 
+def _ready(*tensors: torch.Tensor) -> None:
+    """A CUDA-aware MPI reads and writes device memory outside CUDA's streams: let the kernels queued on
+    these tensors (the flattening copy, the last use of a reused receive buffer) finish first."""
+    for t in tensors:
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+            return
+
+
 def _as_buffer(t: torch.Tensor):
     """The memory of a contiguous tensor as something mpi4py can send without copying."""
     if t.is_cuda:
@@ -112,6 +121,7 @@ class MPICommunicator(Communicator):
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
         received = {p: self._receive_buffer(buf) for p in recv_from}
+        _ready(buf)
         reqs = [self._comm.Irecv(_as_buffer(received[p]), source=p, tag=tag) for p in recv_from]
         reqs += [self._comm.Isend(_as_buffer(buf), dest=p, tag=tag) for p in send_to]
         return _Requests(self._MPI, reqs, [*recv_from, *send_to], received)
@@ -131,13 +141,16 @@ class MPICommunicator(Communicator):
             )
 
     def _start_send(self, buf, peer, tag) -> Request:
+        _ready(buf)
         return _MPIRequest(self._MPI, self._comm.Isend(_as_buffer(buf), dest=peer, tag=tag), peer)
 
     def _start_recv(self, buf, source, tag) -> Request:
         src = self._MPI.ANY_SOURCE if source is None else source
+        _ready(buf)
         return _MPIRequest(self._MPI, self._comm.Irecv(_as_buffer(buf), source=src, tag=tag), source)
 
     def _start_allreduce_sum(self, buf) -> Pending:
+        _ready(buf)
         req = self._comm.Iallreduce(self._MPI.IN_PLACE, _mpi_op_buffer(buf), op=self._MPI.SUM)
         return _Requests(self._MPI, [req], [-1])
 
