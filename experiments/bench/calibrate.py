@@ -1,6 +1,6 @@
 """Alpha and beta of a real link, measured: ping-pong between 2 test hosts (tools/testhosts.py, root)
 over gloo, message sizes 1 KB .. 16 MB; one-way time = alpha + M / beta (beta from the two largest
-sizes, alpha from the smallest) is written as a network preset (the `network` config keys, mode: model).
+sizes, alpha the smallest's time) is written as a network preset (the `network` config keys, mode: model).
 
     python -m experiments.bench.calibrate --rate 100mbit --out conf/network/testhosts_100m.yaml
 
@@ -62,15 +62,16 @@ def worker(out: Path) -> None:
 
 
 def fit(times: dict[int, float]) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s): beta from the slope between the two largest sizes, alpha from the
-    smallest. Not a least-squares line: tc tbf lets a burst (its bucket) through at line rate, so the
-    small and middle sizes sit below the capped line and would pull its intercept below zero."""
+    """(alpha seconds, beta bytes/s): beta from the slope between the two largest sizes, alpha the time of
+    the smallest. Not a least-squares line: tc tbf lets a burst (its bucket) through at line rate, so
+    small and middle sizes sit below the capped line (a 1 KB message pays no M / beta) and would pull
+    a fitted intercept to zero or below."""
     sizes = sorted(times)
     big, bigger = sizes[-2], sizes[-1]
     slope = (times[bigger] - times[big]) / (bigger - big)
     if slope <= 0:
         raise RuntimeError(f"calibrate: time does not grow with message size ({times}); the link was not measured")
-    return max(times[sizes[0]] - sizes[0] * slope, 0.0), 1.0 / slope
+    return times[sizes[0]], 1.0 / slope
 
 
 def measure(hosts: testhosts.TestHosts, tmp: Path) -> dict[int, float]:
