@@ -44,4 +44,16 @@ def interface_to(host: str) -> str:
             f"no route to the master address {addr} from this host ({r.stderr.strip() or r.stdout.strip()}); "
             "check that MASTER_ADDR is an address of the first host reachable from here"
         )
+    if words[0] == "local":  # the master is this host: the interface that holds its address, not `lo`
+        return _holder(addr)
     return words[words.index("dev") + 1]
+
+
+def _holder(addr: str) -> str:
+    r = subprocess.run(
+        ["ip", "-o", "-4", "addr", "show", "to", addr], capture_output=True, text=True, timeout=_TIMEOUT_S
+    )
+    words = r.stdout.split()
+    if r.returncode != 0 or len(words) < 2:
+        raise RuntimeError(f"{addr} is routed to this host but no interface holds it ({r.stderr.strip()})")
+    return words[1]

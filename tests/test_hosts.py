@@ -97,6 +97,10 @@ def test_interface_is_the_one_on_the_route_to_the_master(hosts, app):
     r = hosts.run(2, [sys.executable, "-c", probe.format(hosts.address(1))], timeout=30, cwd=app.root,
                   capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0 and r.stdout.split() == ["eth0", "lo"], r.stdout + r.stderr
+    # on the master's own host the route is `local ... dev lo`: the interface holding the address counts
+    r = hosts.run(1, [sys.executable, "-c", probe.format(hosts.address(1))], timeout=30, cwd=app.root,
+                  capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.split() == ["eth0", "lo"], r.stdout + r.stderr
     # `ip route get` only looks the route up: nothing is sent to this address outside the test subnet
     r = hosts.run(2, [sys.executable, "-c", probe.format("192.0.2.9")], timeout=30, cwd=app.root,
                   capture_output=True, text=True)  # fmt: skip
@@ -126,3 +130,78 @@ def test_mpiexec_two_hosts(hosts, app, tmp_path):
     # both hosts carried the run's traffic: each sent at least half of what one host's two peers sent
     sent = hosts.counters(2)["tx_bytes"]
     assert sent > 0.5 * 2 * s["mb_sent_per_peer"] * 1e6 * 0.5, sent
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_app_spawner_on_hosts(hosts, app, tmp_path, backend):
+    """`launcher.hosts=[...]`: the driver on host 1 starts the ranks on both hosts through the runner
+    (ssh on a cluster, tools/netns_exec.sh here), no mpiexec or torchrun line of the user's."""
+    ref = app(["backend=local", *SHORT], tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "run"
+    before = hosts.counters(2)["tx_bytes"]
+    args = [
+        f"backend={backend}", *SHORT,
+        f"launcher.hosts=[{hosts.address(1)},{hosts.address(2)}]",
+        f"launcher.runner={app.root / 'tools' / 'netns_exec.sh'}",
+    ]  # fmt: skip
+    done = _run_on_hosts(hosts, app, {1: app.command(args, run_dir)})
+    assert done[1].returncode == 0, done[1].stdout[-3000:]
+    s, want = summary(run_dir), summary(tmp_path / "ref")
+    assert s["peers"] == 4 and s["steps"] == want["steps"]
+    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
+        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # host 2's two peers sent over its link, not over loopback or shared memory
+    sent = hosts.counters(2)["tx_bytes"] - before
+    assert sent > 0.5 * 2 * s["mb_sent_per_peer"] * 1e6 * 0.5, sent
+
+
+def test_one_host_lost_ends_the_run_and_resume_finishes_it(hosts, app, tmp_path):
+    """Every process of host 2 killed mid-run (both its peers): the driver on host 1 ends the run within
+    2x comm.timeout_s with one line naming a lost peer; resume=true gives the uninterrupted numbers."""
+    import os
+    import signal
+    import time
+
+    from dpsgd import checkpoint
+
+    timeout_s = 10
+    args = ["backend=torch", "epochs=6", "log_every=5", "checkpoint.every=10", f"comm.timeout_s={timeout_s}"]
+    on_hosts = [
+        f"launcher.hosts=[{hosts.address(1)},{hosts.address(2)}]",
+        f"launcher.runner={app.root / 'tools' / 'netns_exec.sh'}",
+    ]
+    ref = app([*args, "backend=local"], tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "run"
+    driver = hosts.popen(1, app.command([*args, *on_hosts], run_dir), cwd=app.root, env=app.env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while 20 not in checkpoint.complete_steps(run_dir, 4) and driver.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint at step 20 in time"
+            time.sleep(0.2)
+        pids = subprocess.run(["ip", "netns", "pids", testhosts.host_ns(2)], capture_output=True, text=True,
+                              timeout=10).stdout.split()  # fmt: skip
+        assert pids and driver.poll() is None, (pids, driver.poll())
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = driver.communicate(timeout=TIMEOUT_S)
+        took = time.monotonic() - killed
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(10)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert driver.returncode == 1 and len(lines) == 1, err
+    assert "peer 2 " in lines[0] or "peer 3 " in lines[0] or "rank 2" in lines[0] or "rank 3" in lines[0], lines
+    print(f"\nhost 2 lost: run ended {took:.2f} s after the kill (limit {2 * timeout_s} s): {lines[0]}")
+    assert took < 2 * timeout_s
+    resumed = hosts.run(1, app.command([*args, *on_hosts, "resume=true"], run_dir), timeout=TIMEOUT_S, cwd=app.root,
+                        env=app.env(), capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    s, want = summary(run_dir), summary(tmp_path / "ref")
+    assert s["steps"] == want["steps"]
+    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
+        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

@@ -86,7 +86,7 @@ class Backend:
             with Watchdog(
                 cfg["comm"]["timeout_s"], lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
             ) as dog:
-                code = self.spawn(cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
+                code = self._spawn_here_or_on_hosts(cfg, argv, env, logs, codes)
             if dog.line is not None:
                 raise RunFailed(f"{dog.line}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
             if code != 0:
@@ -96,6 +96,15 @@ class Backend:
                 failure = first_failure(logs, sup, code, cfg["peers"], codes)
                 raise RunFailed(f"{failure}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
         return json.loads((run_dir / "summary.json").read_text())
+
+    def _spawn_here_or_on_hosts(self, cfg: dict, argv: list[str], env: dict, logs: Path, codes: list) -> int:
+        """The peers on this machine, or on `launcher.hosts` (dpsgd.hosts) when the config names hosts."""
+        launcher = cfg.get("launcher") or {}
+        if launcher.get("hosts"):
+            from dpsgd import hosts
+
+            return hosts.spawn(self.name, launcher, cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
+        return self.spawn(cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
 
 
 def register(backend: Backend) -> Backend:

@@ -1,0 +1,136 @@
+"""Alpha and beta of a real link, measured: ping-pong between 2 test hosts (tools/testhosts.py, root)
+over gloo, message sizes 1 KB .. 16 MB; one-way time = alpha + M / beta (beta from the two largest
+sizes, alpha the smallest's time) is written as a network preset (the `network` config keys, mode: model).
+
+    python -m experiments.bench.calibrate --rate 100mbit --out conf/network/testhosts_100m.yaml
+
+The rank on host 1 and the rank on host 2 each run this module with `--worker`; nothing but the two
+test hosts' subnet carries the traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiments.bench.common import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import testhosts  # noqa: E402
+
+SIZES = [2**k for k in range(10, 25, 2)]  # 1 KB .. 16 MB: past the tbf bucket at 1 Gbit/s
+REPS = 5  # round trips per size; the fastest counts (the link's cost, not the scheduler's)
+TIMEOUT_S = 180
+PORT = 29431
+
+
+def worker(out: Path) -> None:
+    """One of the two ranks: round trips of each size; rank 0 writes the one-way times."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from dpsgd import netif
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    rank = dist.get_rank()
+    times = {}
+    for size in SIZES:
+        buf = torch.zeros(size, dtype=torch.uint8)
+        best = float("inf")
+        for _ in range(REPS + 1):  # the first round trip of a size warms the connection up
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            best = min(best, (time.perf_counter() - t0) / 2)
+        times[size] = best
+    dist.destroy_process_group()
+    if rank == 0:
+        out.write_text(json.dumps(times))
+
+
+def fit(times: dict[int, float]) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s): beta from the slope between the two largest sizes, alpha the time of
+    the smallest. Not a least-squares line: tc tbf lets a burst (its bucket) through at line rate, so
+    small and middle sizes sit below the capped line (a 1 KB message pays no M / beta) and would pull
+    a fitted intercept to zero or below."""
+    sizes = sorted(times)
+    big, bigger = sizes[-2], sizes[-1]
+    slope = (times[bigger] - times[big]) / (bigger - big)
+    if slope <= 0:
+        raise RuntimeError(f"calibrate: time does not grow with message size ({times}); the link was not measured")
+    return times[sizes[0]], 1.0 / slope
+
+
+def measure(hosts: testhosts.TestHosts, tmp: Path) -> dict[int, float]:
+    from dpsgd.launch import peer_env
+
+    out = tmp / "pingpong.json"
+    base = {**peer_env(), "MASTER_ADDR": hosts.address(1), "MASTER_PORT": str(PORT), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "experiments.bench.calibrate", "--worker", str(out)]
+    procs = [
+        hosts.popen(i, cmd, cwd=ROOT, env={**base, "RANK": str(i - 1)}, stderr=subprocess.PIPE, text=True)
+        for i in (1, 2)
+    ]
+    try:
+        for i, p in zip((1, 2), procs):
+            _, err = p.communicate(timeout=TIMEOUT_S)
+            if p.returncode != 0:
+                raise RuntimeError(f"calibrate: the rank on host {i} failed ({p.returncode}): {err[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+def preset(name: str, alpha: float, beta: float) -> str:
+    return (
+        f"# measured by experiments.bench.calibrate between 2 test hosts: ping-pong 1 KB .. 16 MB over gloo\n"
+        f"name: {name}\nmode: model\nlatency_s: {alpha:.3e}\nbandwidth_bytes_per_s: {beta:.4e}\n"
+        "jitter_s: 0.0\nslow_peers: []\ncompute_scale: 1.0\ncompute_time: 0.0\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", help="cap each host's link (tc tbf rate, e.g. 1gbit, 100mbit); default: none")
+    p.add_argument("--out", type=Path, help="write the preset here (default: print it)")
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    why = testhosts.unavailable()
+    if why:
+        sys.exit(f"calibrate: {why}")
+    import tempfile
+
+    with testhosts.TestHosts(2, rate=args.rate) as hosts, tempfile.TemporaryDirectory() as tmp:
+        times = measure(hosts, Path(tmp))
+    alpha, beta = fit(times)
+    for size, t in sorted(times.items()):
+        print(f"{size:>9} B  {t * 1e6:10.1f} us one way   model {(alpha + size / beta) * 1e6:10.1f} us")
+    print(f"alpha {alpha * 1e6:.1f} us, beta {beta * 8 / 1e6:.1f} Mbit/s ({beta:.3e} bytes/s)")
+    name = args.out.stem if args.out else f"testhosts_{args.rate or 'uncapped'}"
+    text = preset(name, alpha, beta)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Bytes on the wire against the toolkit's own count: 2 test hosts x 2 peers (tools/testhosts.py, root).
+
+The toolkit counts the bytes of training exchanges (`mb_sent_per_peer`); host 2's `eth0` counts
+everything it sent: setup (rendezvous, UCX wire-up, the config), the final evaluation, TCP/IP
+headers and acknowledgements. Two runs that differ only in length remove what does not grow with the
+steps: wire(long) - wire(short) is set against count(long) - count(short). Headers: the counter adds
+14 (Ethernet) + 20 (IPv4) + 32 (TCP with timestamps) = 66 bytes to each packet it counts (a segment
+offloaded whole counts once), so payload = tx_bytes - 66 x tx_packets, and a pure ACK counts 0.
+
+Inter-host share of the count: each of host 2's peers sends the same bytes to each of its neighbours
+(one model each), so host 2 sent count x (its peers' neighbours on host 1) / (all their neighbours).
+
+    python -m experiments.bench.wire_bytes                     # the README table
+    python -m experiments.bench.wire_bytes --backends torch --topologies hierarchical --epochs 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from experiments.bench.common import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import testhosts  # noqa: E402
+
+HEADER_BYTES = 14 + 20 + 32  # Ethernet + IPv4 + TCP with timestamps, per counted packet
+PEERS_PER_HOST = 2
+TIMEOUT_S = 240
+
+
+def options(topology: str) -> dict:
+    """hierarchical: one group per host (all-reduce-like inside, gossip between hosts)."""
+    return {"group_size": PEERS_PER_HOST} if topology == "hierarchical" else {}
+
+
+def across_share(topology: str, peers: int, hosts: int) -> float:
+    """Of the bytes the last host's peers send, the share that goes to peers on other hosts."""
+    import topologies
+
+    t = topologies.make(topology, peers, **options(topology))
+    on = [r // (peers // hosts) for r in range(peers)]
+    mine = [r for r in range(peers) if on[r] == hosts - 1]
+    links = [(r, j) for r in mine for j in range(peers) if j != r and t.mixing_matrix(0)[r, j] != 0]
+    return sum(on[j] != on[r] for r, j in links) / len(links)
+
+
+def one_run(hosts: testhosts.TestHosts, backend: str, topology: str, epochs: int, run_dir: Path) -> dict:
+    """Run the app from host 1 on both hosts (launcher.hosts); host 2's eth0 counters before and after."""
+    from dpsgd.launch import peer_env
+
+    before = hosts.counters(2)
+    cmd = [
+        sys.executable, "-m", "experiments.train", f"backend={backend}", f"topology={topology}",
+        f"peers={PEERS_PER_HOST * hosts.n}", f"epochs={epochs}", "log_every=100000",
+        f"launcher.hosts=[{','.join(hosts.address(i) for i in range(1, hosts.n + 1))}]",
+        f"launcher.runner={ROOT / 'tools' / 'netns_exec.sh'}", f"hydra.run.dir={run_dir}",
+        *(f"topology.{k}={v}" for k, v in options(topology).items()),
+    ]  # fmt: skip
+    r = hosts.run(1, cmd, timeout=TIMEOUT_S, cwd=ROOT, env=peer_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{backend} {topology} epochs={epochs} failed: {(r.stderr or r.stdout)[-2000:]}")
+    after = hosts.counters(2)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "tx_bytes": after["tx_bytes"] - before["tx_bytes"],
+        "tx_packets": after["tx_packets"] - before["tx_packets"],
+        "count": summary["mb_sent_per_peer"] * 1e6 * PEERS_PER_HOST,  # host 2's peers, every neighbour
+        "steps": summary["steps"],
+    }
+
+
+def measure(backend: str, topology: str, epochs: tuple[int, int], hosts: testhosts.TestHosts, tmp: Path) -> dict:
+    short, long = (one_run(hosts, backend, topology, e, tmp / f"{backend}-{topology}-{e}") for e in epochs)
+    share = across_share(topology, PEERS_PER_HOST * hosts.n, hosts.n)
+    wire = long["tx_bytes"] - short["tx_bytes"]
+    packets = long["tx_packets"] - short["tx_packets"]
+    payload = wire - HEADER_BYTES * packets
+    count = (long["count"] - short["count"]) * share
+    return {
+        "backend": backend,
+        "topology": topology,
+        "steps": long["steps"] - short["steps"],
+        "wire_bytes": wire,
+        "packets": packets,
+        "payload_bytes": payload,
+        "toolkit_bytes": round(count),
+        "ratio": payload / count,
+        "whole_run_ratio": (long["tx_bytes"] - HEADER_BYTES * long["tx_packets"]) / (long["count"] * share),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = "| backend | topology | extra steps | eth0 tx bytes | packets | payload | toolkit count | payload / count |"
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['backend']} | {r['topology']} | {r['steps']} | {r['wire_bytes']:,} | {r['packets']:,} | "
+            f"{r['payload_bytes']:,} | {r['toolkit_bytes']:,} | {r['ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", nargs="+", default=["mpi", "torch"])
+    p.add_argument("--topologies", nargs="+", default=["ring", "hierarchical"])
+    p.add_argument("--epochs", nargs=2, type=int, default=[2, 6], help="the short and the long run")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    args = p.parse_args(argv)
+    why = testhosts.unavailable()
+    if why:
+        sys.exit(f"wire_bytes: {why}")
+    rows = []
+    with testhosts.TestHosts(2) as hosts, tempfile.TemporaryDirectory() as tmp:
+        for backend in args.backends:
+            for topology in args.topologies:
+                rows.append(measure(backend, topology, tuple(args.epochs), hosts, Path(tmp)))
+                print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
