@@ -272,6 +272,7 @@ def test_local_peer_killed_then_torn_checkpoint_then_resume_gives_same_numbers(c
     assert_resumes_to_the_same_numbers(cli, args, full, run_dir)
 
 
+@pytest.mark.slow  # 62 s: in make soak; make test kills and resumes smaller runs (local, mpi, a lost test host)
 @pytest.mark.timeout(400)
 def test_kill_one_of_8_mpi_peers_ends_the_run_and_resume_finishes_it(cli, tmp_path):
     """The issue's acceptance test: one of 8 MPI peers dies mid-run; the run ends within 2x
