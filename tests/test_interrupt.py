@@ -42,6 +42,22 @@ def wait_for_checkpoint(run_dir: Path, peers: int, app: subprocess.Popen, limit_
         time.sleep(0.1)
 
 
+def signal_after_checkpoint(proc, run_dir, sig, timeout_s: float, before=None) -> tuple[str, float]:
+    """Once `proc` (stderr piped) has a complete checkpoint in run_dir, send it `sig`: its stderr and the
+    seconds it took to end. `before()` runs just before the signal; a process still there is killed."""
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        if before is not None:
+            before()
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout_s)
+        return err, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "backend, sig",
@@ -56,17 +72,12 @@ def test_signal_stops_every_peer_and_says_how_to_resume(app, tmp_path, backend, 
     run_dir = tmp_path / "run"
     args = [f"backend={backend}", "peers=2", *ARGS]
     proc = app.start(args, run_dir, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        wait_for_checkpoint(run_dir, 2, proc)
+
+    def peers_running():
         peers = [p for p in processes_of(run_dir) if p != proc.pid]
         assert backend == "local" or peers, "no peer process found"
-        sent = time.monotonic()
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=10)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    err, took = signal_after_checkpoint(proc, run_dir, sig, 10, before=peers_running)
     print(f"\n{backend} {sig.name}: app ended {took:.2f} s after the signal")
     assert proc.returncode == 128 + sig, err
     assert took < 5
@@ -125,14 +136,8 @@ def test_user_launcher_forwards_the_signal_and_rank_0_says_how_to_resume(app, tm
         cmd, cwd=app.root, env=app.env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )
     try:
-        wait_for_checkpoint(run_dir, 2, proc)
-        sent = time.monotonic()
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=15)
-        took = time.monotonic() - sent
+        err, took = signal_after_checkpoint(proc, run_dir, sig, 15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
         for pid in processes_of(run_dir):
             os.kill(pid, signal.SIGKILL)
     print(f"\n{launcher} {sig.name}: launcher ended {took:.2f} s after the signal, code {proc.returncode}")

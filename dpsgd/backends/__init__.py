@@ -71,6 +71,20 @@ class Backend:
         valid = ", ".join(n for n in names() if get(n).processes)
         raise ValueError(f"cannot spawn processes for backend {self.name!r}; valid: {valid}")
 
+    def spawn_on_hosts(
+        self,
+        launcher: dict,
+        n: int,
+        argv: list[str],
+        timeout_s: float | None = None,
+        env: dict | None = None,
+        log_dir: Path | None = None,
+        codes_out: list | None = None,
+    ) -> int:
+        """`spawn`, the n ranks on `launcher["hosts"]` (dpsgd.hosts: placement, runner, environment)."""
+        valid = " or ".join(f"backend={n}" for n in names() if get(n).processes)
+        raise ValueError(f"launcher.hosts needs {valid} (processes on hosts), got backend={self.name}")
+
     def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
         """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
         return its summary; `argv` is one peer process's command line. Raises RunFailed: one line
@@ -101,9 +115,7 @@ class Backend:
         """The peers on this machine, or on `launcher.hosts` (dpsgd.hosts) when the config names hosts."""
         launcher = cfg.get("launcher") or {}
         if launcher.get("hosts"):
-            from dpsgd import hosts
-
-            return hosts.spawn(self.name, launcher, cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
+            return self.spawn_on_hosts(launcher, cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
         return self.spawn(cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
 
 

@@ -4,11 +4,13 @@ under a user's mpiexec or srun every rank joins that world."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from dpsgd import launch
+from dpsgd import hosts, launch, netif
 from dpsgd.comm import DEFAULT_TIMEOUT_S
 
 from . import Backend, register
@@ -75,6 +77,33 @@ class MPIBackend(Backend):
 
     def spawn(self, n: int, argv: list[str], *args, codes_out: list | None = None, **kwargs) -> int:
         return launch.spawn_mpi(n, argv, *args, **kwargs)  # one mpiexec process: no exit code per rank
+
+    def spawn_on_hosts(self, launcher, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+        """mpiexec from here, its proxies started on the hosts by the runner instead of plain ssh; UCX over
+        tcp on the interface to the first host (shared memory would join the ranks of one machine directly,
+        which on test hosts, namespaces of one machine, bypasses their links)."""
+        where = hosts.placement(list(launcher["hosts"]), n)
+        iface = netif.interface_to(where[0])
+        if iface == "lo":
+            raise ValueError(
+                f"launcher.hosts: the first host {where[0]!r} is this machine's loopback; give the hosts' network "
+                "addresses (or no launcher.hosts for a run on this machine)"
+            )
+        runner = hosts.runner(launcher)
+        counts = {h: where.count(h) for h in dict.fromkeys(where)}
+        cmd = [launch.mpiexec(), "-launcher", "ssh"]
+        if runner != ["ssh"]:
+            cmd += ["-launcher-exec", shlex.join(runner)]
+        cmd += ["-iface", iface, "-hosts", ",".join(f"{h}:{k}" for h, k in counts.items()), "-n", str(n)]
+        forwarded = hosts.forwarded(launch.peer_env(env))
+        for k, v in {**forwarded, "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": iface}.items():
+            cmd += ["-genv", k, v]
+        if log_dir is not None:
+            cmd += ["-errfile-pattern", str(Path(log_dir) / "rank%r.log")]
+        # the driver's own UCX_TLS=self,sm must not reach mpiexec's environment: None removes it (peer_env)
+        local = {**(env or {}), "UCX_TLS": None, "UCX_NET_DEVICES": None}
+        log = Path(log_dir) / "launcher.log" if log_dir is not None else None
+        return launch.run_processes([([*cmd, sys.executable, *argv], local, log)], timeout_s, stdout_to_log=True)
 
 
 register(MPIBackend())

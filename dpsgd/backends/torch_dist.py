@@ -8,7 +8,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from dpsgd import launch, netif, placement
+from dpsgd import hosts, launch, netif, placement
 from dpsgd.comm import DEFAULT_TIMEOUT_S
 
 from . import Backend, register
@@ -67,19 +67,42 @@ class TorchBackend(Backend):
         return None
 
     def spawn(self, n: int, argv: list[str], timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
-        base = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(launch.free_port()),
-            "WORLD_SIZE": str(n),
-            "LOCAL_WORLD_SIZE": str(n),
-            "GLOO_SOCKET_IFNAME": "lo",
-            **(env or {}),
+        ranks = _rank_envs("127.0.0.1", launch.free_port(), ["localhost"] * n)
+        local = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+        commands: list[tuple[list[str], dict | None, Path | None]] = [
+            ([sys.executable, *argv], {**local, **rank}, log) for rank, log in zip(ranks, _logs(log_dir, n))
+        ]
+        return launch.run_processes(commands, timeout_s, codes_out)
+
+    def spawn_on_hosts(self, launcher, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+        where = hosts.placement(list(launcher["hosts"]), n)
+        port = int(launcher.get("port") or 0) or launch.free_port()
+        base, runner = hosts.forwarded(launch.peer_env(env)), hosts.runner(launcher)
+        ranks = _rank_envs(netif.resolve(where[0]), port, where)
+        commands = [
+            (hosts.remote(runner, host, {**base, **rank}, argv), env, log)
+            for host, rank, log in zip(where, ranks, _logs(log_dir, n))
+        ]
+        return launch.run_processes(commands, timeout_s, codes_out)
+
+
+def _rank_envs(master: str, port: int, where: list[str]) -> list[dict]:
+    """torch.distributed's variables of each rank, `where[r]` the host of rank r (its local rank counted there)."""
+    return [
+        {
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(len(where)),
+            "RANK": str(r),
+            "LOCAL_RANK": str(r - where.index(host)),
+            "LOCAL_WORLD_SIZE": str(where.count(host)),
         }
-        logs = [None if log_dir is None else Path(log_dir) / f"rank{r}.log" for r in range(n)]
-        ranks = [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
-        return launch.run_processes(
-            [([sys.executable, *argv], ranks[r], logs[r]) for r in range(n)], timeout_s, codes_out
-        )
+        for r, host in enumerate(where)
+    ]
+
+
+def _logs(log_dir, n: int) -> list[Path | None]:
+    return [None if log_dir is None else Path(log_dir) / f"rank{r}.log" for r in range(n)]
 
 
 register(TorchBackend())

@@ -19,28 +19,15 @@ from pathlib import Path
 import torch
 import yaml
 
+from experiments.bench import fleet as fleet_bench
+
 CONF = Path(__file__).resolve().parent.parent.parent / "conf"
 
 
 def config(peers: int, batch_size: int, device: str, samples: int) -> dict:
-    def load(group, name):
-        return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-
-    return {
-        "algorithm": load("algorithm", "dpsgd"),
-        "topology": load("topology", "one_peer_exponential"),
-        "model": load("model", "resnet20"),
-        "data": {**load("data", "synthetic_cifar"), "num_samples": samples},
-        "backend": {"name": "fleet"},
-        "network": load("network", "loopback"),
-        "peers": peers,
-        "seed": 0,
-        "epochs": 1,
-        "batch_size": batch_size,
-        "log_every": 10**6,
-        "device": device,
-        "comm": {"timeout_s": 600},
-    }
+    """experiments.bench.fleet's config with ResNet-20 on CIFAR-shaped synthetic data, on `device`."""
+    cfg = fleet_bench.config(peers, batch_size, "synthetic_cifar", num_samples=samples)
+    return {**cfg, "model": yaml.safe_load((CONF / "model" / "resnet20.yaml").read_text()), "device": device}
 
 
 def _sync(device: str) -> None:
