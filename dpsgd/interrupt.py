@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dpsgd import launch
 
@@ -49,14 +49,15 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def exit_on_signals(line: str) -> None:
-    """In a rank a user's launcher started (it forwards the signal to every rank): print `line`
-    (rank 0 passes the resume line, the others '') and end at once. Checkpoints are written
-    atomically, so ending mid-write leaves the newest complete one intact."""
+def exit_on_signals(line: Callable[[], str] | None) -> None:
+    """In a rank a user's launcher started (it forwards the signal to every rank): print `line()`
+    (rank 0 passes the resume line, made when the signal comes: it names the checkpoints kept by
+    then; the others None) and end at once. Checkpoints are written atomically, so ending mid-write
+    leaves the newest complete one intact."""
 
     def handler(signum, frame):
-        if line:
-            os.write(2, f"{line.format(signal=signal.Signals(signum).name)}\n".encode())
+        if line is not None:
+            os.write(2, f"{line().format(signal=signal.Signals(signum).name)}\n".encode())
         os._exit(128 + signum)
 
     for s in SIGNALS:

@@ -110,7 +110,7 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
     if launcher is not None:
         from experiments.peer import run_peer
 
-        exit_on_signals(resume_line(cfg, run_dir, launcher) if launcher.world()[0] == 0 else "")
+        exit_on_signals((lambda: resume_line(cfg, run_dir, launcher)) if launcher.world()[0] == 0 else None)
         comm = backends.connect(cfg)
         if comm.rank == 0:
             OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")

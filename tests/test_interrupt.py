@@ -144,6 +144,8 @@ def test_user_launcher_forwards_the_signal_and_rank_0_says_how_to_resume(app, tm
     assert took < 5
     assert proc.returncode != 0
     assert f"resume with your launcher command plus: resume=true hydra.run.dir={run_dir}" in err, err
+    named = int(err.split("the newest complete checkpoint is step ", 1)[1].split(";")[0])  # as of the signal
+    assert named in checkpoint.complete_steps(run_dir, 2)
     assert processes_of(run_dir) == [], "processes left behind"
 
 
