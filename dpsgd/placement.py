@@ -113,6 +113,8 @@ def single_device(cfg: Mapping) -> torch.device:
             f"{torch.version.cuda or 'not built in'}); install a CUDA build of torch on a GPU machine, "
             f"or set device=cpu"
         )
+    if resolved.type == "cuda" and resolved.index is None:  # an index: torch.cuda.set_device needs one
+        resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 

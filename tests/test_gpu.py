@@ -24,7 +24,9 @@ def test_place_makes_the_peers_gpu_current():
     cfg = {"device": "cuda", "device_share": True, "backend": {"name": "mpi"}}
     device = placement.place(cfg, 0, 1)
     assert device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
-    assert placement.single_device({"device": "auto"}).type == "cuda"
+    assert placement.single_device({"device": "auto"}) == torch.device("cuda", 0)
+    # peers in one process (local threads) share its GPU, named with its index
+    assert placement.place({**cfg, "backend": {"name": "local"}}, 3, 8, in_process=True) == torch.device("cuda", 0)
 
 
 def _operations(comm, device: str, staged: bool) -> list[torch.Tensor]:
