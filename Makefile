@@ -48,7 +48,7 @@ soak: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 # every benchmark, one after the other (14 min on 2 idle cores); results in outputs/bench/
-BENCHMARKS := comm_overhead allreduce_vs_ddp local_sgd_vs_torch step_time_vs_network time_to_accuracy overlap \
+BENCHMARKS := comm_overhead waiter_cost allreduce_vs_ddp local_sgd_vs_torch step_time_vs_network time_to_accuracy overlap \
 	stragglers fleet
 bench: $(STAMP)
 	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) -m experiments.bench.$$b; done

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from experiments.bench import allreduce_vs_ddp, comm_overhead, local_sgd_vs_torch
+from experiments.bench import allreduce_vs_ddp, comm_overhead, local_sgd_vs_torch, waiter_cost
 
 pytestmark = pytest.mark.processes  # every benchmark spawns its ranks under mpiexec
 COMMON_KEYS = {"benchmark", "date", "machine", "command", "targets", "floor"}
@@ -85,12 +85,26 @@ def test_allreduce_vs_ddp(tmp_path):
     )
     res = load(out, "allreduce_vs_ddp")
     assert set(res["step_s"]) == set(allreduce_vs_ddp.VARIANTS)
-    assert {t["name"] for t in res["targets"]} == {"AllReduce (torch backend) / DDP", "AllReduce (mpi backend) / DDP"}
+    assert {t["name"] for t in res["targets"]} == {
+        f"AllReduce{kind} ({b} backend) / DDP{versus}"
+        for b in ("torch", "mpi")
+        for kind, versus in ((" overlap", ""), ("", " one bucket"))
+    }
     check = res["check"]
     assert check["moved"] > 1e-3  # the parameters did change, so agreeing means something
-    for name in ("allreduce_torch", "allreduce_mpi", "ddp", "ddp_one_bucket"):
+    for name in allreduce_vs_ddp.VARIANTS[1:]:
         assert check[f"{name}_vs_large_batch"] <= 1e-12, check  # float64
     assert check["allreduce_torch_vs_ddp"] <= 1e-12, check
+
+
+def test_waiter_cost(tmp_path):
+    out = tmp_path / "waiter_cost.json"
+    args = ["--matmuls", "5", "--matrix", "64", "--rounds", "2", "--warmup", "1", "--timeout", "120"]
+    assert waiter_cost.main([*args, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "waiter_cost" and len(res["computing"]) == 2  # 4 ranks: 2 compute, 2 wait
+    assert set(res["ratios"]) == set(waiter_cost.MODES) and res["ratios"]["asleep"] == 1.0
+    assert all(t > 0 for row in res["computing"] for t in row.values())
 
 
 def test_local_sgd_vs_torch(tmp_path):

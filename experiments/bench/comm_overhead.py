@@ -8,7 +8,8 @@ result written by hand with raw mpi4py (two `Sendrecv`, `Allreduce` into a preal
 the same arithmetic) and on the `torch` backend (gloo) against raw torch.distributed
 (`batch_isend_irecv`, `all_reduce`). Each time is the slowest rank's, median over `--reps`
 repetitions (more for the smaller sizes) after warm-up; toolkit and raw repetitions alternate so
-that drift affects both. Target: the toolkit at most 1.10x raw. Beside each: the physical floor,
+that drift affects both. Targets: the toolkit at most 1.20x raw below 11 MiB (latency-bound), at most
+1.05x from 11 MiB up. Beside each: the physical floor,
 the bytes one rank sends divided by the loopback bandwidth measured in the same run.
 """
 
@@ -23,7 +24,14 @@ from pathlib import Path
 from dpsgd.comm.base import ring_allreduce_bytes
 from experiments.bench import common
 
-LIMIT = 1.10
+SMALL_LIMIT, LARGE_LIMIT, LARGE_MB = 1.20, 1.05, 11  # toolkit / raw: below 11 MiB, and from 11 MiB up
+
+
+def limit_for(mb: float) -> float:
+    """Small messages are latency-bound (the toolkit's waits cost a share); large ones bandwidth-bound."""
+    return LARGE_LIMIT if mb >= LARGE_MB else SMALL_LIMIT
+
+
 OPS = ("neighbor_exchange", "neighbor_average", "allreduce_mean")
 BACKENDS = ("mpi", "torch")
 
@@ -221,7 +229,7 @@ def main(argv=None) -> int:
 
     rows, floor = res["rows"], res["floor"]
     res["return_freed_memory"] = args.return_freed_memory
-    targets = [common.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], LIMIT) for r in rows]
+    targets = [common.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], limit_for(r["mb"])) for r in rows]
     print(
         f"\nToolkit against raw, {args.peers} MPI ranks (gloo in the same processes), ring neighbours, "
         f"float32; slowest rank, median ms:\n"
@@ -259,7 +267,8 @@ def main(argv=None) -> int:
     )
     print(
         f"\n{common.floor_line(floor)}; floor = bytes one rank sends (ring exchange 2M, all-reduce "
-        f"2(n-1)/n M) / that bandwidth. Target: toolkit <= {LIMIT:g}x raw. faults: page faults per call "
+        f"2(n-1)/n M) / that bandwidth. Targets: toolkit <= {SMALL_LIMIT:g}x raw below "
+        f"{LARGE_MB} MiB, <= {LARGE_LIMIT:g}x from {LARGE_MB} MiB up. faults: page faults per call "
         f"(slowest rank, median); a fresh buffer faults once per 4 KiB page."
     )
     bad = [r for r in rows if r["max_abs_diff_vs_raw"] > 1e-5]
