@@ -1,9 +1,16 @@
 """AllReduce: average the gradients over all peers, then take the base step. Every peer stays
-identical; with equal local batches this is large-batch SGD on the union of the batches."""
+identical; with equal local batches this is large-batch SGD on the union of the batches.
+
+`compression` (dpsgd.comm.compression): the gradients travel as PowerSGD's low-rank factors or as
+fp16/bf16/int8 messages, with error feedback; every peer still gets the same mean, so all stay identical."""
 
 from __future__ import annotations
 
 import torch
+
+from dpsgd.comm import Communicator
+from dpsgd.comm import compression as compressions
+from topologies import Topology
 
 from .base import DistributedOptimizer
 
@@ -11,14 +18,35 @@ from .base import DistributedOptimizer
 class AllReduce(DistributedOptimizer):
     """The topology is accepted, and ignored, so that configs can swap algorithms."""
 
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology | None = None,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        compression: str | dict | None = None,
+    ):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.messages = compressions.make(comm, compression, who="AllReduce")
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._closure_loss(closure)
-        # every peer must hold gradients for the same parameters, or the messages would not match
-        grads = [p.grad for p in self.params() if p.grad is not None]
+        # every peer must hold gradients for the same parameters, or the messages would not match;
+        # last parameter first: the order DDP's bucket holds them in (the backward pass's), so PowerSGD
+        # draws the same random factors as torch's hook
+        grads = [p.grad for p in reversed(self.params()) if p.grad is not None]
         if grads:
-            for g, avg in zip(grads, self.comm.allreduce_mean(grads)):
+            for g, avg in zip(grads, self.messages.allreduce_mean(grads, "gradients")):
                 g.copy_(avg)
         self.base.step()
         self.step_count += 1
         return loss
+
+    def algorithm_state(self):
+        return {**super().algorithm_state(), "compression": self.messages.state()}
+
+    def load_algorithm_state(self, state):
+        super().load_algorithm_state(state)
+        self.messages.load_state(state.get("compression"))
