@@ -2,7 +2,7 @@
 its PowerSGD hook and by dpsgd's AllReduce(compression=powersgd), on the same gloo world.
 
 `python tests/peers/powersgd_peer.py torch OUT_DIR` writes OUT_DIR/rank{r}.json: for each case (rank,
-start_iter), both final parameter lists and the order of the parameters in DDP's bucket."""
+start_iter), both final parameter lists, the exact all-reduce's, our bytes sent and the order of the parameters in DDP's bucket."""
 
 from __future__ import annotations
 
@@ -61,8 +61,12 @@ def main() -> None:
         net = model()
         spec = {"name": "powersgd", "rank": rank, "start_iter": start_iter}
         opt = AllReduce(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), comm=comm, compression=spec)
+        sent_before = comm.stats.bytes_sent
         ours = train(net, opt, comm.rank)
-        results.append({"torch": torch_params, "ours": ours, "bucket_order": order, "bytes": comm.stats.bytes_sent})
+        sent = comm.stats.bytes_sent - sent_before
+        net = model()
+        exact = train(net, AllReduce(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), comm=comm), comm.rank)
+        results.append({"torch": torch_params, "ours": ours, "exact": exact, "bucket_order": order, "bytes": sent})
     (out_dir / f"rank{comm.rank}.json").write_text(json.dumps(results))
     dist.barrier()
     comm.close()
