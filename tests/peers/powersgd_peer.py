@@ -2,7 +2,8 @@
 its PowerSGD hook and by dpsgd's AllReduce(compression=powersgd), on the same gloo world.
 
 `python tests/peers/powersgd_peer.py torch OUT_DIR` writes OUT_DIR/rank{r}.json: for each case (rank,
-start_iter), both final parameter lists, the exact all-reduce's, our bytes sent and the order of the parameters in DDP's bucket."""
+start_iter), both final parameter lists, the exact all-reduce's, our bytes sent and the order of the
+parameters in DDP's bucket."""
 
 from __future__ import annotations
 
