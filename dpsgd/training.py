@@ -203,7 +203,11 @@ class SynchronousRun:
         self.step_count += 1
         self.comm.context = f"step {self.step_count}"
         self.peer.before_step(self.step_count)
-        return self.peer.train_step()
+        sent = self.comm.stats.bytes_sent
+        loss = self.peer.train_step()
+        stats = self.comm.stats
+        stats.peak_step_bytes = max(stats.peak_step_bytes, stats.bytes_sent - sent)
+        return loss
 
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"

@@ -61,6 +61,8 @@ class CommStats:
     overlap_s: float = 0.0
     # with an emulated network (dpsgd.netem): emulated time spent waiting for modelled messages
     emulated_wait_s: float = 0.0
+    # the most bytes sent in one training step (the training loop keeps it): the peak a link must carry
+    peak_step_bytes: int = 0
     calls: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:

@@ -74,20 +74,14 @@ class Messages:
 
     # --- all-reduce mean ----------------------------------------------------------------------
     def start_allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "allreduce") -> Pending:
+        """Start the mean; the reduce-scatter's messages leave now, the all-gather's at `wait()`."""
         if self.codec is None:
             return self.comm.start_allreduce_mean(tensors)  # type: ignore[return-value]
-        return Pending(lambda: self._allreduce_mean(tensors, stream))
-
-    def allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "allreduce") -> list[torch.Tensor]:
-        return self.start_allreduce_mean(tensors, stream).wait()
-
-    def _allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str) -> list[torch.Tensor]:
         comm, codec = self.comm, self.codec
-        assert codec is not None
         n, rank = comm.size, comm.rank
         v = flatten(tensors)
         if n == 1:
-            return unflatten(v, tensors)
+            return Pending(lambda: unflatten(v, tensors))
         d = v.numel()
         size = math.ceil(d / n)
         u = torch.zeros(n * size, dtype=v.dtype, device=v.device)
@@ -95,23 +89,33 @@ class Messages:
         u[:d] += self._error(stream, v)
         chunks = u.view(n, size)
         sent = chunks.clone()
-        total = chunks[rank].clone()
+        started = []
         for r in range(1, n):  # round r: to rank + r, from rank - r; every message has the same size
             to, frm = (rank + r) % n, (rank - r) % n
             msg = codec.encode(chunks[to], (rank, r))
             sent[to] = codec.decode(msg, size, v.dtype, (rank, r))
-            (got,) = comm.neighbor_exchange(msg, [to], [frm])
-            total += codec.decode(got, size, v.dtype, (frm, r))
+            started.append((frm, r, comm.start_neighbor_exchange(msg, [to], [frm])))
         self._keep(stream, (u - sent.view(-1))[:d])
-        mine = total / n
-        owned = mine + self._error(stream + ":owned", mine)
-        msg = codec.encode(owned, (rank, n))
-        others = [p for p in range(n) if p != rank]
-        received = dict(zip(others, comm.neighbor_exchange(msg, others, others)))
-        received[rank] = msg
-        out = torch.cat([codec.decode(received[p], size, v.dtype, (p, n)) for p in range(n)])
-        self._keep(stream + ":owned", owned - out[rank * size : (rank + 1) * size])
-        return unflatten(out[:d], tensors)
+
+        def finish():
+            total = chunks[rank].clone()
+            for frm, r, handle in started:
+                (got,) = handle.wait()
+                total += codec.decode(got, size, v.dtype, (frm, r))
+            mine = total / n
+            owned = mine + self._error(stream + ":owned", mine)
+            msg = codec.encode(owned, (rank, n))
+            others = [p for p in range(n) if p != rank]
+            received = dict(zip(others, comm.neighbor_exchange(msg, others, others)))
+            received[rank] = msg
+            out = torch.cat([codec.decode(received[p], size, v.dtype, (p, n)) for p in range(n)])
+            self._keep(stream + ":owned", owned - out[rank * size : (rank + 1) * size])
+            return unflatten(out[:d], tensors)
+
+        return Pending(finish)
+
+    def allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "allreduce") -> list[torch.Tensor]:
+        return self.start_allreduce_mean(tensors, stream).wait()
 
     # --- gossip ---------------------------------------------------------------------------------
     def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int) -> Pending:
