@@ -4,6 +4,7 @@ payload, the optimizers' use of them, and PowerSGD against torch's own DDP hook 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -17,7 +18,7 @@ from dpsgd.backends import spawn
 from dpsgd.comm import compression as compressions
 from dpsgd.comm import run_local
 from dpsgd.compress import Cast, Int8
-from dpsgd.optim import DPSGD, AllReduce, DiLoCo
+from dpsgd.optim import DPSGD, AllReduce, DiLoCo, StreamingDiLoCo
 
 PEER_SCRIPT = str(Path(__file__).parent / "peers" / "powersgd_peer.py")
 
@@ -211,3 +212,55 @@ def test_powersgd_parameters_equal_torchs_ddp_hook(tmp_path):
         exact_step = (32 * 32 + 32 + 10 * 32 + 10) * 4
         compressed_step = (32 * 4 + 32 * 4 + 10 * 32 + 32 + 10) * 4
         assert cases[1]["bytes"] == 3 * exact_step + 5 * compressed_step  # 2 peers: the ring sends each byte once
+
+
+# --- resume ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params, comm: AllReduce(
+            torch.optim.SGD(params, lr=0.05), comm=comm, compression={"name": "powersgd", "rank": 1, "start_iter": 2}
+        ),
+        lambda params, comm: AllReduce(torch.optim.SGD(params, lr=0.05), comm=comm, compression="int8"),
+        lambda params, comm: StreamingDiLoCo(
+            torch.optim.SGD(params, lr=0.05), comm=comm, period=4, fragments=2, delay=1, compression="int8"
+        ),
+    ],
+    ids=["powersgd", "int8", "streaming_diloco"],
+)
+def test_a_resumed_run_continues_bit_for_bit(make):
+    """7 steps, a weights-only checkpoint (a fragment's sync in flight for Streaming DiLoCo), 5 more: the
+    same parameters as 12 steps straight."""
+
+    def peer(comm):
+        target = torch.arange(12, dtype=torch.float64).view(2, 2, 3) * (comm.rank + 1)
+
+        def run(steps, ws, opt, start=0):
+            for t in range(start, start + steps):
+                opt.zero_grad()
+                sum(((w - y) ** 2 * (1 + t % 3)).sum() for w, y in zip(ws, target)).backward()
+                opt.step()
+
+        def fresh():
+            ws = [torch.nn.Parameter(torch.ones(2, 3, dtype=torch.float64) * comm.rank) for _ in range(2)]
+            return ws, make(ws, comm)
+
+        straight, opt = fresh()
+        run(12, straight, opt)
+        first, opt = fresh()
+        run(7, first, opt)
+        buf = io.BytesIO()
+        torch.save({"ws": [w.detach().clone() for w in first], "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        resumed, opt = fresh()
+        with torch.no_grad():
+            for w, value in zip(resumed, saved["ws"]):
+                w.copy_(value)
+        opt.load_state_dict(saved["opt"])
+        run(5, resumed, opt, start=7)
+        same = all(torch.equal(a, b) for a, b in zip(resumed, straight))
+        return same, all(torch.equal(a, b) for a, b in zip(resumed, first))
+
+    for same, unchanged in run_local(2, peer):
+        assert same and not unchanged

@@ -38,7 +38,7 @@ from .base import Communicator, flatten, unflatten
 from .powersgd import PowerSGD
 
 
-class Pending:
+class Started:
     """A started compressed operation; `wait()` returns the tensors."""
 
     def __init__(self, finish):
@@ -73,7 +73,7 @@ class Messages:
             self.errors[stream] = error
 
     # --- all-reduce mean ----------------------------------------------------------------------
-    def start_allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "allreduce") -> Pending:
+    def start_allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "allreduce") -> Started:
         """Start the mean; the reduce-scatter's messages leave now, the all-gather's at `wait()`."""
         if self.codec is None:
             return self.comm.start_allreduce_mean(tensors)  # type: ignore[return-value]
@@ -81,7 +81,7 @@ class Messages:
         n, rank = comm.size, comm.rank
         v = flatten(tensors)
         if n == 1:
-            return Pending(lambda: unflatten(v, tensors))
+            return Started(lambda: unflatten(v, tensors))
         d = v.numel()
         size = math.ceil(d / n)
         u = torch.zeros(n * size, dtype=v.dtype, device=v.device)
@@ -112,13 +112,13 @@ class Messages:
             self._keep(stream + ":owned", owned - out[rank * size : (rank + 1) * size])
             return unflatten(out[:d], tensors)
 
-        return Pending(finish)
+        return Started(finish)
 
     def allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "allreduce") -> list[torch.Tensor]:
         return self.start_allreduce_mean(tensors, stream).wait()
 
     # --- gossip ---------------------------------------------------------------------------------
-    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int) -> Pending:
+    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int) -> Started:
         """Start x_i + sum_j W(step)[i, j] (q_j - q_i) (exactly sum_j W[i, j] x_j without a codec)."""
         if self.codec is None:
             return self.comm.start_mix(tensors, topology, step)  # type: ignore[return-value]
@@ -136,7 +136,7 @@ class Messages:
                 out.add_(codec.decode(buf, x.numel(), x.dtype, (peer, step)), alpha=nb.recv[peer])
             return unflatten(out, tensors)
 
-        return Pending(finish)
+        return Started(finish)
 
     def mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int) -> list[torch.Tensor]:
         return self.start_mix(tensors, topology, step).wait()

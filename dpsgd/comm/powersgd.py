@@ -76,6 +76,7 @@ class PowerSGD:
         self.epsilon, self.seed = float(orthogonalization_epsilon), int(seed)
         self.iter = 0
         self.rng = np.random.RandomState(self.seed)
+        self.draws = 0  # seeds drawn from rng: its state, in a form a weights-only checkpoint keeps
         self.error: torch.Tensor | None = None
         self.q_memory: torch.Tensor | None = None
 
@@ -116,6 +117,7 @@ class PowerSGD:
             offset += m.shape[1] * k
         if fresh:
             gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            self.draws += 1
             for q in qs:
                 q.copy_(torch.randn(*q.shape, generator=gen, dtype=v.dtype))
         for q in qs:
@@ -144,7 +146,7 @@ class PowerSGD:
 
         return {
             "iter": self.iter,
-            "rng": self.rng.get_state(),
+            "draws": self.draws,
             "error": copy(self.error),
             "q_memory": copy(self.q_memory),
         }
@@ -153,7 +155,9 @@ class PowerSGD:
         if not state:
             return
         self.iter = int(state["iter"])
-        self.rng.set_state(state["rng"])
+        self.rng, self.draws = np.random.RandomState(self.seed), int(state["draws"])
+        for _ in range(self.draws):
+            self.rng.randint(1_000_000_000)
         self.error = None if state["error"] is None else state["error"].detach().clone()
         self.q_memory = None if state["q_memory"] is None else state["q_memory"].detach().clone()
 

@@ -63,7 +63,7 @@ class DPSGD(DistributedOptimizer):
             raise ValueError("DPSGD overlap=true needs order='cta': only x^k is known before the backward pass")
         self.order = order
         self.overlap = bool(overlap)
-        self._in_flight: tuple[list[torch.Tensor], compressions.Pending] | None = (
+        self._in_flight: tuple[list[torch.Tensor], compressions.Started] | None = (
             None  # (x^k, handle) when started early
         )
         self.qgm = bool(qgm)
