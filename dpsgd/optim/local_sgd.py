@@ -26,7 +26,8 @@ x_anchor the model at the last global averaging (all peers hold the same anchor)
                         u <- beta u + G
                         x_i <- x_anchor <- x_anchor - alpha (G + beta u)
      u starts at 0; the anchor starts as the mean of the peers' models when the local phase starts
-     (one all-reduce of the model, so peers that start apart still share one anchor).
+     (one all-reduce of the model, so peers that start apart still share one anchor; none with
+     broadcast_initial, where every peer holds the same model then).
    - Hierarchical (group_size g, global_period P): peers form groups of g consecutive ranks
      {0..g-1}, {g..2g-1}, ...; if s % P == 0 a global averaging as above, else if s % period == 0
      the group averages plainly, x_i <- (1/g) sum_{j in group(i)} x_j (point-to-point messages to
@@ -130,6 +131,7 @@ class LocalSGD(DistributedOptimizer):
                 raise ValueError(f"LocalSGD global_period {global_period} must be a multiple of period {self.period}")
         self.outer, self.outer_lr, self.outer_momentum = outer, float(outer_lr), float(outer_momentum)
         self.inner_state, self.group_size, self.global_period = inner_state, group_size, global_period
+        self._same_start = broadcast_initial  # every peer starts from rank 0's parameters
         self._anchor: list[torch.Tensor] | None = None  # model at the last global averaging
         self._outer_buffer: list[torch.Tensor] | None = None  # u, the outer momentum
 
@@ -146,7 +148,7 @@ class LocalSGD(DistributedOptimizer):
             self.base.step()
         else:
             if (self.outer != "average" or self.messages.codec is not None) and self._anchor is None:
-                self._anchor = [a.clone() for a in self.comm.allreduce_mean(self.params())]
+                self._anchor = self._common_start()
             self.base.step()
             s = t - self.warmup_steps
             if self.global_period is not None and s % self.global_period == 0:
@@ -155,6 +157,13 @@ class LocalSGD(DistributedOptimizer):
                 self._average(group=self.global_period is not None)
         self.step_count = t
         return loss
+
+    def _common_start(self) -> list[torch.Tensor]:
+        """The peers' mean model, the first anchor: without a message when they started from rank 0's
+        parameters (broadcast_initial), since exact averaging and all-reduce warm-up keep them equal."""
+        if self._same_start:
+            return [p.detach().clone() for p in self.params()]
+        return [a.clone() for a in self.comm.allreduce_mean(self.params())]
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The base state averaged by inner_state='average', in parameter order (same on every peer)."""

@@ -13,7 +13,8 @@ fragment), h = H / P and tau the delay (0 <= tau < h), after the inner step t = 
       x_p <- alpha x_p(t) + (1 - alpha) x_anchor,p   (alpha: how much of the tau local steps it keeps)
 So every h steps one fragment syncs; P = 1, tau = 0, alpha = 0 is DiLoCo with period H (torchft's
 DiLoCo with fragment_sync_delay = tau and fragment_update_alpha = alpha follows the same schedule).
-The anchor starts as the peers' mean model at the first step. The inner optimizer's state is kept.
+The anchor starts as the peers' mean model at the first step (their common start, without a message,
+with broadcast_initial). The inner optimizer's state is kept.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class StreamingDiLoCo(DistributedOptimizer):
         self.messages = compressions.quantized(comm, compression, "StreamingDiLoCo")
         bounds = np.array_split(np.arange(n_tensors), fragments)
         self.fragment_of = [int(f) for f, idx in enumerate(bounds) for _ in idx]  # tensor index -> fragment
+        self._same_start = broadcast_initial
         self._anchor: list[torch.Tensor] | None = None
         self._outer_buffer: list[torch.Tensor] | None = None
         self._in_flight: dict[int, object] = {}  # fragment -> started all-reduce (or its arrived mean)
@@ -100,8 +102,8 @@ class StreamingDiLoCo(DistributedOptimizer):
     def step(self, closure=None):
         loss = self._closure_loss(closure)
         params = self.params()
-        if self._anchor is None:
-            self._anchor = [a.clone() for a in self.comm.allreduce_mean(params)]
+        if self._anchor is None:  # the peers' mean model: their common start with broadcast_initial
+            self._anchor = [a.clone() for a in (params if self._same_start else self.comm.allreduce_mean(params))]
             self._outer_buffer = [torch.zeros_like(a) for a in self._anchor]
         self.base.step()
         t = self.step_count + 1
