@@ -11,6 +11,7 @@ import torch
 from dpsgd.comm import run_local
 from dpsgd.compress import Int8
 from dpsgd.optim import DiLoCo, StreamingDiLoCo
+from dpsgd.optim.streaming_diloco import balanced_blocks
 
 N = 4
 SHAPES = [(3,), (2, 2), (5,), (1, 3)]  # four parameter tensors: 15 entries
@@ -54,7 +55,7 @@ def reference(period, fragments, delay, alpha, lr=0.1, outer_lr=0.7, beta=0.9, s
     A, b, x = problem()
     sizes = [int(np.prod(s)) for s in SHAPES]
     tensor_of = np.repeat(np.arange(len(SHAPES)), sizes)
-    blocks = np.array_split(np.arange(len(SHAPES)), fragments)
+    blocks = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2], [3]]}[fragments]  # sizes 3, 4, 5, 3
     masks = [np.isin(tensor_of, blk) for blk in blocks]
     h = period // fragments
     anchor, u, sent_at, out = x.mean(0), np.zeros(x.shape[1]), {}, []
@@ -136,6 +137,15 @@ def test_int8_messages_are_a_quarter_of_the_bytes_and_close():
     # 16 steps, period 4: fragment 0 (7 entries) syncs at 1-2, 5-6, 9-10, 13-14; fragment 1 (8) at 3-4, ..., 15-16
     want = sum(4 * 2 * (N - 1) * Int8().nbytes(-(-size // N), torch.float64) for size in (7, 8))
     assert int8[0][1][-1] == want  # no first anchor to send: the peers start from rank 0's model
+
+
+def test_fragments_are_consecutive_tensors_with_the_smallest_largest_block():
+    assert balanced_blocks([4096, 64, 640, 10], 2) == [0, 1, 1, 1]
+    assert balanced_blocks([4096, 64, 640, 10], 3) == [0, 1, 2, 2]
+    assert balanced_blocks([1, 1, 1, 1, 1, 1], 3) == [0, 0, 1, 1, 2, 2]
+    assert balanced_blocks([5, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1, 1]
+    assert balanced_blocks([1, 1, 1, 1, 1, 5], 2) == [0, 0, 0, 0, 0, 1]
+    assert balanced_blocks([2, 2, 2], 3) == [0, 1, 2]
 
 
 def test_options_that_cannot_work_are_refused():

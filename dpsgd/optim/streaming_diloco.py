@@ -2,8 +2,8 @@
 whose model is split into fragments that synchronize at staggered steps, each sync overlapped with
 inner steps, so a peer's peak traffic is one fragment's instead of the whole model's.
 
-The parameters (in order) form P fragments of consecutive tensors (numpy.array_split of their count:
-blocks of layers, as in the paper). With H the period (inner steps between two syncs of one
+The parameters (in order) form P fragments of consecutive tensors (blocks of layers, as in the paper),
+cut so that the largest fragment holds as few entries as possible. With H the period (inner steps between two syncs of one
 fragment), h = H / P and tau the delay (0 <= tau < h), after the inner step t = 1, 2, ...:
 - fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
   Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; quantized and error-fed with
@@ -27,6 +27,29 @@ from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
+
+
+def balanced_blocks(sizes: list[int], parts: int) -> list[int]:
+    """Each item's block when `sizes` is cut into `parts` non-empty runs of consecutive items with the
+    largest run total as small as possible (ties: the earliest cuts). Dynamic programming over prefixes."""
+    n = len(sizes)
+    prefix = np.concatenate([[0], np.cumsum(sizes)])
+    inf = float("inf")
+    best = np.full((parts + 1, n + 1), inf)  # best[k][i]: the smallest largest total of k runs over items[:i]
+    cut = np.zeros((parts + 1, n + 1), dtype=int)
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    blocks, i = [0] * n, n
+    for k in range(parts, 0, -1):
+        j = int(cut[k][i])
+        blocks[j:i] = [k - 1] * (i - j)
+        i = j
+    return blocks
 
 
 class StreamingDiLoCo(DistributedOptimizer):
@@ -74,8 +97,7 @@ class StreamingDiLoCo(DistributedOptimizer):
         self.period, self.n_fragments, self.delay = period, fragments, delay
         self.alpha, self.outer_lr, self.outer_momentum = float(alpha), float(outer_lr), float(outer_momentum)
         self.messages = compressions.quantized(comm, compression, "StreamingDiLoCo")
-        bounds = np.array_split(np.arange(n_tensors), fragments)
-        self.fragment_of = [int(f) for f, idx in enumerate(bounds) for _ in idx]  # tensor index -> fragment
+        self.fragment_of = balanced_blocks([p.numel() for p in self.params()], fragments)  # tensor -> fragment
         self._same_start = broadcast_initial
         self._anchor: list[torch.Tensor] | None = None
         self._outer_buffer: list[torch.Tensor] | None = None
