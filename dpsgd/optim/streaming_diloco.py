@@ -3,8 +3,9 @@ whose model is split into fragments that synchronize at staggered steps, each sy
 inner steps, so a peer's peak traffic is one fragment's instead of the whole model's.
 
 The parameters (in order) form P fragments of consecutive tensors (blocks of layers, as in the paper),
-cut so that the largest fragment holds as few entries as possible. With H the period (inner steps between two syncs of one
-fragment), h = H / P and tau the delay (0 <= tau < h), after the inner step t = 1, 2, ...:
+cut so that the largest fragment holds as few entries as possible. With H the period (inner steps
+between two syncs of one fragment), h = H / P and tau the delay (0 <= tau < h), after the inner step
+t = 1, 2, ...:
 - fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
   Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; quantized and error-fed with
   `compression`), and keeps training;
