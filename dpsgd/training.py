@@ -292,7 +292,7 @@ class AsynchronousRun(SynchronousRun):
             "wall_time_s": wall_s,
             "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
             **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
-            **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s")},
+            **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s", "peak_mb_sent_per_step")},
             "scope": "rank 0",
         }
 
@@ -323,6 +323,7 @@ class AsynchronousRun(SynchronousRun):
             "wall_time_s": max(columns[8]),  # until its last peer stopped
             **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss),
             **metrics.traffic(comm),
+            "peak_mb_sent_per_step": None,  # no global step to count it in
             "scope": "all peers",
         }
 
