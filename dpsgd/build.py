@@ -11,6 +11,7 @@ optimizer, `topology=` and `comm=`; a topology with the number of peers).
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,6 +137,17 @@ def base_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
 def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
     """The config's distributed optimizer (a registered name or a `_target_` class) over `params`."""
     options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
+    compression = cfg.get("compression") or {}
+    if compression.get("name", "none") != "none":
+        algorithm = check_algorithm(cfg)
+        parameters = inspect.signature(algorithm).parameters.values()
+        if not any(p.name == "compression" or p.kind == p.VAR_KEYWORD for p in parameters):
+            raise ValueError(
+                f"algorithm={cfg['algorithm'].get('name')} sends no compressed messages; compression="
+                f"{compression['name']} works with allreduce, dpsgd, local_sgd, slowmo, diloco, bmuf and "
+                "streaming_diloco (or set compression=none)"
+            )
+        options["compression"] = dict(compression)
     return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **options)
 
 

@@ -1,5 +1,5 @@
-"""Compressors for compressed gossip (Choco-SGD): each turns a dense vector into the bytes that
-really go on the wire, and back.
+"""Compressors: each turns a dense vector into the bytes that really go on the wire, and back.
+Choco-SGD's gossip uses them, and so do the error-fed messages of dpsgd.comm.compression.
 
 Every compressor maps a flat tensor v of `numel` elements to a uint8 buffer of exactly
 `nbytes(numel, dtype)` bytes (`encode`), and such a buffer back to a dense tensor (`decode`).
@@ -21,6 +21,10 @@ communicator counts the bytes actually sent. Values travel in the tensor's own d
   (seed, sender rank, step). `rescale=True` divides by tau = 1 + min(numel / s^2, sqrt(numel) / s),
   the contractive version Koloskova et al. (2019) use in Choco-SGD (biased).
 
+- `Cast(dtype)`: the values rounded to float16 or bfloat16 (round to nearest even), 2 bytes each.
+- `Int8()`: one scale per message (per bucket), s = max |v_i| / 127, plus one signed byte per entry,
+  round(v_i / s) (half to even) in [-127, 127]; decoded as code * s. A zero vector sends s = 0.
+
 `key` = (sender rank, step) selects the randomness of a message; deterministic compressors ignore it.
 """
 
@@ -32,7 +36,19 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-__all__ = ["COMPRESSORS", "QSGD", "Compressor", "RandomK", "ScaledSign", "TopK", "make", "pack_bits", "unpack_bits"]
+__all__ = [
+    "COMPRESSORS",
+    "QSGD",
+    "Cast",
+    "Compressor",
+    "Int8",
+    "RandomK",
+    "ScaledSign",
+    "TopK",
+    "make",
+    "pack_bits",
+    "unpack_bits",
+]
 
 Key = tuple[int, int]
 
@@ -241,7 +257,58 @@ class QSGD(Compressor):
         return signed_level * (norm / (self.levels * self.tau(numel)))
 
 
-COMPRESSORS = {"top_k": TopK, "random_k": RandomK, "sign": ScaledSign, "qsgd": QSGD}
+class Cast(Compressor):
+    """The values in a 16-bit float type (float16 or bfloat16)."""
+
+    options = ("dtype",)
+    _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+    def __init__(self, dtype: torch.dtype = torch.float16):
+        if dtype not in self._NAMES:
+            raise ValueError(f"Cast sends float16 or bfloat16 values, got {dtype}")
+        self.dtype, self.name = dtype, self._NAMES[dtype]
+
+    def nbytes(self, numel, dtype):
+        return numel * self.dtype.itemsize
+
+    def encode(self, v, key=(0, 0)):
+        return _bytes_of(v.detach().reshape(-1).to(self.dtype))
+
+    def decode(self, buf, numel, dtype, key=(0, 0)):
+        self._check(buf, numel, dtype)
+        return _values(buf, numel, self.dtype).to(dtype)
+
+
+class Int8(Compressor):
+    """One scale max|v| / 127 per message and a signed byte per entry."""
+
+    name = "int8"
+
+    def nbytes(self, numel, dtype):
+        return dtype.itemsize + numel
+
+    def encode(self, v, key=(0, 0)):
+        v = v.detach().reshape(-1)
+        scale = (v.abs().max() if v.numel() else v.new_zeros(())).reshape(1) / 127
+        codes = torch.round(v / scale).clamp_(-127, 127) if scale.item() > 0 else torch.zeros_like(v)
+        return torch.cat([_bytes_of(scale), _bytes_of(codes.to(torch.int8))])
+
+    def decode(self, buf, numel, dtype, key=(0, 0)):
+        self._check(buf, numel, dtype)
+        size = dtype.itemsize
+        scale = _values(buf[:size], 1, dtype)
+        return buf[size:].view(torch.int8).to(dtype) * scale
+
+
+COMPRESSORS = {
+    "top_k": TopK,
+    "random_k": RandomK,
+    "sign": ScaledSign,
+    "qsgd": QSGD,
+    "fp16": Cast,
+    "bf16": Cast,
+    "int8": Int8,
+}
 
 
 def make(
@@ -256,4 +323,8 @@ def make(
         return ScaledSign()
     if name == "qsgd":
         return QSGD(16 if levels is None else levels, seed=seed, rescale=rescale)
+    if name in ("fp16", "bf16"):
+        return Cast(torch.float16 if name == "fp16" else torch.bfloat16)
+    if name == "int8":
+        return Int8()
     raise ValueError(f"unknown compressor {name!r}; valid: {', '.join(COMPRESSORS)}")

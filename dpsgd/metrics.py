@@ -96,9 +96,10 @@ def snapshot_metrics(
 
 
 def traffic(comm: Communicator) -> dict:
-    """Mean over peers of the algorithm's bytes sent, time blocked in communication, and time its
-    non-blocking exchanges ran behind computation (e.g. D-PSGD with overlap); with an emulated network
-    (dpsgd.netem), the emulated time (the latest peer's clock) and the emulated time spent waiting."""
+    """Mean over peers of the algorithm's bytes sent (and the most one peer sent in one step), time
+    blocked in communication, and time its non-blocking exchanges ran behind computation (e.g. D-PSGD
+    with overlap); with an emulated network (dpsgd.netem), the emulated time (the latest peer's clock)
+    and the emulated time spent waiting."""
     s, net = comm.stats, comm.network
     clock = net.clock if net is not None and net.active else None
     emulating = clock is not None
@@ -111,6 +112,7 @@ def traffic(comm: Communicator) -> dict:
             s.overlap_s,
             clock.elapsed() if clock is not None else 0.0,
             s.emulated_wait_s,
+            s.peak_step_bytes,
         ],
     )
     return {
@@ -120,4 +122,5 @@ def traffic(comm: Communicator) -> dict:
         "mb_received_per_peer": float(table[:, 1].mean()) / 1e6,
         "comm_time_s": float(table[:, 2].mean()),
         "comm_overlap_s": float(table[:, 3].mean()),
+        "peak_mb_sent_per_step": float(table[:, 6].max()) / 1e6,  # the busiest peer's busiest step
     }

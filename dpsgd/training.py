@@ -203,7 +203,11 @@ class SynchronousRun:
         self.step_count += 1
         self.comm.context = f"step {self.step_count}"
         self.peer.before_step(self.step_count)
-        return self.peer.train_step()
+        sent = self.comm.stats.bytes_sent
+        loss = self.peer.train_step()
+        stats = self.comm.stats
+        stats.peak_step_bytes = max(stats.peak_step_bytes, stats.bytes_sent - sent)
+        return loss
 
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
@@ -288,7 +292,7 @@ class AsynchronousRun(SynchronousRun):
             "wall_time_s": wall_s,
             "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
             **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
-            **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s")},
+            **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s", "peak_mb_sent_per_step")},
             "scope": "rank 0",
         }
 
@@ -319,6 +323,7 @@ class AsynchronousRun(SynchronousRun):
             "wall_time_s": max(columns[8]),  # until its last peer stopped
             **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss),
             **metrics.traffic(comm),
+            "peak_mb_sent_per_step": None,  # no global step to count it in
             "scope": "all peers",
         }
 

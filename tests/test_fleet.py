@@ -141,7 +141,14 @@ def test_files_have_the_keys_of_a_real_run(algorithm, tmp_path):
         assert set(summaries["fleet"]["adpsgd"]) == set(summaries["local"]["adpsgd"])
     assert summaries["fleet"]["backend"] == "fleet" and summaries["fleet"]["test_accuracy"] > 0.5
     if algorithm == "dpsgd":  # the same numbers: same steps, bytes, and (to float tolerance) accuracy
-        for key in ("steps", "samples", "mb_sent_per_peer", "test_accuracy", "peer_test_accuracy_mean"):
+        for key in (
+            "steps",
+            "samples",
+            "mb_sent_per_peer",
+            "peak_mb_sent_per_step",
+            "test_accuracy",
+            "peer_test_accuracy_mean",
+        ):
             assert summaries["fleet"][key] == pytest.approx(summaries["local"][key], rel=1e-4), key
 
 

@@ -38,6 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
         (["topology=torus", "peers=5", "topology.rows=2"], "topology 'torus' with peers=5"),
         (["algorithm=adpsgd", "topology=ring", "peers=5"], "AD-PSGD needs a bipartite graph"),
         (["faults.kill_peer=4"], "faults.kill_peer must be a peer rank in [0, 4) or null, got 4"),
+        (["backend=fleet", "compression=int8"], "the fleet simulates exact messages only"),
+        (["algorithm=sgp", "compression=fp16"], "algorithm=sgp sends no compressed messages"),
+        (["algorithm=diloco", "compression=powersgd"], "use algorithm=allreduce compression=powersgd"),
+        (["algorithm=streaming_diloco", "algorithm.delay=4"], "delay 4 must be < period / fragments = 4"),
         pytest.param(
             ["backend=mpi", "faults.drop_messages=0.1"],
             "faults.drop_messages works on backend=local only",

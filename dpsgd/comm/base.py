@@ -64,6 +64,8 @@ class CommStats:
     overlap_s: float = 0.0
     # with an emulated network (dpsgd.netem): emulated time spent waiting for modelled messages
     emulated_wait_s: float = 0.0
+    # the most bytes sent in one training step (the training loop keeps it): the peak a link must carry
+    peak_step_bytes: int = 0
     calls: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -238,9 +240,22 @@ class Communicator(ABC):
     # --- public operations --------------------------------------------------------------
     def start_allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> Handle:
         """Start averaging `tensors` over all peers; `.wait()` returns the averages."""
+        return self._start_allreduce(tensors, "allreduce_mean", mean=True)
+
+    def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.start_allreduce_mean(tensors).wait()
+
+    def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
+        """Start summing `tensors` over all peers; `.wait()` returns the sums."""
+        return self._start_allreduce(tensors, "allreduce_sum", mean=False)
+
+    def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.start_allreduce_sum(tensors).wait()
+
+    def _start_allreduce(self, tensors: Sequence[torch.Tensor], op: str, mean: bool) -> Handle:
         buf = flatten(tensors)  # a fresh copy: the reduction never touches the caller's tensors
         ring = ring_allreduce_bytes(buf.nbytes, self.size)
-        self._count("allreduce_mean", sent=ring, received=ring, messages=2 * (self.size - 1))
+        self._count(op, sent=ring, received=ring, messages=2 * (self.size - 1))
         pending = self._allreduce_sum(buf) if self.size > 1 else _Done()
         arrival = None
         net = self._emulation()
@@ -254,12 +269,9 @@ class Communicator(ABC):
                 return float(started.max()) + net.link.allreduce_time(buf.nbytes, self.size)
 
         def finish():
-            return unflatten(buf.div_(self.size), tensors)
+            return unflatten(buf.div_(self.size) if mean else buf, tensors)
 
-        return Handle(self, "allreduce_mean", pending, finish, range(self.size), arrival, buf.device)
-
-    def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self.start_allreduce_mean(tensors).wait()
+        return Handle(self, op, pending, finish, range(self.size), arrival, buf.device)
 
     def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
         """Send `tensors` to `weights.send`'s peers, receive from `weights.recv`'s, and (at

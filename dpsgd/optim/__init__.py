@@ -16,6 +16,7 @@ from .dpsgd import DPSGD, QGM
 from .gradient_tracking import GradientTracking
 from .local_sgd import BMUF, DiLoCo, LocalSGD, SlowMo
 from .sgp import SGP
+from .streaming_diloco import StreamingDiLoCo
 
 ALGORITHMS = {
     "allreduce": AllReduce,
@@ -23,6 +24,7 @@ ALGORITHMS = {
     "local_sgd": LocalSGD,
     "slowmo": SlowMo,
     "diloco": DiLoCo,
+    "streaming_diloco": StreamingDiLoCo,
     "bmuf": BMUF,
     "sgp": SGP,
     "choco": Choco,
@@ -49,6 +51,7 @@ __all__ = [
     "GradientTracking",
     "LocalSGD",
     "SlowMo",
+    "StreamingDiLoCo",
     "build",
     "build_base",
 ]

@@ -26,7 +26,8 @@ x_anchor the model at the last global averaging (all peers hold the same anchor)
                         u <- beta u + G
                         x_i <- x_anchor <- x_anchor - alpha (G + beta u)
      u starts at 0; the anchor starts as the mean of the peers' models when the local phase starts
-     (one all-reduce of the model, so peers that start apart still share one anchor).
+     (one all-reduce of the model, so peers that start apart still share one anchor; none with
+     broadcast_initial, where every peer holds the same model then).
    - Hierarchical (group_size g, global_period P): peers form groups of g consecutive ranks
      {0..g-1}, {g..2g-1}, ...; if s % P == 0 a global averaging as above, else if s % period == 0
      the group averages plainly, x_i <- (1/g) sum_{j in group(i)} x_j (point-to-point messages to
@@ -48,6 +49,11 @@ averaging, group or global:
              mean model linearly, so at period 1 "keep" and "average" both equal AllReduce with
              momentum from a common start; they differ for period > 1 and for Adam.)
 
+Option `compression` (fp16, bf16, int8; dpsgd.comm.compression): at global averagings the peers send
+their outer deltas x_anchor - x_i as quantized, error-fed messages and x_avg = x_anchor - mean_i delta_i;
+the anchor is then kept for every outer (plain averaging included). Group averagings and averaged
+inner states stay exact.
+
 Against torch's PeriodicModelAverager(period, warmup_steps): torch averages after step t when
 t - 1 - warmup_steps is a multiple of period (so right after the first local step); here it is
 when t - warmup_steps is, i.e. after `period` local steps, as in the local SGD papers.
@@ -58,6 +64,7 @@ from __future__ import annotations
 import torch
 
 from dpsgd.comm import Communicator
+from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -90,9 +97,11 @@ class LocalSGD(DistributedOptimizer):
         inner_state: str = "keep",
         group_size: int | None = None,
         global_period: int | None = None,
+        compression: str | dict | None = None,
     ):
         # the topology is accepted, and ignored: averaging is exact
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        self.messages = compressions.quantized(comm, compression, type(self).__name__)
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
         if outer not in OUTERS:
@@ -122,6 +131,7 @@ class LocalSGD(DistributedOptimizer):
                 raise ValueError(f"LocalSGD global_period {global_period} must be a multiple of period {self.period}")
         self.outer, self.outer_lr, self.outer_momentum = outer, float(outer_lr), float(outer_momentum)
         self.inner_state, self.group_size, self.global_period = inner_state, group_size, global_period
+        self._same_start = broadcast_initial  # every peer starts from rank 0's parameters
         self._anchor: list[torch.Tensor] | None = None  # model at the last global averaging
         self._outer_buffer: list[torch.Tensor] | None = None  # u, the outer momentum
 
@@ -137,8 +147,8 @@ class LocalSGD(DistributedOptimizer):
                     g.copy_(avg)
             self.base.step()
         else:
-            if self.outer != "average" and self._anchor is None:
-                self._anchor = [a.clone() for a in self.comm.allreduce_mean(self.params())]
+            if (self.outer != "average" or self.messages.codec is not None) and self._anchor is None:
+                self._anchor = self._common_start()
             self.base.step()
             s = t - self.warmup_steps
             if self.global_period is not None and s % self.global_period == 0:
@@ -147,6 +157,13 @@ class LocalSGD(DistributedOptimizer):
                 self._average(group=self.global_period is not None)
         self.step_count = t
         return loss
+
+    def _common_start(self) -> list[torch.Tensor]:
+        """The peers' mean model, the first anchor: without a message when they started from rank 0's
+        parameters (broadcast_initial), since exact averaging and all-reduce warm-up keep them equal."""
+        if self._same_start:
+            return [p.detach().clone() for p in self.params()]
+        return [a.clone() for a in self.comm.allreduce_mean(self.params())]
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The base state averaged by inner_state='average', in parameter order (same on every peer)."""
@@ -164,7 +181,13 @@ class LocalSGD(DistributedOptimizer):
         params = self.params()
         state = self._state_tensors() if self.inner_state == "average" else []
         tensors = params + state
-        if not group:
+        if not group and self.messages.codec is not None:
+            assert self._anchor is not None  # kept whenever deltas are compressed
+            deltas = [a - p for a, p in zip(self._anchor, params)]
+            mean_delta = self.messages.allreduce_mean(deltas, "outer")
+            averaged = [a - m for a, m in zip(self._anchor, mean_delta)]
+            averaged += self.comm.allreduce_mean(state) if state else []
+        elif not group:
             averaged = self.comm.allreduce_mean(tensors)
         else:
             assert self.group_size is not None  # group averaging is hierarchical averaging
@@ -175,6 +198,9 @@ class LocalSGD(DistributedOptimizer):
         if group or self.outer == "average":
             for p, a in zip(params, x_avg):
                 p.copy_(a)
+            if not group and self._anchor is not None:
+                for anchor, a in zip(self._anchor, x_avg):
+                    anchor.copy_(a)
         else:
             self._outer_step(x_avg)
         if self.inner_state == "reset":
@@ -206,12 +232,18 @@ class LocalSGD(DistributedOptimizer):
         def copy(tensors):
             return None if tensors is None else [t.clone() for t in tensors]
 
-        return {**super().algorithm_state(), "anchor": copy(self._anchor), "outer_buffer": copy(self._outer_buffer)}
+        return {
+            **super().algorithm_state(),
+            "anchor": copy(self._anchor),
+            "outer_buffer": copy(self._outer_buffer),
+            "compression": self.messages.state(),
+        }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         self._anchor = self.own_tensors(state.get("anchor"))
         self._outer_buffer = self.own_tensors(state.get("outer_buffer"))
+        self.messages.load_state(state.get("compression"))
 
     def __repr__(self) -> str:
         groups = f", group_size={self.group_size}, global_period={self.global_period}" if self.group_size else ""

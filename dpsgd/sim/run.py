@@ -64,9 +64,12 @@ def snapshot_metrics(model, names: list[str], params: list[torch.Tensor], x_test
     }
 
 
-def traffic(bytes_sent: torch.Tensor, bytes_received: torch.Tensor, comm_time_s: float) -> dict:
+def traffic(
+    bytes_sent: torch.Tensor, bytes_received: torch.Tensor, comm_time_s: float, peak_step_bytes: float | None
+) -> dict:
     return {
         "mb_sent_per_peer": float(bytes_sent.mean()) / 1e6,
+        "peak_mb_sent_per_step": None if peak_step_bytes is None else peak_step_bytes / 1e6,
         "mb_received_per_peer": float(bytes_received.mean()) / 1e6,
         "comm_time_s": comm_time_s,
         "comm_overlap_s": 0.0,
@@ -83,6 +86,7 @@ class FleetRun:
     def __init__(self, cfg: dict):
         self.fleet = fleet = Fleet(cfg)
         self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.total_steps
+        self.peak_step_bytes = 0.0  # the most bytes one peer sent in one step
         self._test = fleet.split.x_test.to(fleet.device), fleet.split.y_test.to(fleet.device)
 
     def describe(self, cfg: dict) -> dict:
@@ -96,7 +100,10 @@ class FleetRun:
 
     def train_step(self) -> float | None:
         self.step_count += 1
-        return float(self.fleet.train_step().double().mean())
+        sent = self.fleet.bytes_sent.clone()
+        loss = float(self.fleet.train_step().double().mean())
+        self.peak_step_bytes = max(self.peak_step_bytes, float((self.fleet.bytes_sent - sent).max()))
+        return loss
 
     def record(self, train_loss: float, wall_s: float) -> dict:
         fleet, step = self.fleet, self.step_count
@@ -107,7 +114,7 @@ class FleetRun:
             "wall_time_s": wall_s,
             "emulated_time_s": None,
             **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss),
-            **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s),
+            **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s, self.peak_step_bytes),
         }
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
@@ -158,6 +165,7 @@ class EventsRun(FleetRun):
                 torch.tensor(sim.bytes_sent, dtype=torch.float64),
                 torch.tensor(sim.bytes_received, dtype=torch.float64),
                 sum(sim.wait_s) / sim.n,
+                None,  # no global step
             ),
             "scope": "all peers",
         }
