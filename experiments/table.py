@@ -30,7 +30,7 @@ def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[lis
     header = list(extra) + [h for h, _, _ in columns]
     rows = []
     for s in summaries:
-        row = [str(s.get(k, "-")) for k in extra]
+        row = ["-" if s.get(k) is None else str(s[k]) for k in extra]
         row += [_cell(s, key, fmt) for h, key, fmt in columns]
         rows.append(row)
     return header, rows
