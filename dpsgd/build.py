@@ -55,7 +55,15 @@ def load_data(cfg: dict) -> data.Split:
     }
     if d.get("image_shape") is not None:
         options["image_shape"] = tuple(int(s) for s in d["image_shape"])  # hashable: data.load caches
-    return data.load(d["name"], d.get("test_fraction", 0.2), int(cfg["seed"]), **options)
+    if d.get("validation_fraction"):
+        options["validation_fraction"] = float(d["validation_fraction"])
+    return data.load(d["name"], d.get("test_fraction", 0.2), split_seed(cfg), **options)
+
+
+def split_seed(cfg: dict) -> int:
+    """The seed of the test (and validation) split: `data.split_seed`, else the run's seed."""
+    fixed = cfg["data"].get("split_seed")
+    return int(cfg["seed"]) if fixed is None else int(fixed)
 
 
 def fit_batch_size(cfg: dict) -> str | None:
@@ -208,6 +216,7 @@ def describe(cfg: dict, topology, comm) -> dict:
         "partition": cfg["data"].get("partition", "iid"),
         "model": cfg["model"]["name"],
         "seed": int(cfg["seed"]),
+        "evaluated_on": "validation" if cfg["data"].get("validation_fraction") else "test",
         "spectral_gap": float(topologies.analysis.spectral_gap(topology)),
     }
 

@@ -1,6 +1,7 @@
 """Datasets and their partition across peers.
 
-`load(name, ...)` returns a fixed train/test split as tensors; `partition(...)` gives each peer
+`load(name, ...)` returns a fixed train/test split as tensors (with `validation_fraction`, a validation split
+carved from the training split takes the test split's place: what tuning selects on); `partition(...)` gives each peer
 its share of the training set: `iid` (equal random shares), `dirichlet` (class proportions per
 peer drawn from Dirichlet(alpha), Hsu et al. 2019) or `shards` (sorted by class, cut into shards,
 `shards_per_peer` each, McMahan et al. 2017). Everything is seeded: the same seed gives the same
@@ -55,10 +56,39 @@ def load(
     num_classes: int = 10,
     seq_len: int = 32,
     image_shape: tuple[int, ...] | None = None,
+    validation_fraction: float = 0.0,
 ) -> Split:
     """The dataset `name` with a fixed held-out test split. Bundled or generated datasets are split
     by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets.
-    `image_shape` (synthetic): its samples shaped as images, e.g. (3, 32, 32) for CIFAR-shaped inputs."""
+    `image_shape` (synthetic): its samples shaped as images, e.g. (3, 32, 32) for CIFAR-shaped inputs.
+    `validation_fraction` > 0: see `hold_out_validation`; the test split is then not returned at all."""
+    split = _load(name, test_fraction, seed, root, num_samples, num_features, num_classes, seq_len, image_shape)
+    return hold_out_validation(split, validation_fraction, seed) if validation_fraction else split
+
+
+def hold_out_validation(split: Split, fraction: float, seed: int) -> Split:
+    """A validation split of `fraction` of the training split (stratified by class, seeded) in the test split's
+    place, the rest to train on: runs that choose settings by it never see the test split."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"data.validation_fraction must be in (0, 1) (0 turns it off), got {fraction}")
+    from sklearn.model_selection import train_test_split
+
+    labels = split.y_train.numpy()
+    stratify = labels if split.num_classes and labels.ndim == 1 else None
+    train, validation = train_test_split(
+        np.arange(len(labels)), test_size=fraction, random_state=seed, stratify=stratify
+    )
+    train, validation = torch.from_numpy(np.sort(train)), torch.from_numpy(np.sort(validation))
+    return Split(
+        split.x_train[train],
+        split.y_train[train],
+        split.x_train[validation],
+        split.y_train[validation],
+        split.num_classes,
+    )
+
+
+def _load(name, test_fraction, seed, root, num_samples, num_features, num_classes, seq_len, image_shape) -> Split:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
     if name in ("mnist", "cifar10"):

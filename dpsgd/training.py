@@ -19,7 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol, cast
 
-from dpsgd import checkpoint, metrics
+from dpsgd import checkpoint, loggers, metrics
 from dpsgd.build import Peer, build_peer
 from dpsgd.comm import Communicator
 from dpsgd.optim import AsynchronousOptimizer
@@ -47,13 +47,15 @@ class Run(Protocol):
 
 
 class RunLog:
-    """metrics.jsonl, the target accuracy and summary.json of one run (written by one process)."""
+    """metrics.jsonl, the target accuracy and summary.json of one run (written by one process), and the same
+    records to the sinks `logger=` names (dpsgd.loggers: TensorBoard, MLflow)."""
 
     def __init__(self, cfg: dict, out_dir: Path | None, resumed_step: int = 0, reached: dict | None = None):
         self.target = cfg.get("target_accuracy")
         self.reached = reached or {}  # the first record at or above the target accuracy
         self.out_dir = out_dir
         self._file = None
+        self._sinks: list[loggers.Sink] = []
         if out_dir is not None:
             kept = []  # a resumed run keeps what was logged up to its checkpoint
             if resumed_step and (out_dir / "metrics.jsonl").exists():
@@ -64,6 +66,7 @@ class RunLog:
                 ]
             self._file = (out_dir / "metrics.jsonl").open("w")
             self._file.write("".join(r + "\n" for r in kept))
+            self._sinks = loggers.open_sinks(cfg, out_dir, resumed_step)
 
     def write(self, record: dict, track: bool = True) -> None:
         if track and self.target is not None and not self.reached and (record.get("test_accuracy") or 0) >= self.target:
@@ -77,6 +80,8 @@ class RunLog:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for sink in self._sinks:
+            sink.write(record)
 
     def summary(self, describe: dict, final: dict, extra: dict, wall_s: float) -> dict:
         emulated = final.get("emulated_time_s")
@@ -99,6 +104,8 @@ class RunLog:
         if self._file is not None and self.out_dir is not None:
             self._file.close()
             checkpoint.write_json_atomic(self.out_dir / "summary.json", summary)
+        for sink in self._sinks:
+            sink.close(summary)
         return summary
 
 

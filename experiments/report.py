@@ -4,6 +4,8 @@ DIR is one run folder or a Hydra multirun folder; every folder below it holding 
 `summary.json` is a run. Only the files runs write are read (summary.json, metrics.jsonl,
 config.yaml), so a sweep made elsewhere can be reported here. The parameters that differ
 between runs are the swept ones: they become the table's first columns and the plots' legend.
+Runs that differ only by `seed` are one configuration: its row holds the mean over the seeds with a 95%
+Student-t interval (experiments.intervals) and the number of seeds, and its curves a band of that interval.
 
 Writes into the output folder (default DIR): report.md, report.csv, and PNG plots
 vs_steps.png (test accuracy of the averaged model and of the peers, test loss, consensus distance), vs_wall_time.png,
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from experiments.intervals import band, summarize
 from experiments.table import format_csv, format_markdown, format_table
 
 IGNORED_KEYS = ("hydra", "comm.timeout_s", "log_every")  # settings that do not change the results
@@ -93,7 +96,18 @@ def label(run: dict, keys: list[str]) -> str:
     return " ".join(f"{k}={value(run, k)}" for k in keys) or run["dir"].name
 
 
-def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
+def group_by_seed(runs: list[dict], keys: list[str]) -> tuple[list[str], list[list[dict]]]:
+    """Runs that differ only by seed form one configuration. Returns the keys that tell the configurations
+    apart (the swept keys less `seed`) and the configurations' runs, in the order they first appear."""
+    config_keys = [k for k in keys if k != "seed"]
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(tuple(repr(value(run, k)) for k in config_keys), []).append(run)
+    return config_keys, list(groups.values())
+
+
+def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
+    """One line per configuration: the mean over its seeds, in a band of the 95% interval where it has several."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,20 +140,32 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
             [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
         ),
     }
+    runs = [r for g in groups for r in g]
+    seeds = max(len(g) for g in groups)
     written = []
     for name, (x_key, x_label, panels) in figures.items():
         if not any(m.get(x_key) is not None for r in runs for m in r["metrics"]):
             continue  # e.g. no emulated network in these runs
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
         for ax, (y_key, y_label) in zip(axes[0], panels):
-            for run in runs:
-                pts = [
-                    (m[x_key], m[y_key])
-                    for m in run["metrics"]
-                    if m.get(x_key) is not None and m.get(y_key) is not None
+            for group in groups:
+                curves = [
+                    [
+                        (m[x_key], m[y_key])
+                        for m in r["metrics"]
+                        if m.get(x_key) is not None and m.get(y_key) is not None
+                    ]
+                    for r in group
                 ]
-                if pts:
-                    ax.plot(*zip(*pts), marker=".", label=label(run, keys))
+                if not all(curves):
+                    continue
+                # the seeds' i-th records are taken together (same step; wall time and bytes as their mean)
+                x_mean, _ = band([[x for x, _ in c] for c in curves])
+                y_mean, ci = band([[y for _, y in c] for c in curves])
+                legend = label(group[0], keys) + (f" ({len(group)} seeds)" if seeds > 1 else "")
+                (line,) = ax.plot(x_mean, y_mean, marker=".", label=legend)
+                if len(group) > 1:
+                    ax.fill_between(x_mean, y_mean - ci, y_mean + ci, color=line.get_color(), alpha=0.2, linewidth=0)
             xs = [x for r in runs for x in _values(r, x_key) if x > 0]
             if x_key == "mb_sent_per_peer" and xs and max(xs) / min(xs) > 100:
                 ax.set_xscale("log", nonpositive="mask")  # e.g. averaging periods spanning 1 to 64
@@ -153,7 +179,8 @@ def plot(runs: list[dict], keys: list[str], out: Path) -> list[Path]:
                     ax.set_yscale("symlog", linthresh=min(y for y in ys if y > 0))
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
-        fig.suptitle(f"{len(runs)} run(s)" + (f", swept: {', '.join(keys)}" if keys else ""))
+        title = f"{len(runs)} run(s)" + (f", swept: {', '.join(keys)}" if keys else "")
+        fig.suptitle(title + (", bands: 95% interval over seeds" if seeds > 1 else ""))
         fig.tight_layout()
         path = out / f"{name}.png"
         fig.savefig(path, dpi=110)
@@ -183,14 +210,14 @@ def main(argv: list[str] | None = None) -> int:
             f"error: no run under {args.dir} has a summary.json (unfinished or failed runs have none)", file=sys.stderr
         )
         return 2
-    keys = swept_keys(runs)
-    summaries = [{**r["summary"], **{k: value(r, k) for k in keys}} for r in runs]
+    keys, groups = group_by_seed(runs, swept_keys(runs))
+    summaries = [summarize([{**r["summary"], **{k: value(r, k) for k in keys}} for r in g]) for g in groups]
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
     print(format_table(summaries, keys))
     (out / "report.md").write_text(format_markdown(summaries, keys))
     (out / "report.csv").write_text(format_csv(summaries, keys))
-    pngs = plot(runs, keys, out)
+    pngs = plot(groups, keys, out)
     print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, " + ", ".join(str(p) for p in pngs))
     return 0
 

@@ -9,6 +9,7 @@ COLUMNS = [  # (header, summary key, format)
     ("algorithm", "algorithm", "{}"),
     ("topology", "topology", "{}"),
     ("peers", "peers", "{}"),
+    ("seeds", "seeds", "{}"),  # the report's rows: runs that differ only by seed, as mean +- 95% interval
     ("test acc (avg model)", "test_accuracy", "{:.4f}"),
     ("test acc (peer mean)", "peer_test_accuracy_mean", "{:.4f}"),
     ("consensus dist", "consensus_distance", "{:.3e}"),
@@ -16,7 +17,7 @@ COLUMNS = [  # (header, summary key, format)
     ("wall s", "wall_time_s", "{:.1f}"),
     ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.netem)
 ]
-OPTIONAL = {"emulated_time_s"}  # columns left out when no run has them
+OPTIONAL = {"emulated_time_s", "seeds"}  # columns left out when no row has them
 
 
 def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -29,10 +30,18 @@ def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[lis
     header = list(extra) + [h for h, _, _ in columns]
     rows = []
     for s in summaries:
-        row = [str(s.get(k, "-")) for k in extra]
-        row += [fmt.format(s[key]) if s.get(key) is not None else "-" for h, key, fmt in columns]
+        row = ["-" if s.get(k) is None else str(s[k]) for k in extra]
+        row += [_cell(s, key, fmt) for h, key, fmt in columns]
         rows.append(row)
     return header, rows
+
+
+def _cell(summary: dict, key: str, fmt: str) -> str:
+    """The value, and where the row is a mean over seeds, +- the half width of its 95% interval."""
+    if summary.get(key) is None:
+        return "-"
+    ci = summary.get(f"{key}_ci95")
+    return fmt.format(summary[key]) + (f" ± {fmt.format(ci)}" if ci is not None else "")
 
 
 def format_table(summaries: list[dict], extra: list[str] = ()) -> str:
@@ -67,7 +76,7 @@ def format_csv(summaries: list[dict], extra: list[str] = ()) -> str:
 
 def _is_number(text: str) -> bool:
     try:
-        float(text)
+        [float(part) for part in text.split(" ± ")]
         return True
     except ValueError:
         return text == "-"

@@ -171,9 +171,24 @@ def hydra_main(cfg: DictConfig) -> float | None:
     return summary["test_accuracy"]
 
 
+def expand_seeds(argv: list[str]) -> list[str]:
+    """`seeds=N` is a sweep over seeds 0 .. N-1: Hydra's `seed=range(N)`, with -m added where it is missing."""
+    given = [a for a in argv if a.startswith("seeds=")]
+    if not given:
+        return argv
+    text = given[-1].split("=", 1)[1]
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"seeds must be a positive whole number of seeds (seeds=3 runs seeds 0, 1, 2), got {text!r}")
+    if len(given) > 1 or any(a.startswith(("seed=", "+seed=")) for a in argv):
+        raise ConfigError("give the seeds once: seeds=N (seeds 0 .. N-1) or seed=A,B,C with -m, not both")
+    argv = [f"seed=range({int(text)})" if a == given[0] else a for a in argv]
+    return argv if "-m" in argv or "--multirun" in argv else ["-m", *argv]
+
+
 def main() -> None:
-    argv = sys.argv[1:]
     try:
+        argv = expand_seeds(sys.argv[1:])
+        sys.argv[1:] = argv  # Hydra reads the command line itself
         check_group_overrides(argv)
     except ConfigError as exc:
         fail(str(exc))

@@ -32,7 +32,7 @@ def check_group_overrides(argv: list[str]) -> None:
 def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -> None:
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a
     user's launcher, in every rank before it joins the others)."""
-    from dpsgd import backends, data, models, placement
+    from dpsgd import backends, data, loggers, models, placement
     from dpsgd.build import build_model, build_peer, build_topology, check_algorithm, load_data
     from dpsgd.comm import LocalCommunicator, LocalWorld
     from dpsgd.comm.staging import check_mode
@@ -82,6 +82,9 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     problem = None if launched else record.missing()  # under a launcher the runtime is already loaded
     if problem:
         raise ConfigError(problem)
+    problem = loggers.missing_package(cfg)
+    if problem:
+        raise ConfigError(problem)
     try:  # the GPU of the first peer on this node: the refusals (no GPU, too few for nccl) come here
         check_mode(cfg["backend"].get("staging", "auto"))
         if record.processes:
@@ -120,6 +123,14 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
     _check_choice("data.partition", cfg["data"].get("partition", "iid"), data.PARTITIONS)
+    fraction = cfg["data"].get("validation_fraction") or 0
+    if not _is_number(fraction) or not 0 <= fraction < 1:
+        raise ConfigError(
+            f"data.validation_fraction must be in [0, 1) (0: evaluate on the test split), got {fraction!r}"
+        )
+    fixed = cfg["data"].get("split_seed")
+    if fixed is not None and not _is_int(fixed):
+        raise ConfigError(f"data.split_seed must be an integer, or null for the run's seed, got {fixed!r}")
     # build what peer 0 will build (cheap at this size) in a world of `peers`: data files, partition,
     # model shapes, and the algorithm with its options on this topology
     try:

@@ -1,0 +1,131 @@
+"""Where a run's records go beside metrics.jsonl: TensorBoard event files and MLflow's store (`logger=` config group).
+
+The run's one writer (dpsgd.training.RunLog) hands every record it writes to metrics.jsonl to each sink here, with
+the record's `step` as the step: numeric values become scalars named as in metrics.jsonl (a nested block such as
+AD-PSGD's totals as `block/key`), other values are left out. Both sinks write local files only, nothing is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+SINKS = ("tensorboard", "mlflow")
+INSTALL_HINT = "pip install 'dpsgd[logging]' (or the package itself), or leave logger=none"
+
+
+class Sink(Protocol):
+    def write(self, record: dict) -> None: ...
+    def close(self, summary: dict | None) -> None: ...
+
+
+def scalars(record: dict, prefix: str = "") -> dict[str, float]:
+    """The record's numbers by name; nested dicts as `block/key`; None, text and lists left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(scalars(value, f"{prefix}{key}/"))
+        elif isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
+            out[f"{prefix}{key}"] = float(value)
+    return out
+
+
+class TensorBoardSink:
+    """Scalars in RUN/tensorboard/ (torch.utils.tensorboard's SummaryWriter); a resumed run purges what came after
+    its checkpoint, as metrics.jsonl does."""
+
+    def __init__(self, out_dir: Path, resumed_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+
+    def write(self, record: dict) -> None:
+        for name, value in scalars(record).items():
+            self.writer.add_scalar(name, value, global_step=int(record["step"]))
+        self.writer.flush()
+
+    def close(self, summary: dict | None) -> None:
+        self.writer.close()
+
+
+class MLflowSink:
+    """One MLflow run per run folder (a resumed run continues it): the resolved config as parameters, the records
+    as metrics, summary.json as an artifact. Through MlflowClient, so runs in one process (sweeps on the fleet or
+    the local backend) never share MLflow's global active run."""
+
+    def __init__(self, cfg: dict, out_dir: Path, options: dict):
+        uri = options.get("mlflow_uri") or (out_dir / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        name = options.get("experiment") or "dpsgd"
+        found = self.client.get_experiment_by_name(name)
+        experiment = found.experiment_id if found else self.client.create_experiment(name)
+        run_dir = str(out_dir.resolve())
+        runs = self.client.search_runs([experiment], filter_string=f"tags.dpsgd_run_dir = '{run_dir}'")
+        if runs:  # resumed: the same MLflow run goes on
+            self.run_id = runs[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        self.run_id = self.client.create_run(
+            experiment, run_name=out_dir.name, tags={"dpsgd_run_dir": run_dir}
+        ).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(_flatten(cfg).items())]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def write(self, record: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        step = int(record["step"])
+        metrics = [Metric(k, v, now, step) for k, v in scalars(record).items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def close(self, summary: dict | None) -> None:
+        if summary is not None:
+            self.client.log_dict(self.run_id, summary, "summary.json")
+        self.client.set_terminated(self.run_id, status="FINISHED" if summary is not None else "KILLED")
+
+
+def open_sinks(cfg: dict, out_dir: Path, resumed_step: int = 0) -> list[Sink]:
+    """The sinks `cfg["logger"]` names, opened in `out_dir`."""
+    options = cfg.get("logger") or {}
+    sinks: list[Sink] = []
+    for name in options.get("sinks") or []:
+        if name == "tensorboard":
+            sinks.append(TensorBoardSink(out_dir, resumed_step))
+        elif name == "mlflow":
+            sinks.append(MLflowSink(cfg, out_dir, options))
+        else:
+            raise ValueError(f"unknown logger sink {name!r}; valid sinks: {', '.join(SINKS)}")
+    return sinks
+
+
+def missing_package(cfg: dict) -> str | None:
+    """What the configured sinks need and is not installed, as one line (None: all there)."""
+    import importlib.util
+
+    needs = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+    for name in (cfg.get("logger") or {}).get("sinks") or []:
+        if name not in needs:
+            return f"unknown logger sink {name!r}; valid sinks: {', '.join(SINKS)}"
+        if importlib.util.find_spec(needs[name]) is None:
+            return f"logger sink {name} needs the {needs[name]} package, which is not installed: {INSTALL_HINT}"
+    return None
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -1,0 +1,213 @@
+"""Fair tuning: `python -m experiments.tune [--algorithms A,B,...] [options] [overrides]`.
+
+A comparison can be won by tuning alone, so every algorithm gets the same search before it is compared:
+1. search: per algorithm, its learning rate on a log grid around the rate its config holds (and its own main
+   knob where it has one, KNOBS), each setting trained on the training split less a held-out validation split
+   (`data.validation_fraction`, evaluated in the test split's place, so the test split is never read);
+   through Hydra's Optuna sweeper (hydra-optuna-sweeper, grid or TPE sampler) where it is installed, else
+   Hydra's basic sweeper over the same grid;
+2. select: the setting with the best validation accuracy (ties: the lower validation loss);
+3. final: the chosen setting on the whole training split over `--seeds` seeds, evaluated on the test split,
+   whose seed (`data.split_seed`) is the search's: the validation split lies inside its training split.
+Writes OUT/search/ALGORITHM/ (the trials), OUT/final/ALGORITHM/ (the seeds), OUT/tuned.json and OUT/tuned.md (the
+chosen values and the final table: mean +- 95% interval over the seeds), and the report's plots in OUT.
+Overrides (`backend=fleet peers=16 data=mnist_small ...`) apply to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+# the algorithm's own main setting, searched beside the learning rate (the issue's "period, gamma, outer lr")
+KNOBS = {
+    "local_sgd": ("period", [2, 4, 8, 16]),
+    "bmuf": ("outer_lr", [0.5, 1.0, 1.5, 2.0]),
+    "slowmo": ("outer_lr", [0.5, 1.0, 1.5, 2.0]),
+    "diloco": ("outer_lr", [0.3, 0.5, 0.7, 1.0]),
+    "choco": ("gamma", [0.1, 0.25, 0.5, 1.0]),
+}
+LR_FACTORS = [0.1, 0.3, 1.0, 3.0, 10.0]  # times the config's lr: a log grid of two decades around it
+
+
+def optuna_available() -> bool:
+    try:
+        import hydra_plugins.hydra_optuna_sweeper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_lr(algorithm: str, overrides: list[str]) -> float:
+    """The learning rate the algorithm's config (with the user's overrides) holds: the grid's centre."""
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"algorithm={algorithm}"])
+    return float(cfg.algorithm.lr)
+
+
+def search_space(algorithm: str, lrs: list[float], knob_values: list | None) -> dict[str, list]:
+    space: dict[str, list] = {"algorithm.lr": lrs}
+    if algorithm in KNOBS:
+        name, values = KNOBS[algorithm]
+        space[f"algorithm.{name}"] = knob_values or values
+    return space
+
+
+def sweep_args(space: dict[str, list], sampler: str, trials: int | None) -> list[str]:
+    """Hydra overrides that sweep `space`: the Optuna sweeper where installed, else the basic sweeper's lists."""
+    lists = {k: ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in vs) for k, vs in space.items()}
+    if sampler == "basic":
+        return [f"{k}={v}" for k, v in lists.items()]
+    grid = math.prod(len(v) for v in space.values())
+    args = ["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}", "hydra.sweeper.direction=maximize"]
+    args.append(f"hydra.sweeper.n_trials={grid if sampler == 'grid' else trials or grid}")
+    for key, text in lists.items():
+        if sampler == "tpe" and key == "algorithm.lr":  # TPE samples the whole log range, not only the grid
+            args.append(f"{key}=tag(log, interval({min(space[key]):g}, {max(space[key]):g}))")
+        else:
+            args.append(f"{key}=choice({text})")
+    return args
+
+
+def run_sweep(args: list[str], sweep_dir: Path) -> None:
+    log = sweep_dir.with_suffix(".log")
+    sweep_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "experiments.train", "-m", *args, f"hydra.sweep.dir={sweep_dir}"]
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise SystemExit(f"error: a sweep failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}\n(all of it: {log})")
+
+
+def trials(sweep_dir: Path) -> list[dict]:
+    """Each finished run under `sweep_dir`: its resolved config and its summary."""
+    out = []
+    for summary in sorted(sweep_dir.rglob("summary.json")):
+        config = OmegaConf.to_container(OmegaConf.load(summary.parent / "config.yaml"))
+        out.append({"config": config, "summary": json.loads(summary.read_text()), "dir": summary.parent})
+    return out
+
+
+def select(found: list[dict], keys: list[str]) -> dict:
+    """The setting with the best mean validation accuracy over its search seeds (ties: lower validation loss)."""
+    settings: dict[tuple, list[dict]] = {}
+    for t in found:
+        if t["summary"].get("evaluated_on") != "validation":
+            raise RuntimeError(f"{t['dir']} was evaluated on the {t['summary'].get('evaluated_on')} split")
+        settings.setdefault(tuple(_get(t["config"], k) for k in keys), []).append(t["summary"])
+
+    def score(runs: list[dict]) -> tuple[float, float]:
+        accuracy = [r["test_accuracy"] for r in runs if r.get("test_accuracy") is not None]
+        acc = sum(accuracy) / len(accuracy) if accuracy else -math.inf
+        loss = sum(r["test_loss"] for r in runs) / len(runs)
+        return (acc if math.isfinite(acc) else -math.inf), (-loss if math.isfinite(loss) else -math.inf)
+
+    best = max(settings, key=lambda s: score(settings[s]))
+    acc, neg_loss = score(settings[best])
+    return {
+        "chosen": dict(zip(keys, best)),
+        "validation_accuracy": acc,
+        "validation_loss": -neg_loss,
+        "trials": len(found),
+    }
+
+
+def _get(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.tune", description=__doc__.split("\n")[0], epilog="Other arguments: overrides."
+    )
+    parser.add_argument("--algorithms", default="allreduce,dpsgd,local_sgd", help="comma-separated (conf/algorithm/)")
+    parser.add_argument("--lr-factors", default=",".join(f"{f:g}" for f in LR_FACTORS), help="x the config's lr")
+    parser.add_argument("--knob-values", default=None, help="replace KNOBS' grid of the algorithm's own setting")
+    parser.add_argument("--seeds", type=int, default=3, help="final runs of the chosen setting: seeds 0 .. N-1")
+    parser.add_argument("--search-seeds", type=int, default=1, help="seeds per setting in the search")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the test and validation splits")
+    parser.add_argument("--validation-fraction", type=float, default=0.2, help="of the training split")
+    parser.add_argument("--sampler", choices=("grid", "tpe", "basic"), default=None, help="default: grid with Optuna")
+    parser.add_argument("--trials", type=int, default=None, help="tpe: trials per algorithm (default: the grid's)")
+    parser.add_argument("--out", type=Path, default=None, help="default multirun/tune/DATE_TIME")
+    args, overrides = parser.parse_known_args(argv)
+    if any(o.startswith("-") for o in overrides):
+        parser.error(f"unknown option(s): {' '.join(o for o in overrides if o.startswith('-'))}")
+    if args.seeds < 1 or args.search_seeds < 1 or not 0 < args.validation_fraction < 1:
+        parser.error("--seeds and --search-seeds must be >= 1, --validation-fraction in (0, 1)")
+    sampler = args.sampler or ("grid" if optuna_available() else "basic")
+    if sampler != "basic" and args.search_seeds > 1:
+        parser.error("--search-seeds > 1 needs --sampler basic (an Optuna trial is one run)")
+    if sampler != "basic" and not optuna_available():
+        parser.error(f"--sampler {sampler} needs hydra-optuna-sweeper: pip install 'dpsgd[tune]' (or --sampler basic)")
+    factors = [float(f) for f in args.lr_factors.split(",")]
+    knob_values = [_number(v) for v in args.knob_values.split(",")] if args.knob_values else None
+    out = args.out or Path("multirun/tune") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    common = [*overrides, f"data.split_seed={args.split_seed}"]
+    search_seeds = f"seed=range({args.search_seeds})" if args.search_seeds > 1 else f"seed={args.split_seed}"
+
+    tuned = {"sampler": sampler, "validation_fraction": args.validation_fraction, "overrides": overrides}
+    tuned["algorithms"] = {}
+    for algorithm in args.algorithms.split(","):
+        centre = default_lr(algorithm, overrides)
+        space = search_space(algorithm, [float(f"{centre * f:.6g}") for f in factors], knob_values)
+        search = out / "search" / algorithm
+        run_sweep(
+            [f"algorithm={algorithm}", *common, f"data.validation_fraction={args.validation_fraction}", search_seeds]
+            + sweep_args(space, sampler, args.trials),
+            search,
+        )
+        choice = select(trials(search), list(space))
+        tuned["algorithms"][algorithm] = choice
+        chosen = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["chosen"].items())
+        print(
+            f"{algorithm}: {choice['trials']} trials, chosen {chosen} "
+            f"(validation accuracy {choice['validation_accuracy']:.4f})",
+            flush=True,
+        )
+        run_sweep(
+            [f"algorithm={algorithm}", *common, f"seed=range({args.seeds})"]
+            + [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["chosen"].items()],
+            out / "final" / algorithm,
+        )
+    (out / "tuned.json").write_text(json.dumps(tuned, indent=2) + "\n")
+    from experiments import report
+
+    code = report.main([str(out / "final"), "--out", str(out)])
+    (out / "tuned.md").write_text(chosen_table(tuned) + "\n" + (out / "report.md").read_text())
+    print(f"wrote {out / 'tuned.md'}, {out / 'tuned.json'}")
+    return code
+
+
+def chosen_table(tuned: dict) -> str:
+    """Markdown: per algorithm, the chosen values and their validation score."""
+    lines = ["| algorithm | chosen | validation accuracy | trials |", "|---|---|---|---|"]
+    for name, c in tuned["algorithms"].items():
+        chosen = ", ".join(
+            f"{k.split('.')[-1]} {v:g}" if isinstance(v, float) else f"{k.split('.')[-1]} {v}"
+            for k, v in c["chosen"].items()
+        )
+        lines.append(f"| {name} | {chosen} | {c['validation_accuracy']:.4f} | {c['trials']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _number(text: str):
+    return int(text) if text.lstrip("-").isdigit() else float(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

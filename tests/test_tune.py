@@ -1,0 +1,83 @@
+"""Fair tuning: the validation split lies inside the training split and never touches the test split, and
+experiments.tune selects on it alone, then runs the chosen setting over seeds on the test split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from dpsgd import data
+from dpsgd.build import load_data
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rows(x) -> Counter:
+    return Counter(bytes(r.numpy()) for r in x)
+
+
+@pytest.mark.parametrize("name", ["digits", "synthetic_regression"])  # stratified by class, and not
+def test_validation_split_is_carved_from_training_data(name):
+    options = {"num_samples": 300} if name == "synthetic_regression" else {}
+    full = data.load(name, 0.2, 3, **options)
+    tuned = data.load(name, 0.2, 3, validation_fraction=0.25, **options)
+    validation, rest, test = _rows(tuned.x_test), _rows(tuned.x_train), _rows(full.x_test)
+    assert validation + rest == _rows(full.x_train)  # train = validation + what the model trains on
+    assert not validation & test and not rest & test  # the test split is in neither
+    assert len(tuned.x_test) == pytest.approx(0.25 * len(full.x_train), abs=1)
+    if name == "digits":  # stratified: every class in the validation split
+        assert set(tuned.y_test.tolist()) == set(range(10))
+
+
+def test_fixed_split_seed_keeps_one_test_split_across_seeds(hydra_config):
+    tests = [load_data(hydra_config(f"seed={s}", "data.split_seed=0")).x_test for s in range(3)]
+    assert all(t.equal(tests[0]) for t in tests)
+    validation = load_data(hydra_config("seed=2", "data.split_seed=0", "data.validation_fraction=0.2")).x_test
+    assert not _rows(validation) & _rows(tests[0])
+    assert not load_data(hydra_config("seed=1")).x_test.equal(tests[0])  # by default the seed moves the split
+
+
+def test_tune_selects_on_validation_then_runs_seeds(tmp_path):
+    out = tmp_path / "tune"
+    args = ["--algorithms", "local_sgd", "--lr-factors", "0.3,3", "--knob-values", "2,8", "--seeds", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.tune", *args, "--out", str(out), "backend=fleet", "epochs=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def runs(folder: Path) -> list[tuple[dict, dict]]:
+        return [
+            (OmegaConf.to_container(OmegaConf.load(s.parent / "config.yaml")), json.loads(s.read_text()))
+            for s in sorted(folder.rglob("summary.json"))
+        ]
+
+    search = runs(out / "search" / "local_sgd")
+    assert len(search) == 4  # lr 0.03, 0.3 x period 2, 8
+    assert {(c["algorithm"]["lr"], c["algorithm"]["period"]) for c, _ in search} == {
+        (0.03, 2),
+        (0.03, 8),
+        (0.3, 2),
+        (0.3, 8),
+    }
+    for config, summary in search:
+        assert summary["evaluated_on"] == "validation" and config["data"]["validation_fraction"] == 0.2
+    best = max(search, key=lambda r: (r[1]["test_accuracy"], -r[1]["test_loss"]))[0]["algorithm"]
+    chosen = json.loads((out / "tuned.json").read_text())["algorithms"]["local_sgd"]["chosen"]
+    assert chosen == {"algorithm.lr": best["lr"], "algorithm.period": best["period"]}
+    final = runs(out / "final" / "local_sgd")
+    assert sorted(s["seed"] for _, s in final) == [0, 1]
+    for config, summary in final:
+        assert summary["evaluated_on"] == "test" and config["data"]["split_seed"] == 0
+        assert (config["algorithm"]["lr"], config["algorithm"]["period"]) == (best["lr"], best["period"])
+    tuned_md = (out / "tuned.md").read_text()
+    assert f"lr {best['lr']:g}, period {best['period']}" in tuned_md and "| 2 |" in tuned_md
