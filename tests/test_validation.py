@@ -38,6 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
         (["topology=torus", "peers=5", "topology.rows=2"], "topology 'torus' with peers=5"),
         (["algorithm=adpsgd", "topology=ring", "peers=5"], "AD-PSGD needs a bipartite graph"),
         (["faults.kill_peer=4"], "faults.kill_peer must be a peer rank in [0, 4) or null, got 4"),
+        (
+            ["backend=local", "launcher.hosts=[node1,node2]"],
+            "launcher.hosts=['node1', 'node2'] needs backend=mpi or backend=torch (peer processes on those hosts), "
+            "but backend=local runs every peer in this process",
+        ),
+        (["backend=fleet", "launcher.hosts=[node1,node2]"], "but backend=fleet runs every peer in this process"),
+        (["backend=torch", "launcher.hosts=[node1,node2]", "peers=3"], "cannot hold peers=3"),
         pytest.param(
             ["backend=mpi", "faults.drop_messages=0.1"],
             "faults.drop_messages works on backend=local only",
@@ -114,6 +121,13 @@ def test_resume_refuses_a_different_config(hydra_config, tmp_path):
         check_same_run(saved, hydra_config("peers=4", "resume=true"), tmp_path)
     assert "peers=8 there, 4 here" in str(info.value)
     check_same_run(saved, hydra_config("peers=8", "resume=true", "comm.timeout_s=5", "faults.kill_peer=1"), tmp_path)
+
+
+def test_resume_on_other_hosts_is_allowed(hydra_config, tmp_path):
+    """Hosts are placement, not math: a run started on two hosts may resume on others (or on this machine)."""
+    saved = hydra_config("backend=torch", "peers=4", "launcher.hosts=[node1,node2]")
+    for hosts in ("launcher.hosts=[node3:1,node4:3]", "launcher.hosts=null"):
+        check_same_run(saved, hydra_config("backend=torch", "peers=4", "resume=true", hosts), tmp_path)
 
 
 @pytest.mark.parametrize(
