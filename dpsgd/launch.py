@@ -150,9 +150,13 @@ def spawn_mpi(
     return run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
 
 
-def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None) -> str:
+def first_failure(
+    log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None, hosts: list[str] | None = None
+) -> str:
     """The one line that explains a failed run: the error of the peer that failed first, or, when
-    the first peer to end died without a word (a signal, the OOM killer), its rank and last step."""
+    the first peer to end died without a word (a signal, the OOM killer), its rank and last step.
+    With `hosts` (each rank's host, for a run on several hosts), a silent death names every peer of
+    that host that died without a word too: a lost host takes all its peers."""
     errors = {}
     for r in range(n):
         path = log_dir / ERROR_FILE.format(rank=r)
@@ -169,9 +173,19 @@ def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list
     caused = first_error is not None and ": PeerFailedError: " in first_error[1]
     if silent is not None and (first_error is None or caused or signalled or silent[0] <= first_error[0]):
         rank = silent[1]
+        reason = _exit_reason(log_dir, codes[rank] if codes and codes[rank] else code)
+        if hosts is not None:
+            dead = (set(sup.ended) | set(signalled)) - set(errors)
+            lost = sorted(r for r in dead if hosts[r] == hosts[rank])
+            if len(lost) > 1:
+                where = "every peer on" if len(lost) == hosts.count(hosts[rank]) else "on"
+                steps = ", ".join(str(sup.steps[r]) if r in sup.steps else "none" for r in lost)
+                return (
+                    f"peers {', '.join(map(str, lost))} ({where} host {hosts[rank]}) died at steps {steps} without "
+                    f"an error message ({reason}): the host or its link was lost"
+                )
         step = sup.steps.get(rank)
         last = _last_line(log_dir / f"rank{rank}.log")
-        reason = _exit_reason(log_dir, codes[rank] if codes and codes[rank] else code)
         return (
             f"peer {rank} died {f'at step {step} ' if step else 'before its first step '}without an error "
             f"message ({reason}){'; its log ends: ' + last if last else ''}"

@@ -37,6 +37,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     from dpsgd.comm import LocalCommunicator, LocalWorld
     from dpsgd.comm.staging import check_mode
     from dpsgd.faults import FaultPlan
+    from dpsgd.hosts import placement as host_placement
     from dpsgd.optim import BASE_OPTIMIZERS
 
     peers = cfg.get("peers")
@@ -79,6 +80,18 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
             f"backend={backend} keeps no checkpoints; set checkpoint.every=0 and resume=false, "
             f"or use a backend that does ({keeping})"
         )
+    hosts = (cfg.get("launcher") or {}).get("hosts")
+    if hosts and not launched:  # under a user's launcher the ranks are placed already: hosts is not read
+        if not record.processes:
+            spawned = " or ".join(f"backend={n}" for n in backends.names() if backends.get(n).processes)
+            raise ConfigError(
+                f"launcher.hosts={list(hosts)} needs {spawned} (peer processes on those hosts), but backend={backend} "
+                "runs every peer in this process; choose one of those backends or drop launcher.hosts"
+            )
+        try:
+            host_placement(list(hosts), peers)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     problem = None if launched else record.missing()  # under a launcher the runtime is already loaded
     if problem:
         raise ConfigError(problem)
@@ -146,7 +159,8 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
 
 
-RESUME_MAY_CHANGE = ("resume", "faults", "comm")  # what a resumed run may set differently
+# what a resumed run may set differently: none changes the math (launcher: where the peers run)
+RESUME_MAY_CHANGE = ("resume", "faults", "comm", "launcher")
 
 
 def check_same_run(saved: dict, cfg: dict, run_dir) -> None:

@@ -172,8 +172,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     sys.path.insert(0, str(ROOT / "tools"))
     import testhosts
 
-    left = testhosts.leftovers() if testhosts.unavailable() is None else []
+    # only this session's sets: another session on the machine (a benchmark, a second pytest) keeps its own
+    mine = testhosts.made_here()
+    left = testhosts.leftovers(mine) if mine and testhosts.unavailable() is None else []
     if left:
-        testhosts.down()  # remove them, and fail the session so the leak is fixed where it happened
+        testhosts.down(mine)  # remove them, and fail the session so the leak is fixed where it happened
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print(f"\nERROR: test host namespaces were left behind by a test: {left} (removed now)")

@@ -350,6 +350,23 @@ def test_first_failure_torch_process_killed_by_a_signal(tmp_path):
     )
 
 
+def test_first_failure_a_lost_host_names_all_its_peers(tmp_path):
+    """Host b lost (both its peers killed): the line names peers 2 and 3 and the host; a silent death
+    on one host among several names that peer alone."""
+    _error_file(tmp_path, 0, "rank 0: PeerTimeoutError: Connection closed by peer", at=1001.0)
+    seen = _Seen({0: 23, 1: 23, 2: 23, 3: 22}, {3: 1000.0, 2: 1000.1})
+    on = ["a", "a", "b", "b"]
+    line = first_failure(tmp_path, seen, 1, 4, codes=[None, None, -9, -9], hosts=on)
+    assert line == (
+        "peers 2, 3 (every peer on host b) died at steps 23, 22 without an error message (killed by SIGKILL): "
+        "the host or its link was lost"
+    )
+    seen = _Seen({0: 23, 1: 23, 2: 23, 3: 22}, {3: 1000.0})
+    assert first_failure(tmp_path, seen, 1, 4, codes=[None, None, None, -9], hosts=on).startswith(
+        "peer 3 died at step 22 without an error message (killed by SIGKILL)"
+    )
+
+
 def test_supervisor_hears_steps_and_deaths():
     import socket
     import struct

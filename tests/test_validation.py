@@ -42,6 +42,13 @@ ROOT = Path(__file__).resolve().parent.parent
         (["algorithm=sgp", "compression=fp16"], "algorithm=sgp sends no compressed messages"),
         (["algorithm=diloco", "compression=powersgd"], "use algorithm=allreduce compression=powersgd"),
         (["algorithm=streaming_diloco", "algorithm.delay=4"], "delay 4 must be < period / fragments = 4"),
+        (
+            ["backend=local", "launcher.hosts=[node1,node2]"],
+            "launcher.hosts=['node1', 'node2'] needs backend=mpi or backend=torch (peer processes on those hosts), "
+            "but backend=local runs every peer in this process",
+        ),
+        (["backend=fleet", "launcher.hosts=[node1,node2]"], "but backend=fleet runs every peer in this process"),
+        (["backend=torch", "launcher.hosts=[node1,node2]", "peers=3"], "cannot hold peers=3"),
         pytest.param(
             ["backend=mpi", "faults.drop_messages=0.1"],
             "faults.drop_messages works on backend=local only",
@@ -118,6 +125,13 @@ def test_resume_refuses_a_different_config(hydra_config, tmp_path):
         check_same_run(saved, hydra_config("peers=4", "resume=true"), tmp_path)
     assert "peers=8 there, 4 here" in str(info.value)
     check_same_run(saved, hydra_config("peers=8", "resume=true", "comm.timeout_s=5", "faults.kill_peer=1"), tmp_path)
+
+
+def test_resume_on_other_hosts_is_allowed(hydra_config, tmp_path):
+    """Hosts are placement, not math: a run started on two hosts may resume on others (or on this machine)."""
+    saved = hydra_config("backend=torch", "peers=4", "launcher.hosts=[node1,node2]")
+    for hosts in ("launcher.hosts=[node3:1,node4:3]", "launcher.hosts=null"):
+        check_same_run(saved, hydra_config("backend=torch", "peers=4", "resume=true", hosts), tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from dpsgd.comm import Communicator
+from dpsgd.hosts import placement
 from dpsgd.launch import first_failure, stop_live
 from dpsgd.supervisor import ENV, Supervisor
 from dpsgd.watchdog import Watchdog
@@ -107,7 +108,9 @@ class Backend:
                 settle = time.monotonic() + 1.0  # the supervisor's thread reads closings: let it see the last
                 while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:
                     time.sleep(0.01)
-                failure = first_failure(logs, sup, code, cfg["peers"], codes)
+                hosts = (cfg.get("launcher") or {}).get("hosts")
+                on = placement(list(hosts), cfg["peers"]) if hosts else None
+                failure = first_failure(logs, sup, code, cfg["peers"], codes, on)
                 raise RunFailed(f"{failure}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
         return json.loads((run_dir / "summary.json").read_text())
 

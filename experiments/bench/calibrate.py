@@ -33,7 +33,6 @@ def worker(out: Path) -> None:
     """One of the two ranks: round trips of each size; rank 0 writes the one-way times."""
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
     from dpsgd import netif
@@ -41,6 +40,18 @@ def worker(out: Path) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
+    times = one_way_times(rank, 0, 1)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.write_text(json.dumps(times))
+
+
+def one_way_times(rank: int, a: int, b: int) -> dict[int, float]:
+    """Ping-pong between ranks a and b of the default torch.distributed group (every rank calls it; the
+    others only join the barriers): per size, the fastest of REPS round trips, halved. Meaningful on a."""
+    import torch
+    import torch.distributed as dist
+
     times = {}
     for size in SIZES:
         buf = torch.zeros(size, dtype=torch.uint8)
@@ -48,17 +59,18 @@ def worker(out: Path) -> None:
         for _ in range(REPS + 1):  # the first round trip of a size warms the connection up
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            if rank == a:
+                dist.send(buf, b)
+                dist.recv(buf, b)
+            elif rank == b:
+                dist.recv(buf, a)
+                dist.send(buf, a)
             best = min(best, (time.perf_counter() - t0) / 2)
         times[size] = best
-    dist.destroy_process_group()
-    if rank == 0:
-        out.write_text(json.dumps(times))
+    # b's last send returns once its socket holds the reply, not once a has it: whatever comes next (a
+    # changed link cap) waits for a
+    dist.barrier()
+    return times
 
 
 def fit(times: dict[int, float]) -> tuple[float, float]:
