@@ -153,6 +153,13 @@ def spawn_mpi(
 def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None) -> str:
     """The one line that explains a failed run: the error of the peer that failed first, or, when
     the first peer to end died without a word (a signal, the OOM killer), its rank and last step."""
+    return failure_cause(log_dir, sup, code, n, codes)[0]
+
+
+def failure_cause(
+    log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None
+) -> tuple[str, int | None]:
+    """`first_failure`'s line, and the rank whose death caused it (None: a peer's error did)."""
     errors = {}
     for r in range(n):
         path = log_dir / ERROR_FILE.format(rank=r)
@@ -175,10 +182,10 @@ def first_failure(log_dir: Path, sup: Supervisor, code: int, n: int, codes: list
         return (
             f"peer {rank} died {f'at step {step} ' if step else 'before its first step '}without an error "
             f"message ({reason}){'; its log ends: ' + last if last else ''}"
-        )
+        ), rank
     if first_error is not None:
-        return first_error[1]
-    return f"the peers failed without an error message ({_exit_reason(log_dir, code)})"
+        return first_error[1], None
+    return f"the peers failed without an error message ({_exit_reason(log_dir, code)})", None
 
 
 def _last_line(path: Path) -> str:

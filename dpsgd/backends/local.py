@@ -35,7 +35,7 @@ class LocalBackend(Backend):
         """Inside `run_local`, this thread's peer; elsewhere a world of one peer."""
         return current_peer() or LocalCommunicator(LocalWorld(1), 0, timeout_s)
 
-    def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
+    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         start = time.monotonic()
         world = LocalWorld(cfg["peers"])
         supervisor.in_process_steps.clear()

@@ -11,6 +11,8 @@ from .base import DistributedOptimizer
 class AllReduce(DistributedOptimizer):
     """The topology is accepted, and ignored, so that configs can swap algorithms."""
 
+    elastic = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._closure_loss(closure)
