@@ -55,7 +55,7 @@ def resume_state(run_dir: Path, rank: int, size: int) -> dict | None:
         state = dict(states[0])
         state["model"] = average_models([s["model"] for s in states])
         state["optimizer"] = {**state["optimizer"], "state": {}}  # the base's moments start at zero
-        state["comm_stats"] = {k: type(v)(0) for k, v in state["comm_stats"].items()}
+        state["comm_stats"] = {}  # its traffic starts at zero
     state.pop("batches")  # a new share: drawn afresh (SynchronousRun.begin)
     return {**state, "elastic_from": written_by}
 

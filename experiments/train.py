@@ -117,6 +117,8 @@ def resume_line(cfg: dict, run_dir: Path, launcher: Backend | None) -> str:
     args = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir=", "hydra.job.name="))]
     args = [a for a in args if a != "hydra.output_subdir=null"]
     again = ["resume=true", f"hydra.run.dir={run_dir}"]
+    if launcher is not None and cfg.get("elastic"):  # torchrun stops the workers when its world re-forms
+        return f"stopped by {{signal}}; {kept}; an elastic world continues from it when the launcher re-forms it"
     if launcher is not None:  # the user's launcher command is not ours to repeat
         return f"interrupted by {{signal}}; {kept}; resume with your launcher command plus: {shlex.join(again)}"
     command = shlex.join(["python", "-m", "experiments.train", *args, *again])
