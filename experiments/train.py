@@ -160,7 +160,7 @@ PEER_ARGV = ["-m", "experiments.peer"]
 
 def relaunching(cfg: dict, run_dir: Path) -> dict:
     """elastic=true with peers the app starts: when a world fails, relaunch it from the newest complete
-    checkpoint, without the peer that died (all of them when a peer's error ended it), at most
+    checkpoint, without the peer that died (with every peer when an error, not a death, ended it), at most
     `max_restarts` times; each world continues as dpsgd.elastic says. Injected faults act in the first
     world only (the relaunched config has none), and each failed world's logs move to logs/world{k}/."""
     from dpsgd import checkpoint, elastic

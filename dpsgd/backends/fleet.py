@@ -19,6 +19,7 @@ class FleetBackend(Backend):
         )
 
     def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
+        """The fleet simulates cfg["peers"]; `peers` (an elastic relaunch's count) never comes: validate refuses."""
         import torch
 
         from dpsgd.sim import train_fleet

@@ -37,7 +37,7 @@ class LocalBackend(Backend):
 
     def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         start = time.monotonic()
-        world = LocalWorld(cfg["peers"])
+        world = LocalWorld(cfg["peers"] if peers is None else peers)
         supervisor.in_process_steps.clear()
         supervisor.in_process_progress = None
         timeout_s = float(cfg["comm"]["timeout_s"])
