@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests
 
-.PHONY: setup run test test-fast lint typecheck clean soak bench gpu-wheels gpu-check
+.PHONY: setup run test test-fast lint typecheck clean soak bench gpu-wheels gpu-check chaos
 
 setup: $(STAMP)
 
@@ -85,3 +85,8 @@ gpu-check:
 	if [ -n "$$site" ]; then export DPSGD_MPIEXEC=$$site/bin/mpiexec; fi; \
 	PYTHONPATH=$$site:$(CURDIR) PATH=$$site/bin:$$PATH LD_LIBRARY_PATH=$$(echo $$site/mpich/*.data/data/lib):$$LD_LIBRARY_PATH \
 		GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(PYTHON) -m experiments.bench.gpu_check
+
+# issue 18's chaos run: 8 peers as torchrun elastic nodes, D-PSGD and LocalSGD, 3 killed at seeded random steps and
+# 2 added back, against the undisturbed run of the same seed (experiments/bench/chaos.py; README "Reliability")
+chaos: $(STAMP)
+	$(PY) -m experiments.bench.chaos $(ARGS)

@@ -176,6 +176,10 @@ class Peer:
     steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set
     total_steps: int
     faults: faults.FaultInjector
+    seed: int
+    # the run's budget: `epochs` passes of the configured `peers` (an elastic world's size may differ)
+    samples_per_epoch: int
+    total_samples: int
 
     def before_step(self, step: int) -> None:
         """Step `step` begins: tell the driver that started this process (if one did), then inject
@@ -243,6 +247,8 @@ def build_peer(comm, cfg: dict) -> Peer:
     topology = build_topology(cfg, comm.size)
     optimizer = build_optimizer(cfg, model.parameters(), topology, comm)
     steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
+    planned = int(cfg["peers"]) if cfg.get("elastic") else comm.size
+    samples_per_epoch = max(1, len(split.x_train) // (planned * batches.batch_size)) * planned * batches.batch_size
     return Peer(
         split=split,
         shares=shares,
@@ -255,6 +261,9 @@ def build_peer(comm, cfg: dict) -> Peer:
         loss_fn=metrics.loss_function(split.y_train),
         network=network,
         steps_per_epoch=steps_per_epoch,
-        total_steps=int(cfg["epochs"]) * steps_per_epoch,
+        total_steps=-(-int(cfg["epochs"]) * samples_per_epoch // (comm.size * batches.batch_size)),  # ceil
         faults=faults.FaultInjector.from_config(cfg, comm),
+        seed=seed,
+        samples_per_epoch=samples_per_epoch,
+        total_samples=int(cfg["epochs"]) * samples_per_epoch,
     )

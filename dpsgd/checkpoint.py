@@ -6,7 +6,9 @@ only once every peer's files do). Files are written to a temporary name, fsynced
 killed while writing leaves no torn file under the real name. A step is resumed from only if it is
 complete: COMPLETE is there, and every peer's file is there with the size and digest it was written
 with (a truncated or altered file makes the step torn, and the previous complete step is used).
-Every peer checks every file, so all peers choose the same step. Loading uses
+Every peer checks every file, so all peers choose the same step. A run resumes only from a checkpoint
+of its own peer count, except an elastic run (dpsgd.elastic), which resumes from the newest complete
+checkpoint of any count. Loading uses
 torch.load(weights_only=True): a checkpoint cannot run code.
 """
 
@@ -59,19 +61,20 @@ def save(comm, run_dir: Path, step: int, state: dict) -> None:
     comm.barrier()
     if comm.rank == 0:
         _write_atomic(folder / "COMPLETE", json.dumps({"step": step, "peers": comm.size}).encode())
-        for old in complete_steps(run_dir, comm.size, verify=False)[:-KEEP]:
+        for old in complete_steps(run_dir, verify=False)[:-KEEP]:  # of any peer count (elastic runs)
             shutil.rmtree(_step_dir(run_dir, old), ignore_errors=True)
 
 
-def complete_steps(run_dir: Path, peers: int, verify: bool = True) -> list[int]:
-    """Steps with a complete checkpoint of all `peers`, oldest first (`verify`: every file's size and
-    digest checked too, which reads every file)."""
+def complete_steps(run_dir: Path, peers: int | None = None, verify: bool = True) -> list[int]:
+    """Steps with a complete checkpoint of all `peers` (None: of as many peers as wrote it), oldest first
+    (`verify`: every file's size and digest checked too, which reads every file)."""
     folders = sorted((Path(run_dir) / "checkpoints").glob("step_*"))  # none when there is no such folder
     return [int(json.loads((f / "COMPLETE").read_text())["step"]) for f in folders if torn(f, peers, verify) is None]
 
 
-def torn(folder: Path, peers: int, verify: bool = True) -> str | None:
-    """Why the checkpoint in `folder` cannot be resumed from, or None when it is complete."""
+def torn(folder: Path, peers: int | None = None, verify: bool = True) -> str | None:
+    """Why the checkpoint in `folder` cannot be resumed by `peers` peers (None: by as many as wrote it),
+    or None when it is complete."""
     marker = folder / "COMPLETE"
     if not marker.exists():
         return "no COMPLETE marker (a peer died before every peer had written its file)"
@@ -79,9 +82,9 @@ def torn(folder: Path, peers: int, verify: bool = True) -> str | None:
         info = json.loads(marker.read_text())
     except (OSError, ValueError):
         return "COMPLETE marker unreadable"
-    if info.get("peers") != peers:
+    if peers is not None and info.get("peers") != peers:
         return f"written by {info.get('peers')} peers, not {peers}"
-    for r in range(peers):
+    for r in range(int(info.get("peers", 0))):
         pt, sidecar = folder / f"rank{r}.pt", folder / f"rank{r}.sha256"
         if not pt.exists() or not sidecar.exists():
             return f"rank{r}.pt or its digest is missing"
@@ -98,3 +101,16 @@ def load_latest(run_dir: Path, rank: int, peers: int) -> dict | None:
     reaches the same answer (each checks all files); newer torn steps are skipped, never mixed in."""
     steps = complete_steps(run_dir, peers)
     return None if not steps else torch.load(_step_dir(run_dir, steps[-1]) / f"rank{rank}.pt", weights_only=True)
+
+
+def newest(run_dir: Path) -> tuple[int, int] | None:
+    """(step, peers) of the newest complete checkpoint of any peer count, or None (elastic runs)."""
+    steps = complete_steps(run_dir)
+    if not steps:
+        return None
+    return steps[-1], int(json.loads((_step_dir(run_dir, steps[-1]) / "COMPLETE").read_text())["peers"])
+
+
+def load(run_dir: Path, step: int, rank: int) -> dict:
+    """Peer `rank`'s state in the checkpoint of `step` (one that `complete_steps` lists)."""
+    return torch.load(_step_dir(run_dir, step) / f"rank{rank}.pt", weights_only=True)

@@ -302,6 +302,11 @@ class Batches:
         self.position += 1
         return self.x[idx], self.y[idx]
 
+    def reshuffle(self, seed: int) -> None:
+        """Start a new pass in the order of a new seed (a share that changed with an elastic world)."""
+        self._gen.manual_seed(seed)
+        self.position = 0
+
     def state_dict(self) -> dict:
         return {"position": self.position, "generator": self._gen.get_state(), "order": self._order.clone()}
 

@@ -157,6 +157,13 @@ def first_failure(
     the first peer to end died without a word (a signal, the OOM killer), its rank and last step.
     With `hosts` (each rank's host, for a run on several hosts), a silent death names every peer of
     that host that died without a word too: a lost host takes all its peers."""
+    return failure_cause(log_dir, sup, code, n, codes, hosts)[0]
+
+
+def failure_cause(
+    log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None, hosts: list[str] | None = None
+) -> tuple[str, int | None]:
+    """`first_failure`'s line, and the rank whose death caused it (None: a peer's error did)."""
     errors = {}
     for r in range(n):
         path = log_dir / ERROR_FILE.format(rank=r)
@@ -183,16 +190,16 @@ def first_failure(
                 return (
                     f"peers {', '.join(map(str, lost))} ({where} host {hosts[rank]}) died at steps {steps} without "
                     f"an error message ({reason}): the host or its link was lost"
-                )
+                ), rank
         step = sup.steps.get(rank)
         last = _last_line(log_dir / f"rank{rank}.log")
         return (
             f"peer {rank} died {f'at step {step} ' if step else 'before its first step '}without an error "
             f"message ({reason}){'; its log ends: ' + last if last else ''}"
-        )
+        ), rank
     if first_error is not None:
-        return first_error[1]
-    return f"the peers failed without an error message ({_exit_reason(log_dir, code)})"
+        return first_error[1], None
+    return f"the peers failed without an error message ({_exit_reason(log_dir, code)})", None
 
 
 def _last_line(path: Path) -> str:

@@ -9,6 +9,11 @@ def batch_seed(seed: int, rank: int) -> int:
     return seed * 1000 + rank + 1
 
 
+def reshuffle_seed(seed: int, rank: int, step: int) -> int:
+    """Peer `rank`'s shuffling of its new data share after an elastic world re-formed at `step`."""
+    return batch_seed(seed, rank) * 1_000_003 + step
+
+
 def partner_seed(seed: int, rank: int) -> int:
     """An AD-PSGD active peer's draws of averaging partners."""
     return seed * 7919 + rank

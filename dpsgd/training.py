@@ -6,12 +6,14 @@ and the event simulator (dpsgd.sim.run). It averages the training loss, writes `
 `log_every` steps, tracks the target accuracy, checkpoints every `checkpoint.every` steps where the run
 can, and writes `summary.json` with the same keys for every kind of run. `train(comm, cfg, out_dir)`
 is one real peer's side of an experiment; with `resume: true` it continues from the newest complete
-checkpoint in `out_dir` and ends with the numbers of an uninterrupted run.
+checkpoint in `out_dir` and ends with the numbers of an uninterrupted run; with `elastic: true` it
+continues from the newest complete checkpoint of any peer count (dpsgd.elastic).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -19,10 +21,11 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol, cast
 
-from dpsgd import checkpoint, loggers, metrics
+from dpsgd import checkpoint, elastic, loggers, metrics
 from dpsgd.build import Peer, build_peer
 from dpsgd.comm import Communicator
 from dpsgd.optim import AsynchronousOptimizer
+from dpsgd.seeds import reshuffle_seed
 
 HISTOGRAM_BINS = 16  # AD-PSGD's staleness 0..15, the last bin holding 15 and more
 
@@ -109,11 +112,16 @@ class RunLog:
         return summary
 
 
-def run_loop(run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | None = None) -> dict:
-    """Train `run` to its end; returns the summary (every process; the writer also writes the files)."""
+def run_loop(
+    run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | None = None, event: dict | None = None
+) -> dict:
+    """Train `run` to its end; returns the summary (every process; the writer also writes the files).
+    `event`: a record written first, after those kept from before the checkpoint (an elastic world's)."""
     out_dir = Path(out_dir) if out_dir is not None else None
     state = resume or {}
     log = RunLog(cfg, out_dir if run.writer else None, state.get("step", 0), state.get("reached"))
+    if event is not None:
+        log.write(event, track=False)
     log_every = int(cfg.get("log_every") or 1)
     ckpt_every = int((cfg.get("checkpoint") or {}).get("every") or 0) if out_dir is not None else 0
     running, seen = state.get("running", 0.0), state.get("seen", 0)
@@ -187,6 +195,7 @@ class SynchronousRun:
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
         self.peer, self.comm, self.writer = peer, comm, writer
         self.step_count, self.total_steps = 0, peer.total_steps
+        self.samples = 0  # by all peers: a step takes batch_size from each peer of the world of that time
 
     def describe(self, cfg: dict) -> dict:
         return self.peer.describe(cfg, self.comm)
@@ -196,8 +205,15 @@ class SynchronousRun:
         if state:
             peer.model.load_state_dict(state["model"])
             peer.optimizer.load_state_dict(state["optimizer"])
-            peer.batches.load_state_dict(state["batches"])
             self.step_count = state["step"]
+            if "batches" in state:
+                peer.batches.load_state_dict(state["batches"])
+            else:  # an elastic world of another size: a new share
+                peer.batches.reshuffle(reshuffle_seed(peer.seed, self.comm.rank, self.step_count))
+            self.samples = state.get("samples", self.step_count * peer.batches.batch_size * self.comm.size)
+            if "elastic_from" in state:  # the steps left to the run's budget of samples, at this world's size
+                left = max(0, peer.total_samples - self.samples)
+                self.total_steps = self.step_count + math.ceil(left / (peer.batches.batch_size * self.comm.size))
             for key, value in state["comm_stats"].items():
                 setattr(self.comm.stats, key, value)
         self.comm.barrier()  # start the clock together
@@ -208,6 +224,7 @@ class SynchronousRun:
 
     def train_step(self) -> float:
         self.step_count += 1
+        self.samples += self.peer.batches.batch_size * self.comm.size
         self.comm.context = f"step {self.step_count}"
         self.peer.before_step(self.step_count)
         sent = self.comm.stats.bytes_sent
@@ -221,8 +238,8 @@ class SynchronousRun:
         peer, step = self.peer, self.step_count
         return {
             "step": step,
-            "epoch": step / peer.steps_per_epoch,
-            "samples": step * peer.batches.batch_size * self.comm.size,
+            "epoch": self.samples / peer.samples_per_epoch,
+            "samples": self.samples,
             "wall_time_s": wall_s,
             **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss),
             **metrics.traffic(self.comm),
@@ -238,6 +255,7 @@ class SynchronousRun:
         peer = self.peer
         return {
             "step": self.step_count,
+            "samples": self.samples,
             "model": peer.model.state_dict(),
             "optimizer": peer.optimizer.state_dict(),
             "batches": peer.batches.state_dict(),
@@ -282,6 +300,7 @@ class AsynchronousRun(SynchronousRun):
             self.opt.abort()
             raise
         self.step_count = self.opt.step_count
+        self.samples = self.step_count * self.peer.batches.batch_size * self.comm.size  # estimated, as in records
         return loss
 
     def record(self, train_loss: float, wall_s: float) -> dict | None:
@@ -384,11 +403,17 @@ def adpsgd_summary(budget: str, per_peer: dict) -> dict:
 
 def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:
     """One real peer's side of the experiment `cfg`; rank 0 writes the run's files to `out_dir`."""
+    if cfg.get("elastic"):
+        elastic.check_world(cfg, comm.size)
     peer = build_peer(comm, cfg)
     writer = out_dir is not None and comm.rank == 0
     asynchronous = getattr(peer.optimizer, "asynchronous", False)
     run = (AsynchronousRun if asynchronous else SynchronousRun)(peer, comm, writer)
-    state = None
-    if cfg.get("resume") and out_dir is not None:
+    state, event = None, None
+    if cfg.get("elastic") and out_dir is not None:
+        state = elastic.resume_state(Path(out_dir), comm.rank, comm.size)
+        if state is not None and writer:
+            event = elastic.membership_record(Path(out_dir), state["step"], comm.size, state["elastic_from"])
+    elif cfg.get("resume") and out_dir is not None:
         state = checkpoint.load_latest(Path(out_dir), comm.rank, comm.size)
-    return run_loop(run, cfg, out_dir, state)
+    return run_loop(run, cfg, out_dir, state, event)

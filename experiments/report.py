@@ -52,6 +52,7 @@ def load_runs(root: Path) -> list[dict]:
             if metrics_file.exists()
             else []
         )
+        metrics = [r for r in metrics if "event" not in r]  # an elastic world's membership records: no metrics
         overrides_file = run_dir / ".hydra" / "overrides.yaml"
         overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else None
         runs.append(

@@ -4,7 +4,8 @@ Without a launcher, this process is the driver: it validates the config, writes 
 the run folder, and starts the peers as the backend's record says (dpsgd.backends: threads for
 local, `mpiexec -n peers` for mpi, `peers` processes for torch, one simulation for fleet). Under a
 user's mpiexec/srun or torchrun, every rank runs this app and joins the launcher's world; the ranks
-agree on one output folder before Hydra starts.
+agree on one output folder before Hydra starts. With `elastic=true` a world that loses peers re-forms
+(dpsgd.elastic): torchrun's elastic agent restarts it, or this driver relaunches the survivors.
 """
 
 from __future__ import annotations
@@ -76,6 +77,26 @@ def _startup_timeout(argv: list[str]) -> float:
     return DEFAULT_TIMEOUT_S
 
 
+def _elastic(argv: list[str]) -> bool:
+    return any(a.lower() in ("elastic=true", "++elastic=true", "+elastic=true") for a in argv)
+
+
+def check_elastic_launcher(launcher: Backend, argv: list[str]) -> None:
+    """What an elastic run needs of the user's launcher, said before any rank waits for another."""
+    if "DPSGD_RUN_DIR" not in os.environ and not any(a.startswith("hydra.run.dir=") for a in argv):
+        fail(
+            "elastic=true under a launcher needs a fixed run folder, which every re-formed world continues: "
+            "pass hydra.run.dir=DIR"
+        )
+    if launcher.name == "torch" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch 2.13's agents keep the first round's worker store address: after a node is lost the
+        # re-formed world's ranks connect to stale addresses and fail (measured)
+        fail(
+            "elastic=true under torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+            "(a new worker store each time the world re-forms); set it and start torchrun again"
+        )
+
+
 def _fit_batch_size(cfg: dict) -> str | None:
     """Many peers on a small dataset: the batch becomes a peer's whole share (dpsgd.build.fit_batch_size).
     A config that cannot load its data is left for validate() to name."""
@@ -91,11 +112,13 @@ def resume_line(cfg: dict, run_dir: Path, launcher: Backend | None) -> str:
     """The one line an interrupted run ends with: what stopped it, what is kept, the command that resumes it."""
     from dpsgd import checkpoint
 
-    steps = checkpoint.complete_steps(run_dir, cfg["peers"], verify=False)
+    steps = checkpoint.complete_steps(run_dir, None if cfg.get("elastic") else cfg["peers"], verify=False)
     kept = f"the newest complete checkpoint is step {steps[-1]}" if steps else "no complete checkpoint yet"
     args = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir=", "hydra.job.name="))]
     args = [a for a in args if a != "hydra.output_subdir=null"]
     again = ["resume=true", f"hydra.run.dir={run_dir}"]
+    if launcher is not None and cfg.get("elastic"):  # torchrun stops the workers when its world re-forms
+        return f"stopped by {{signal}}; {kept}; an elastic world continues from it when the launcher re-forms it"
     if launcher is not None:  # the user's launcher command is not ours to repeat
         return f"interrupted by {{signal}}; {kept}; resume with your launcher command plus: {shlex.join(again)}"
     command = shlex.join(["python", "-m", "experiments.train", *args, *again])
@@ -120,7 +143,9 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
     OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
     try:
         with stop_on_signals():
-            return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, ["-m", "experiments.peer", str(run_dir)])
+            if cfg.get("elastic"):
+                return relaunching(cfg, run_dir)
+            return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, PEER_ARGV + [str(run_dir)])
     except backends.RunFailed as exc:
         fail(str(exc), code=1)
     except Interrupted as exc:  # every peer is stopped by now (dpsgd.launch) or dies with this process (local)
@@ -128,6 +153,54 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + exc.signum)  # local peers are threads still running: the interpreter's teardown aborts
+
+
+PEER_ARGV = ["-m", "experiments.peer"]
+
+
+def relaunching(cfg: dict, run_dir: Path) -> dict:
+    """elastic=true with peers the app starts: when a world fails, relaunch it from the newest complete
+    checkpoint, without the peer that died (with every peer when an error, not a death, ended it), at most
+    `max_restarts` times; each world continues as dpsgd.elastic says. Injected faults act in the first
+    world only (the relaunched config has none), and each failed world's logs move to logs/world{k}/."""
+    from dpsgd import checkpoint, elastic
+
+    backend, n = backends.get(cfg["backend"]["name"]), int(cfg["peers"])
+    for restart in range(int(cfg["max_restarts"]) + 1):
+        try:
+            return backend.start(cfg, run_dir, PEER_ARGV + [str(run_dir)], peers=n)
+        except backends.RunFailed as exc:
+            found = checkpoint.newest(run_dir)
+            survivors = n - (exc.died is not None)
+            if restart == cfg["max_restarts"] or found is None or survivors < 1:
+                why = (
+                    "no complete checkpoint yet"
+                    if found is None
+                    else "no peer left"
+                    if survivors < 1
+                    else f"max_restarts={restart} reached"
+                )
+                raise backends.RunFailed(f"{exc} (elastic: not relaunched, {why})") from None
+            try:
+                elastic.check_world(cfg, survivors)
+            except ValueError as problem:
+                raise backends.RunFailed(f"{exc}; {problem}") from None
+            print(
+                f"note: {exc}; elastic: relaunching {survivors} peers from the checkpoint of step {found[0]} "
+                f"(restart {restart + 1} of max_restarts={cfg['max_restarts']})",
+                file=sys.stderr,
+                flush=True,
+            )
+            old = run_dir / "logs" / f"world{restart}"
+            old.mkdir()
+            for f in (run_dir / "logs").iterdir():
+                if f.is_file():
+                    f.rename(old / f.name)
+            if cfg.get("faults"):
+                cfg = {**cfg, "faults": None}
+                OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
+            n = survivors
+    raise AssertionError("unreachable: the last restart returns or raises")
 
 
 def signal_name(signum: int) -> str:
@@ -154,12 +227,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
         validate(resolved, world_size, launched=launcher is not None)
         # the run folder: judged by the driver, or by rank 0 alone (another rank could look after rank
         # 0 has begun writing; if rank 0 refuses, the launcher stops the others)
+        # an elastic world continues the run in its folder (a re-formed world is started like the first)
+        continuing = resolved.get("resume") or resolved.get("elastic")
         if rank == 0:
-            if not resolved.get("resume") and any((run_dir / f).exists() for f in RUN_FILES):
+            if not continuing and any((run_dir / f).exists() for f in RUN_FILES):
                 raise ConfigError(
                     f"{run_dir} already holds a run; pass resume=true to continue it, or choose a new hydra.run.dir"
                 )
-            if resolved.get("resume") and (run_dir / "config.yaml").exists():
+            if continuing and (run_dir / "config.yaml").exists():
                 check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), resolved, run_dir)
     except ConfigError as exc:
         fail(str(exc), run_dir)
@@ -199,6 +274,8 @@ def main() -> None:
                 f"a sweep (-m) cannot run inside a {launcher.name} launcher; run the sweep without it "
                 f"and the app starts the peers of each run itself"
             )
+        if _elastic(argv):
+            check_elastic_launcher(launcher, argv)
         agree_on_run_dir(launcher)
         rank = launcher.world()[0]
         # one .hydra/ folder (rank 0's) and one log file per rank

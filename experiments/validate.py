@@ -43,6 +43,11 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     peers = cfg.get("peers")
     if not isinstance(peers, int) or isinstance(peers, bool) or peers < 1:
         raise ConfigError(f"peers must be an integer >= 1, got {peers!r}")
+    elastic = cfg.get("elastic", False)
+    if not isinstance(elastic, bool):
+        raise ConfigError(f"elastic must be true or false, got {elastic!r}")
+    if elastic and world_size is not None:
+        peers = world_size  # the world the launcher formed now; `peers` still sets the run's budget
     if world_size is not None and world_size != peers:
         raise ConfigError(
             f"the launcher started {world_size} processes but peers={peers}; "
@@ -116,6 +121,8 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     every = (cfg.get("checkpoint") or {}).get("every", 0)
     if not _is_int(every) or every < 0:
         raise ConfigError(f"checkpoint.every must be an integer >= 0 (0: no checkpoints), got {every!r}")
+    if elastic:
+        _check_elastic(cfg, algorithm, record, every)
     if every and getattr(algorithm, "asynchronous", False) and cfg["algorithm"].get("budget") != "steps":
         raise ConfigError(  # peers stop at different steps: one would wait at a checkpoint for those gone
             f"checkpoint.every needs algorithm.budget=steps with an asynchronous algorithm (every peer then "
@@ -157,6 +164,36 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         build_peer(LocalCommunicator(LocalWorld(peers), 0, float(timeout)), alone)
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+def _check_elastic(cfg: dict, algorithm, record, every) -> None:
+    from dpsgd import backends, elastic
+    from dpsgd.optim import ALGORITHMS
+
+    name = cfg["algorithm"].get("_target_") or cfg["algorithm"].get("name")
+    if not elastic.supported(algorithm):
+        valid = ", ".join(n for n, cls in ALGORITHMS.items() if elastic.supported(cls))
+        raise ConfigError(
+            f"elastic=true supports algorithm {valid}; {name} keeps per-peer state with no rule for a peer count "
+            f"that changes mid-run; choose one of those or set elastic=false"
+        )
+    if not record.processes:
+        valid = " or ".join(f"backend={n}" for n in backends.names() if backends.get(n).processes)
+        raise ConfigError(
+            f"elastic=true needs peers that are processes ({valid}, started by the app or by torchrun), "
+            f"got backend={record.name}"
+        )
+    if not every:
+        raise ConfigError(
+            "elastic=true needs checkpoint.every > 0: a re-formed world continues from the newest checkpoint"
+        )
+    restarts = cfg.get("max_restarts", 0)
+    if not _is_int(restarts) or restarts < 0:
+        raise ConfigError(f"max_restarts must be an integer >= 0, got {restarts!r}")
+    if (cfg.get("launcher") or {}).get("hosts"):
+        raise ConfigError(
+            "elastic=true with launcher.hosts is not supported: run torchrun --nnodes MIN:MAX on each host instead"
+        )
 
 
 # what a resumed run may set differently: none changes the math (launcher: where the peers run)

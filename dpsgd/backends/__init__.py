@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dpsgd.comm import Communicator
 from dpsgd.hosts import placement
-from dpsgd.launch import first_failure, stop_live
+from dpsgd.launch import failure_cause, stop_live
 from dpsgd.supervisor import ENV, Supervisor
 from dpsgd.watchdog import Watchdog
 
@@ -19,7 +19,12 @@ _REGISTRY: dict[str, Backend] = {}
 
 
 class RunFailed(RuntimeError):
-    """The peers of a run failed; the message is the one line for the user (who failed, why, where the logs are)."""
+    """The peers of a run failed; the message is the one line for the user (who failed, why, where the logs are).
+    `died`: the rank whose death (a signal, no error message) caused it, else None."""
+
+    def __init__(self, line: str, died: int | None = None):
+        super().__init__(line)
+        self.died = died
 
 
 class Backend:
@@ -86,10 +91,12 @@ class Backend:
         valid = " or ".join(f"backend={n}" for n in names() if get(n).processes)
         raise ValueError(f"launcher.hosts needs {valid} (processes on hosts), got backend={self.name}")
 
-    def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
+    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
-        return its summary; `argv` is one peer process's command line. Raises RunFailed: one line
-        naming the peer that failed first (followed by dpsgd.supervisor), the step and why."""
+        return its summary; `argv` is one peer process's command line; `peers`: how many (default
+        cfg["peers"]; an elastic run's relaunch has fewer). Raises RunFailed: one line naming the peer
+        that failed first (followed by dpsgd.supervisor), the step and why."""
+        n = int(cfg["peers"]) if peers is None else peers
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
@@ -101,7 +108,7 @@ class Backend:
             with Watchdog(
                 cfg["comm"]["timeout_s"], lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
             ) as dog:
-                code = self._spawn_here_or_on_hosts(cfg, argv, env, logs, codes)
+                code = self._spawn_here_or_on_hosts(cfg, n, argv, env, logs, codes)
             if dog.line is not None:
                 raise RunFailed(f"{dog.line}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
             if code != 0:
@@ -109,17 +116,19 @@ class Backend:
                 while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:
                     time.sleep(0.01)
                 hosts = (cfg.get("launcher") or {}).get("hosts")
-                on = placement(list(hosts), cfg["peers"]) if hosts else None
-                failure = first_failure(logs, sup, code, cfg["peers"], codes, on)
-                raise RunFailed(f"{failure}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
+                on = placement(list(hosts), n) if hosts else None
+                failure, died = failure_cause(logs, sup, code, n, codes, on)
+                raise RunFailed(
+                    f"{failure}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})", died
+                )
         return json.loads((run_dir / "summary.json").read_text())
 
-    def _spawn_here_or_on_hosts(self, cfg: dict, argv: list[str], env: dict, logs: Path, codes: list) -> int:
-        """The peers on this machine, or on `launcher.hosts` (dpsgd.hosts) when the config names hosts."""
+    def _spawn_here_or_on_hosts(self, cfg: dict, n: int, argv: list[str], env: dict, logs: Path, codes: list) -> int:
+        """The n peers on this machine, or on `launcher.hosts` (dpsgd.hosts) when the config names hosts."""
         launcher = cfg.get("launcher") or {}
         if launcher.get("hosts"):
-            return self.spawn_on_hosts(launcher, cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
-        return self.spawn(cfg["peers"], argv, env=env, log_dir=logs, codes_out=codes)
+            return self.spawn_on_hosts(launcher, n, argv, env=env, log_dir=logs, codes_out=codes)
+        return self.spawn(n, argv, env=env, log_dir=logs, codes_out=codes)
 
 
 def register(backend: Backend) -> Backend:

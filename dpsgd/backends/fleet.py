@@ -18,7 +18,8 @@ class FleetBackend(Backend):
             "of them; run it with experiments.train backend=fleet, or choose local, mpi or torch"
         )
 
-    def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
+    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
+        """The fleet simulates cfg["peers"]; `peers` (an elastic relaunch's count) never comes: validate refuses."""
         import torch
 
         from dpsgd.sim import train_fleet

@@ -35,9 +35,9 @@ class LocalBackend(Backend):
         """Inside `run_local`, this thread's peer; elsewhere a world of one peer."""
         return current_peer() or LocalCommunicator(LocalWorld(1), 0, timeout_s)
 
-    def start(self, cfg: dict, run_dir: Path, argv: list[str]) -> dict:
+    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         start = time.monotonic()
-        world = LocalWorld(cfg["peers"])
+        world = LocalWorld(cfg["peers"] if peers is None else peers)
         supervisor.in_process_steps.clear()
         supervisor.in_process_progress = None
         timeout_s = float(cfg["comm"]["timeout_s"])

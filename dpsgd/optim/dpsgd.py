@@ -39,6 +39,7 @@ ORDERS = ("cta", "atc")
 
 class DPSGD(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
+    elastic = True  # an added peer starts from the survivors' average, its momentum zero
 
     def __init__(
         self,
@@ -147,6 +148,8 @@ class DPSGD(DistributedOptimizer):
 
 class QGM(DPSGD):
     """DPSGD(qgm=True) under its own name, so configs and reports tell it apart from D-PSGD."""
+
+    elastic = False  # its momentum buffer is each peer's own estimate of the global direction: no rule for a new peer
 
     def __init__(
         self,

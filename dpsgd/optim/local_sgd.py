@@ -82,6 +82,8 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 class LocalSGD(DistributedOptimizer):
     """Local steps, exact averaging every `period` steps, and an outer optimizer (see the module)."""
 
+    elastic = True  # the anchor and outer momentum are the same on every peer: an added peer takes rank 0's
+
     def __init__(
         self,
         base: torch.optim.Optimizer,

@@ -1,0 +1,102 @@
+"""Elastic runs (`elastic=true`): when the world re-forms with another number of peers, every peer of the
+new world continues from the newest complete checkpoint, whatever peer count wrote it.
+
+The launcher re-forms the world, never this toolkit: torchrun's elastic agent (`--nnodes MIN:MAX`, c10d
+rendezvous) restarts every worker when a node is lost or joins, and for a run the app started itself
+(backend=mpi or torch) its driver relaunches the survivors (experiments.train). What each peer of a world
+of n peers that resumes a checkpoint of m peers starts from:
+
+- rank r < min(n, m), a survivor: old rank r's model, base state (momentum, Adam moments), algorithm
+  state and traffic counters;
+- rank r >= m, an added peer: the average of the survivors' models (old ranks 0 .. min(n, m) - 1), old
+  rank 0's algorithm state (step counter; LocalSGD's anchor and outer momentum, the same on every peer),
+  no base state (momentum zero) and no traffic;
+- every rank, when n != m: its share of the training set re-divided for n (dpsgd.build), drawn in a new
+  seeded order; the run's sample count carries on, so it still ends after `epochs` passes of the data.
+  The models of old ranks >= n are lost, as are the steps since the checkpoint.
+
+The topology is rebuilt for n and its mixing weights checked by the optimizer, as at any start. Only
+algorithms whose per-peer state has such a rule declare `elastic = True` (D-PSGD, AllReduce, LocalSGD and
+its outer optimizers); the others are refused by the config check.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dpsgd import checkpoint
+
+EVENT = "membership"  # the `event` of a metrics.jsonl record saying the world re-formed
+
+
+def supported(algorithm_cls) -> bool:
+    """Whether an optimizer class has a rule for a changing peer count."""
+    return bool(getattr(algorithm_cls, "elastic", False))
+
+
+def resume_state(run_dir: Path, rank: int, size: int) -> dict | None:
+    """Peer `rank`'s state in a world of `size` peers from the newest complete checkpoint (any peer
+    count), or None when there is none. `state["elastic_from"]` holds the count that wrote it."""
+    found = checkpoint.newest(run_dir)
+    if found is None:
+        return None
+    step, written_by = found
+    if written_by == size:
+        return {**checkpoint.load(run_dir, step, rank), "elastic_from": written_by}
+    survivors = min(written_by, size)
+    if rank < survivors:
+        state = checkpoint.load(run_dir, step, rank)
+    else:
+        states = [checkpoint.load(run_dir, step, r) for r in range(survivors)]
+        state = dict(states[0])
+        state["model"] = average_models([s["model"] for s in states])
+        state["optimizer"] = {**state["optimizer"], "state": {}}  # the base's moments start at zero
+        state["comm_stats"] = {}  # its traffic starts at zero
+    state.pop("batches")  # a new share: drawn afresh (SynchronousRun.begin)
+    return {**state, "elastic_from": written_by}
+
+
+def average_models(models: list[dict]) -> dict:
+    """The mean of model state dicts (floating tensors; counters such as BatchNorm's from the first)."""
+    return {
+        key: torch.stack([m[key] for m in models]).mean(0) if value.is_floating_point() else value.clone()
+        for key, value in models[0].items()
+    }
+
+
+def membership_record(run_dir: Path, step: int, size: int, written_by: int) -> dict:
+    """The metrics.jsonl record of a world of `size` peers formed from the checkpoint of `step`: the
+    previous world's size is the newest such record's, else the checkpoint's writers'."""
+    previous = written_by
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if record.get("event") == EVENT:
+                previous = record["new_peers"]
+    return {
+        "step": step,
+        "event": EVENT,
+        "old_peers": previous,
+        "new_peers": size,
+        "checkpoint_peers": written_by,
+        "unix_time": time.time(),  # when the new world began: recovery time = this - the loss
+    }
+
+
+def check_world(cfg: dict, size: int) -> None:
+    """The config's topology for a re-formed world of `size` peers, or a one-line error."""
+    from dpsgd.build import build_topology
+
+    try:
+        build_topology(cfg, size)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"elastic: the world re-formed with {size} peers, but topology {cfg['topology'].get('name')!r} "
+            f"cannot be built for {size}: {exc}; choose a topology every peer count can build (ring, "
+            f"exponential, complete)"
+        ) from None
