@@ -101,3 +101,13 @@ def test_overlap_gives_the_same_numbers_on_real_processes(app, backend, tmp_path
     assert runs["overlap"]["steps"] == runs["plain"]["steps"]
     for key in ("test_accuracy", "train_loss", "test_loss", "mb_sent_per_peer"):
         assert runs["overlap"][key] == pytest.approx(runs["plain"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_overlap_with_compression_is_refused():
+    def peer(comm):
+        model = _model()
+        with pytest.raises(ValueError, match="use compression=none or overlap=false"):
+            AllReduce(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=True, compression="int8")
+        return True
+
+    assert run_local(2, peer) == [True, True]
