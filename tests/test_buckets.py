@@ -24,11 +24,21 @@ def test_plan_packs_consecutive_parameters_up_to_the_size():
     assert [[p.dtype for p in b] for b in mixed] == [[torch.float32], [torch.float64] * 2]
 
 
-def _model():
-    torch.manual_seed(0)
+def _fresh_model():
     return torch.nn.Sequential(
         torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
     ).double()
+
+
+with torch.random.fork_rng():  # made once: local peers are threads sharing torch's global RNG
+    torch.manual_seed(0)
+    _INITIAL = _fresh_model().state_dict()
+
+
+def _model():
+    model = _fresh_model()
+    model.load_state_dict(_INITIAL)
+    return model
 
 
 def _data():
@@ -52,9 +62,9 @@ def test_bucketed_allreduce_is_large_batch_sgd(overlap):
         started_in_backward = []
         for _ in range(STEPS):
             opt.zero_grad()
-            before = comm.stats.calls.get("allreduce_mean", 0)
+            before = comm.stats.calls.get("allreduce_sum", 0)
             (model(xs) - ys).pow(2).mean().backward()
-            started_in_backward.append(comm.stats.calls.get("allreduce_mean", 0) - before)
+            started_in_backward.append(comm.stats.calls.get("allreduce_sum", 0) - before)
             opt.step()
         return [p.detach() for p in model.parameters()], started_in_backward, len(opt.buckets.buckets)
 

@@ -71,7 +71,7 @@ class GradientBuckets:
     def _start(self, b: int) -> None:
         grads = [p.grad for p in self.buckets[b] if p.grad is not None]
         if grads:  # a bucket with no gradient at all sends nothing (on every peer alike)
-            self._handles[b] = self.comm.start_allreduce_mean(grads)
+            self._handles[b] = self.comm.start_allreduce_sum(grads)
 
     @torch.no_grad()
     def average(self) -> None:
@@ -82,8 +82,8 @@ class GradientBuckets:
         for b, handle in enumerate(self._handles):
             if handle is not None:
                 grads = [p.grad for p in self.buckets[b] if p.grad is not None]
-                for g, avg in zip(grads, handle.wait()):
-                    g.copy_(avg)
+                for g, total in zip(grads, handle.wait()):
+                    torch.div(total, self.comm.size, out=g)  # the mean written in one pass
         self._arrived = [0] * len(self.buckets)
         self._handles = [None] * len(self.buckets)
 

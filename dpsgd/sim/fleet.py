@@ -67,11 +67,17 @@ class FleetCommunicator(Communicator):
         return sum(t[0].numel() * t.element_size() for t in tensors)
 
     def start_allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> Handle:
+        return self._allreduce(tensors, "allreduce_mean", torch.mean)
+
+    def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
+        return self._allreduce(tensors, "allreduce_sum", torch.sum)
+
+    def _allreduce(self, tensors: Sequence[torch.Tensor], op: str, reduce) -> Handle:
         started = time.perf_counter()
-        out = [t.mean(0, keepdim=True).expand_as(t).contiguous() for t in tensors]
+        out = [reduce(t, 0, keepdim=True).expand_as(t).contiguous() for t in tensors]
         ring = int(ring_allreduce_bytes(self._nbytes(tensors), self.size))  # as CommStats counts it
         self._count_per_peer(ring, ring)
-        return self._done("allreduce_mean", out, started)
+        return self._done(op, out, started)
 
     def mixing(self, topology: Topology, step: int, like: torch.Tensor, lazy: bool = False) -> Mixing:
         """W(step) (lazy: (I + W) / 2) in `like`'s dtype and device, built once per step of a period."""
