@@ -54,6 +54,9 @@ def test_survivors_keep_their_state_and_an_added_peer_takes_their_average_with_z
     shrunk = [elastic.resume_state(tmp_path, r, 2) for r in range(2)]  # old rank 2's model is lost
     for r in range(2):
         assert all(np.array_equal(shrunk[r]["model"][k], saved[r]["model"][k]) for k in saved[r]["model"])
+    torn = tmp_path / "checkpoints" / f"step_{step:08d}" / "rank2.pt"  # a peer died while writing the newest
+    torn.write_bytes(torn.read_bytes()[:100])
+    assert elastic.resume_state(tmp_path, 3, 4)["step"] == checkpoint.complete_steps(tmp_path)[-1] == step - 10
 
 
 @pytest.mark.parametrize("algorithm, grow", [("dpsgd", 4), ("local_sgd", 2)])

@@ -192,39 +192,41 @@ def run_once(
     done: list[dict] = []
     pending = list(events)
     deadline = start + args.timeout_s
-    while any(a.proc.poll() is None for a in live) and time.time() < deadline:
-        time.sleep(POLL_S)
-        recs = records(run_dir)
-        changes = [r for r in recs if r.get("event") == elastic.EVENT]
-        for event in done:  # a change has recovered once the world it formed has logged a step
-            if event["recovered_s"] is None and len(changes) >= event["changes_before"] + 1:
-                change = changes[event["changes_before"]]
-                if any(r.get("event") is None and r["step"] > change["step"] for r in recs[recs.index(change) :]):
-                    event["recovered_s"] = change["unix_time"] - event["at"]
-                    event["resumed_from"] = change["step"]
-        if not pending or any(e["recovered_s"] is None for e in done):
-            continue
-        progress = max((r["step"] for r in recs if r.get("event") is None), default=0)
-        step, kind = pending[0]
-        if progress < step:
-            continue
-        pending.pop(0)
-        if kind == "kill":
-            victim = rng.choice(live)
-            live.remove(victim)
-            at = victim.kill()
-        else:
-            name = f"agent{len(agents)}.log"
-            agents.append(Agent(run_dir.name, f"127.0.0.1:{port}", nnodes, args.max_restarts, cmd, logs / name))
-            live.append(agents[-1])
-            at = agents[-1].started
-        done.append(
-            {"kind": kind, "step": progress, "at": at, "peers_after": len(live), "changes_before": len(changes)}
-            | {"recovered_s": None}
-        )
-    for a in live:  # past the deadline: stop what is left (the run then counts as not finished)
-        if a.proc.poll() is None:
-            a.kill()
+    try:
+        while any(a.proc.poll() is None for a in live) and time.time() < deadline:
+            time.sleep(POLL_S)
+            recs = records(run_dir)
+            changes = [r for r in recs if r.get("event") == elastic.EVENT]
+            for event in done:  # a change has recovered once the world it formed has logged a step
+                if event["recovered_s"] is None and len(changes) >= event["changes_before"] + 1:
+                    change = changes[event["changes_before"]]
+                    if any(r.get("event") is None and r["step"] > change["step"] for r in recs[recs.index(change) :]):
+                        event["recovered_s"] = change["unix_time"] - event["at"]
+                        event["resumed_from"] = change["step"]
+            if not pending or any(e["recovered_s"] is None for e in done):
+                continue
+            progress = max((r["step"] for r in recs if r.get("event") is None), default=0)
+            step, kind = pending[0]
+            if progress < step:
+                continue
+            pending.pop(0)
+            if kind == "kill":
+                victim = rng.choice(live)
+                live.remove(victim)
+                at = victim.kill()
+            else:
+                name = f"agent{len(agents)}.log"
+                agents.append(Agent(run_dir.name, f"127.0.0.1:{port}", nnodes, args.max_restarts, cmd, logs / name))
+                live.append(agents[-1])
+                at = agents[-1].started
+            done.append(
+                {"kind": kind, "step": progress, "at": at, "peers_after": len(live), "changes_before": len(changes)}
+                | {"recovered_s": None}
+            )
+    finally:  # past the deadline, or this script failed: stop what is left (the run then counts as not finished)
+        for a in live:
+            if a.proc.poll() is None:
+                a.kill()
     wall = time.time() - start
     del store
     time.sleep(0.5)
