@@ -4,9 +4,9 @@ inner steps, so a peer's peak traffic is one fragment's instead of the whole mod
 
 The parameters, flattened in order (layer by layer), form P fragments: consecutive ranges of entries
 of equal size (numpy.array_split: the first d mod P one entry longer), so a fragment is a block of
-layers, as in the paper, that may begin or end inside a tensor, and each sync carries 1/P of the model. With H the period (inner steps
-between two syncs of one fragment), h = H / P and tau the delay (0 <= tau < h), after the inner step
-t = 1, 2, ...:
+layers, as in the paper, that may begin or end inside a tensor, and each sync carries 1/P of the
+model. With H the period (inner steps between two syncs of one fragment), h = H / P and tau the delay
+(0 <= tau < h), after the inner step t = 1, 2, ...:
 - fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
   Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; quantized and error-fed with
   `compression`), and keeps training;
