@@ -104,8 +104,9 @@ def test_make_and_bad_options_are_refused():
             compress.make("random_k", ratio=bad)
     with pytest.raises(ValueError, match="levels"):
         QSGD(0)
+    assert isinstance(compress.make("fp16"), compress.Cast) and isinstance(compress.make("int8"), compress.Int8)
     with pytest.raises(ValueError, match="valid: top_k"):
-        compress.make("fp16")
+        compress.make("int4")
 
 
 def test_pack_bits_round_trip():

@@ -55,6 +55,7 @@ CASES = {
     "slowmo": ("slowmo", "ring", {}),
     "bmuf": ("bmuf", "ring", {}),
     "diloco": ("diloco", "ring", {}),
+    "streaming_diloco": ("streaming_diloco", "ring", {"period": 4, "fragments": 2, "delay": 1}),
     "sgp": ("sgp", "directed_exponential", {}),
     "choco-top_k": ("choco", "ring", {}),
     "choco-random_k": ("choco", "exponential", {"compressor": "random_k", "ratio": 0.2}),

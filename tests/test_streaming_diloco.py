@@ -11,7 +11,6 @@ import torch
 from dpsgd.comm import run_local
 from dpsgd.compress import Int8
 from dpsgd.optim import DiLoCo, StreamingDiLoCo
-from dpsgd.optim.streaming_diloco import balanced_blocks
 
 N = 4
 SHAPES = [(3,), (2, 2), (5,), (1, 3)]  # four parameter tensors: 15 entries
@@ -53,10 +52,8 @@ def run_peers(make_optimizer, steps=STEPS):
 def reference(period, fragments, delay, alpha, lr=0.1, outer_lr=0.7, beta=0.9, steps=STEPS):
     """The module's equations in numpy: trajectory (steps, n, d)."""
     A, b, x = problem()
-    sizes = [int(np.prod(s)) for s in SHAPES]
-    tensor_of = np.repeat(np.arange(len(SHAPES)), sizes)
-    blocks = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2], [3]]}[fragments]  # sizes 3, 4, 5, 3
-    masks = [np.isin(tensor_of, blk) for blk in blocks]
+    bounds = {1: [0, 15], 2: [0, 8, 15], 3: [0, 5, 10, 15], 4: [0, 4, 8, 12, 15]}[fragments]  # of 15 entries
+    masks = [(np.arange(15) >= a) & (np.arange(15) < b) for a, b in zip(bounds[:-1], bounds[1:])]
     h = period // fragments
     anchor, u, sent_at, out = x.mean(0), np.zeros(x.shape[1]), {}, []
     for t in range(1, steps + 1):
@@ -76,20 +73,22 @@ def reference(period, fragments, delay, alpha, lr=0.1, outer_lr=0.7, beta=0.9, s
 
 def test_fragments_sync_at_staggered_steps():
     def peer(comm):
-        params = [torch.nn.Parameter(torch.zeros(s)) for s in [(2,)] * 6]
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in [(5,), (2, 3), (1,)]]
         opt = StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, period=12, fragments=3, delay=1)
         starts = {t: opt.starting(t) for t in range(1, 25) if opt.starting(t) is not None}
         ends = {t: opt.completing(t) for t in range(1, 25) if opt.completing(t) is not None}
-        return starts, ends, [opt.fragment(p) for p in range(3)]
+        return starts, ends, [(opt.fragment(p).start, opt.fragment(p).stop) for p in range(3)]
 
     starts, ends, fragments = run_local(1, peer)[0]
     # one fragment every 12 / 3 = 4 steps: fragment p lands at 4 (p + 1) mod 12, starting 1 step earlier
     assert starts == {3: 0, 7: 1, 11: 2, 15: 0, 19: 1, 23: 2}
     assert ends == {4: 0, 8: 1, 12: 2, 16: 0, 20: 1, 24: 2}
-    assert fragments == [[0, 1], [2, 3], [4, 5]]
+    assert fragments == [(0, 4), (4, 8), (8, 12)]  # 12 entries in 3 equal ranges, across tensor boundaries
 
 
-@pytest.mark.parametrize(("period", "fragments", "delay", "alpha"), [(4, 2, 1, 0.5), (6, 3, 0, 0.0), (6, 2, 2, 0.3)])
+@pytest.mark.parametrize(
+    ("period", "fragments", "delay", "alpha"), [(4, 2, 1, 0.5), (6, 3, 0, 0.0), (6, 2, 2, 0.3), (8, 4, 1, 0.5)]
+)
 def test_update_matches_the_numpy_reference(period, fragments, delay, alpha):
     def make(params, comm):
         return StreamingDiLoCo(
@@ -117,10 +116,10 @@ def test_one_fragment_without_delay_is_diloco_and_fragments_cut_the_peak():
     for (x_d, sent_d), (x_s, sent_s) in zip(diloco, one):
         np.testing.assert_allclose(x_s, x_d, rtol=0, atol=1e-12)  # DiLoCo averages x, we average anchor - x
         np.testing.assert_array_equal(sent_s, sent_d)
-    four = run_peers(streaming(4))  # fragments of 3, 4, 5 and 3 entries, one every step
+    four = run_peers(streaming(4))  # fragments of 4, 4, 4 and 3 entries, one every step
     ring = 2 * (N - 1) / N * 8  # bytes sent per float64 entry all-reduced
     per_step = np.diff(four[0][1])
-    assert per_step.max() == 5 * ring and np.diff(one[0][1]).max() == 15 * ring
+    assert per_step.max() == 4 * ring and np.diff(one[0][1]).max() == 15 * ring
     assert four[0][1][-1] - four[0][1][0] == one[0][1][-1] - one[0][1][0]  # the same total over 4 periods
 
 
@@ -134,18 +133,9 @@ def test_int8_messages_are_a_quarter_of_the_bytes_and_close():
     scale = np.abs(exact[0][0]).max()
     for (xs, _), (xs_exact, _) in zip(int8, exact):
         np.testing.assert_allclose(xs, xs_exact, rtol=0, atol=0.01 * scale)
-    # 16 steps, period 4: fragment 0 (7 entries) syncs at 1-2, 5-6, 9-10, 13-14; fragment 1 (8) at 3-4, ..., 15-16
-    want = sum(4 * 2 * (N - 1) * Int8().nbytes(-(-size // N), torch.float64) for size in (7, 8))
+    # 16 steps, period 4: fragment 0 (8 entries) syncs at 1-2, 5-6, 9-10, 13-14; fragment 1 (7) at 3-4, ..., 15-16
+    want = sum(4 * 2 * (N - 1) * Int8().nbytes(-(-size // N), torch.float64) for size in (8, 7))
     assert int8[0][1][-1] == want  # no first anchor to send: the peers start from rank 0's model
-
-
-def test_fragments_are_consecutive_tensors_with_the_smallest_largest_block():
-    assert balanced_blocks([4096, 64, 640, 10], 2) == [0, 1, 1, 1]
-    assert balanced_blocks([4096, 64, 640, 10], 3) == [0, 1, 2, 2]
-    assert balanced_blocks([1, 1, 1, 1, 1, 1], 3) == [0, 0, 1, 1, 2, 2]
-    assert balanced_blocks([5, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1, 1]
-    assert balanced_blocks([1, 1, 1, 1, 1, 5], 2) == [0, 0, 0, 0, 0, 1]
-    assert balanced_blocks([2, 2, 2], 3) == [0, 1, 2]
 
 
 def test_options_that_cannot_work_are_refused():
@@ -155,7 +145,7 @@ def test_options_that_cannot_work_are_refused():
             StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, period=6, fragments=3, delay=2)
         with pytest.raises(ValueError, match="multiple of fragments"):
             StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, period=7, fragments=3, delay=0)
-        with pytest.raises(ValueError, match="at most 3"):
-            StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, period=8, fragments=4, delay=0)
+        with pytest.raises(ValueError, match="fragments=8 but the model has 6 parameters"):
+            StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, period=8, fragments=8, delay=0)
 
     run_local(1, peer)

@@ -2,10 +2,11 @@
 whose model is split into fragments that synchronize at staggered steps, each sync overlapped with
 inner steps, so a peer's peak traffic is one fragment's instead of the whole model's.
 
-The parameters (in order) form P fragments of consecutive tensors (blocks of layers, as in the paper),
-cut so that the largest fragment holds as few entries as possible. With H the period (inner steps
-between two syncs of one fragment), h = H / P and tau the delay (0 <= tau < h), after the inner step
-t = 1, 2, ...:
+The parameters, flattened in order (layer by layer), form P fragments: consecutive ranges of entries
+of equal size (numpy.array_split: the first d mod P one entry longer), so a fragment is a block of
+layers, as in the paper, that may begin or end inside a tensor, and each sync carries 1/P of the
+model. With H the period (inner steps between two syncs of one fragment), h = H / P and tau the delay
+(0 <= tau < h), after the inner step t = 1, 2, ...:
 - fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
   Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; quantized and error-fed with
   `compression`), and keeps training;
@@ -30,29 +31,6 @@ from topologies import Topology
 from .base import DistributedOptimizer
 
 
-def balanced_blocks(sizes: list[int], parts: int) -> list[int]:
-    """Each item's block when `sizes` is cut into `parts` non-empty runs of consecutive items with the
-    largest run total as small as possible (ties: the earliest cuts). Dynamic programming over prefixes."""
-    n = len(sizes)
-    prefix = np.concatenate([[0], np.cumsum(sizes)])
-    inf = float("inf")
-    best = np.full((parts + 1, n + 1), inf)  # best[k][i]: the smallest largest total of k runs over items[:i]
-    cut = np.zeros((parts + 1, n + 1), dtype=int)
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    blocks, i = [0] * n, n
-    for k in range(parts, 0, -1):
-        j = int(cut[k][i])
-        blocks[j:i] = [k - 1] * (i - j)
-        i = j
-    return blocks
-
-
 class StreamingDiLoCo(DistributedOptimizer):
     def __init__(
         self,
@@ -73,12 +51,9 @@ class StreamingDiLoCo(DistributedOptimizer):
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"StreamingDiLoCo {name} must be an integer >= {low}, got {value!r}")
-        n_tensors = len(self.params())
-        if fragments > n_tensors:
-            raise ValueError(
-                f"StreamingDiLoCo fragments={fragments} but the model has {n_tensors} parameter tensors; "
-                f"use at most {n_tensors}"
-            )
+        numel = comm.flatten(self.params()).shape[-1]  # one peer's (a fleet's tensors lead with a peer axis)
+        if fragments > numel:
+            raise ValueError(f"StreamingDiLoCo fragments={fragments} but the model has {numel} parameters")
         if period % fragments:
             raise ValueError(
                 f"StreamingDiLoCo period {period} must be a multiple of fragments {fragments} (one fragment "
@@ -98,15 +73,16 @@ class StreamingDiLoCo(DistributedOptimizer):
         self.period, self.n_fragments, self.delay = period, fragments, delay
         self.alpha, self.outer_lr, self.outer_momentum = float(alpha), float(outer_lr), float(outer_momentum)
         self.messages = compressions.quantized(comm, compression, "StreamingDiLoCo")
-        self.fragment_of = balanced_blocks([p.numel() for p in self.params()], fragments)  # tensor -> fragment
+        cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
+        self.ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]  # fragment -> [start, end) entries
         self._same_start = broadcast_initial
-        self._anchor: list[torch.Tensor] | None = None
-        self._outer_buffer: list[torch.Tensor] | None = None
+        self._anchor: torch.Tensor | None = None  # flat, like the parameters flattened in order
+        self._outer_buffer: torch.Tensor | None = None
         self._in_flight: dict[int, object] = {}  # fragment -> started all-reduce (or its arrived mean)
 
-    def fragment(self, p: int) -> list[int]:
-        """The indices (in self.params()) of fragment p's tensors."""
-        return [i for i, f in enumerate(self.fragment_of) if f == p]
+    def fragment(self, p: int) -> slice:
+        """Fragment p's entries of the flattened parameters."""
+        return slice(*self.ranges[p])
 
     def starting(self, t: int) -> int | None:
         """The fragment whose sync starts after inner step t, if any."""
@@ -126,18 +102,18 @@ class StreamingDiLoCo(DistributedOptimizer):
         loss = self._closure_loss(closure)
         params = self.params()
         if self._anchor is None:  # the peers' mean model: their common start with broadcast_initial
-            self._anchor = [a.clone() for a in (params if self._same_start else self.comm.allreduce_mean(params))]
-            self._outer_buffer = [torch.zeros_like(a) for a in self._anchor]
+            self._anchor = self.comm.flatten(params if self._same_start else self.comm.allreduce_mean(params))
+            self._outer_buffer = torch.zeros_like(self._anchor)
         self.base.step()
         t = self.step_count + 1
         started = self.starting(t)
         if started is not None:
-            idx = self.fragment(started)
-            deltas = [self._anchor[i] - params[i] for i in idx]
-            self._in_flight[started] = self.messages.start_allreduce_mean(deltas, f"fragment{started}")
+            part = self.fragment(started)
+            delta = self._anchor[..., part] - self.comm.flatten(params)[..., part]
+            self._in_flight[started] = self.messages.start_allreduce_mean([delta], f"fragment{started}")
         done = self.completing(t)
         if done is not None:
-            self._outer_step(done, self._arrived(done))
+            self._outer_step(done, self._arrived(done)[0])
         self.step_count = t
         return loss
 
@@ -145,14 +121,17 @@ class StreamingDiLoCo(DistributedOptimizer):
         pending = self._in_flight.pop(p)
         return pending if isinstance(pending, list) else pending.wait()  # type: ignore[attr-defined]
 
-    def _outer_step(self, p: int, mean_delta: list[torch.Tensor]) -> None:
+    def _outer_step(self, p: int, mean_delta: torch.Tensor) -> None:
         assert self._anchor is not None and self._outer_buffer is not None  # taken at the first step
-        params, beta = self.params(), self.outer_momentum
-        for i, delta in zip(self.fragment(p), mean_delta):
-            anchor, u = self._anchor[i], self._outer_buffer[i]
-            u.mul_(beta).add_(delta)
-            anchor.sub_(delta + beta * u, alpha=self.outer_lr)
-            params[i].mul_(self.alpha).add_(anchor, alpha=1 - self.alpha)
+        part, beta = self.fragment(p), self.outer_momentum
+        anchor, u = self._anchor[..., part], self._outer_buffer[..., part]  # views: updated in place
+        u.mul_(beta).add_(mean_delta)
+        anchor.sub_(mean_delta + beta * u, alpha=self.outer_lr)
+        params = self.params()
+        x = self.comm.flatten(params)
+        x[..., part].mul_(self.alpha).add_(anchor, alpha=1 - self.alpha)
+        for param, value in zip(params, self.comm.unflatten(x, params)):
+            param.copy_(value)
 
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self):
@@ -160,22 +139,26 @@ class StreamingDiLoCo(DistributedOptimizer):
         # their means, applied at their scheduled steps after a resume
         self._in_flight = {p: self._arrived(p) for p in list(self._in_flight)}
 
-        def copy(tensors):
-            return None if tensors is None else [t.clone() for t in tensors]
+        def copy(t):
+            return None if t is None else t.clone()
 
         return {
             **super().algorithm_state(),
             "anchor": copy(self._anchor),
             "outer_buffer": copy(self._outer_buffer),
-            "arrived": {p: copy(v) for p, v in self._in_flight.items()},
+            "arrived": {p: [t.clone() for t in v] for p, v in self._in_flight.items()},  # type: ignore[attr-defined]
             "compression": self.messages.state(),
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        self._anchor = self.own_tensors(state.get("anchor"))
-        self._outer_buffer = self.own_tensors(state.get("outer_buffer"))
-        self._in_flight = {int(p): [t.clone() for t in v] for p, v in (state.get("arrived") or {}).items()}
+        p = self.params()[0]
+
+        def own(t):
+            return None if t is None else t.detach().clone().to(p.device, p.dtype)
+
+        self._anchor, self._outer_buffer = own(state.get("anchor")), own(state.get("outer_buffer"))
+        self._in_flight = {int(k): [own(t) for t in v] for k, v in (state.get("arrived") or {}).items()}
         self.messages.load_state(state.get("compression"))
 
     def __repr__(self) -> str:

@@ -75,6 +75,7 @@ def run(label: str, overrides: list[str], network: list[str], args, work: Path) 
         "final_accuracy": summary["test_accuracy"],
         "final_time_s": records[-1][clock],
         "mb_sent_per_peer": summary["mb_sent_per_peer"],
+        "mb_to_target": hit["mb_sent_per_peer"] if hit else None,
         "overrides": cmd[3:],
     }
 
