@@ -139,8 +139,7 @@ def tx_counts() -> tuple[int, int]:
 
 def retransmitted() -> int:
     """TCP segments this host (network namespace) sent again: a loss, or a timeout that thought so."""
-    head, values = (line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Tcp:"))
-    return int(values[head.index("RetransSegs")])
+    return testhosts.retransmitted_in(Path("/proc/net/snmp").read_text())
 
 
 def worker(out: Path, spec: dict) -> None:
@@ -172,7 +171,7 @@ def worker(out: Path, spec: dict) -> None:
     for name, rate in runs:
         cap(rate)
         model = mlp(spec["hidden"])
-        alone = slowest(compute_alone(comm, model, *x_y, steps))  # its barrier: every cap is set
+        alone = slowest(compute_alone(comm, model, *x_y, steps))
         opt, overlap = make_optimizer(name, model, comm)
         if name != "adpsgd":  # one step first: buffers allocated, every pair of ranks has talked
             run_steps(opt, model, *x_y, 1, overlap)
