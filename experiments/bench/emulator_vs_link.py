@@ -139,8 +139,7 @@ def tx_counts() -> tuple[int, int]:
 
 def retransmitted() -> int:
     """TCP segments this host (network namespace) sent again: a loss, or a timeout that thought so."""
-    head, values = (line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Tcp:"))
-    return int(values[head.index("RetransSegs")])
+    return testhosts.retransmitted_in(Path("/proc/net/snmp").read_text())
 
 
 def worker(out: Path, spec: dict) -> None:
@@ -172,7 +171,7 @@ def worker(out: Path, spec: dict) -> None:
     for name, rate in runs:
         cap(rate)
         model = mlp(spec["hidden"])
-        alone = slowest(compute_alone(comm, model, *x_y, steps))  # its barrier: every cap is set
+        alone = slowest(compute_alone(comm, model, *x_y, steps))
         opt, overlap = make_optimizer(name, model, comm)
         if name != "adpsgd":  # one step first: buffers allocated, every pair of ranks has talked
             run_steps(opt, model, *x_y, 1, overlap)
@@ -292,17 +291,42 @@ def label(rate: str | None) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| algorithm | link | measured s/step | emulated s/step | measured / emulated | within 15%? "
-        "| busiest host link MB/step | its time at beta, s |",
-        "|---|---|---:|---:|---:|---|---:|---:|",
+        "| algorithm | link | measured s/step | emulated s/step | measured / emulated | within 15%? | compute in the "
+        "run, s/step | busiest host link MB/step (s at beta) | TCP resends /step | measured / (emulated + machine) |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['algorithm']} | {r['link']} | {r['measured_s_per_step']:.4f} | {r['emulated_s_per_step']:.4f} | "
-            f"{r['ratio']:.3f} | {'yes' if r['within'] else 'no'} | {r['host_link_mb_per_step']:.2f} | "
-            f"{r['host_link_s_per_step']:.4f} |"
+            f"{r['ratio']:.3f} | {'yes' if r['within'] else 'no'} | {r['compute_s_per_step']:.4f} | "
+            f"{r['host_link_mb_per_step']:.2f} ({r['host_link_s_per_step']:.4f}) | {r['retransmitted_per_step']:.1f} | "
+            f"{r['emulated_plus_machine_ratio']:.3f} |"
         )
     return "\n".join(lines)
+
+
+def calibration_table(calibrations: list[dict]) -> str:
+    sizes = sorted(int(k) for k in calibrations[0]["one_way_s"])
+    shown = sizes
+    lines = [
+        "| one way, gloo | " + " | ".join(_size(s) for s in shown) + " | alpha | beta |",
+        "|---|" + "---:|" * (len(shown) + 2),
+    ]
+    for c in calibrations:
+        t = {int(k): v for k, v in c["one_way_s"].items()}
+        lines.append(
+            f"| {c['link']} | " + " | ".join(_ms(t[s]) for s in shown) + f" | {c['alpha_s'] * 1e6:.0f} us | "
+            f"{c['beta_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s |"
+        )
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             "compute_alone_s_per_step", "compute_s_per_step", "host_link_mb_per_step", "host_link_s_per_step",
             "retransmitted_per_step", "machine_s_per_step", "emulated_plus_machine_ratio"]  # fmt: skip  # fmt: skip
     print_table(cols, [[r[c] for c in cols] for r in rows], floatfmt=".4g")
+    print()
+    print(calibration_table(calibrations))
     print()
     print(markdown(rows))
     write_result(args.out, "emulator_vs_link", {"spec": spec, "calibration": calibrations, "rows": rows}, [], argv)
