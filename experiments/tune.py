@@ -11,7 +11,8 @@ A comparison can be won by tuning alone, so every algorithm gets the same search
    whose seed (`data.split_seed`) is the search's: the validation split lies inside its training split.
 Writes OUT/search/ALGORITHM/ (the trials), OUT/final/ALGORITHM/ (the seeds), OUT/tuned.json and OUT/tuned.md (the
 chosen values and the final table: mean +- 95% interval over the seeds), and the report's plots in OUT.
-Overrides (`backend=fleet peers=16 data=mnist_small ...`) apply to every run.
+Overrides (`backend=fleet peers=16 data=mnist_small ...`) apply to every run. The same command again reads the
+sweeps that are complete instead of running them (an interrupted tuning goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def run_sweep(args: list[str], sweep_dir: Path) -> None:
         raise SystemExit(f"error: a sweep failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}\n(all of it: {log})")
 
 
+def finished(sweep_dir: Path, runs: int) -> bool:
+    """The sweep already holds its runs (the same command run again, e.g. after an interruption): read, not rerun."""
+    return len(list(sweep_dir.rglob("summary.json"))) >= runs
+
+
 def trials(sweep_dir: Path) -> list[dict]:
     """Each finished run under `sweep_dir`: its resolved config and its summary."""
     out = []
@@ -166,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         centre = default_lr(algorithm, overrides)
         space = search_space(algorithm, [float(f"{centre * f:.6g}") for f in factors], knob_values)
         search = out / "search" / algorithm
-        run_sweep(
-            [f"algorithm={algorithm}", *common, f"data.validation_fraction={args.validation_fraction}", search_seeds]
-            + sweep_args(space, sampler, args.trials),
-            search,
-        )
+        if not finished(search, math.prod(len(v) for v in space.values()) * args.search_seeds):
+            run_sweep(
+                [f"algorithm={algorithm}", *common, f"data.validation_fraction={args.validation_fraction}"]
+                + [search_seeds, *sweep_args(space, sampler, args.trials)],
+                search,
+            )
         choice = select(trials(search), list(space))
         tuned["algorithms"][algorithm] = choice
         chosen = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["chosen"].items())
@@ -179,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             f"(validation accuracy {choice['validation_accuracy']:.4f})",
             flush=True,
         )
-        run_sweep(
-            [f"algorithm={algorithm}", *common, f"seed=range({args.seeds})"]
-            + [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["chosen"].items()],
-            out / "final" / algorithm,
-        )
+        if not finished(out / "final" / algorithm, args.seeds):
+            run_sweep(
+                [f"algorithm={algorithm}", *common, f"seed=range({args.seeds})"]
+                + [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["chosen"].items()],
+                out / "final" / algorithm,
+            )
     (out / "tuned.json").write_text(json.dumps(tuned, indent=2) + "\n")
     from experiments import report
 
