@@ -75,7 +75,7 @@ class MLflowSink:
         self.run_id = self.client.create_run(
             experiment, run_name=out_dir.name, tags={"dpsgd_run_dir": run_dir}
         ).info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(_flatten(cfg).items())]
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(dotted_keys(cfg).items())]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
             self.client.log_batch(self.run_id, params=params[i : i + 100])
 
@@ -121,11 +121,12 @@ def missing_package(cfg: dict) -> str | None:
     return None
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def dotted_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config as one level of dotted keys (`algorithm.lr`)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(dotted_keys(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from dpsgd.loggers import dotted_keys
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))
 
@@ -202,7 +204,7 @@ RESUME_MAY_CHANGE = ("resume", "faults", "comm", "launcher")
 
 def check_same_run(saved: dict, cfg: dict, run_dir) -> None:
     """resume=true continues the run in `run_dir` only with the config it was started with."""
-    before, now = _flatten(saved), _flatten(cfg)
+    before, now = dotted_keys(saved), dotted_keys(cfg)
     changed = [
         k
         for k in sorted(set(before) | set(now))
@@ -215,16 +217,6 @@ def check_same_run(saved: dict, cfg: dict, run_dir) -> None:
             f"{', ...' if len(changed) > 3 else ''}); resume with the run's own settings "
             f"({run_dir}/config.yaml) or start a new run in a new folder"
         )
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _is_int(value) -> bool:
