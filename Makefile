@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(PY) -m experiments.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 # the tests that start no OS process (no mpiexec, torch.distributed or app subprocess): about a minute;
 # --forbid-processes fails one that does (it is then missing the `processes` marker: tests/conftest.py)

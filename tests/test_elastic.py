@@ -116,16 +116,15 @@ def test_mpi_peer_killed_the_driver_relaunches_the_survivors(app, tmp_path):
     assert all(checkpoint.torn(f) is None for f in (tmp_path / "checkpoints").glob("step_*"))
 
 
-@pytest.mark.slow  # make soak: two torchrun runs of 4 nodes on 2 cores (the measured time is in README "Tests")
 @pytest.mark.processes
-@pytest.mark.timeout(600)
-def test_chaos_short_one_of_4_torchrun_nodes_killed_and_one_added(tmp_path, capsys):
-    """make chaos in short: 4 peers as torchrun elastic nodes, one killed (agent and worker, SIGKILL) at a
+@pytest.mark.timeout(400)
+def test_chaos_short_one_of_3_torchrun_nodes_killed_and_one_added(tmp_path, capsys):
+    """make chaos in short: 3 peers as torchrun elastic nodes, one killed (agent and worker, SIGKILL) at a
     seeded random step and one added back; the run finishes by itself, within the tolerance of the
     undisturbed run, with both membership changes recorded, no torn checkpoint and no process left."""
     from experiments.bench import chaos
 
-    args = ["--peers", "4", "--kill", "1", "--add", "1", "--algorithms", "dpsgd", "--epochs", "20"]
-    code = chaos.main([*args, "--step-delay-s", "0.05", "--out", str(tmp_path)])
+    args = ["--peers", "3", "--kill", "1", "--add", "1", "--algorithms", "dpsgd", "--epochs", "20"]
+    code = chaos.main([*args, "--step-delay-s", "0.02", "--out", str(tmp_path)])
     print(capsys.readouterr().out)
     assert code == 0

@@ -207,6 +207,7 @@ def test_sleep_mode_straggler_paces_every_peer_under_allreduce():
         assert 5 * 0.04 <= wall < 5 * 0.04 + 0.3
 
 
+@pytest.mark.slow  # make soak: tests/test_bench.py's step_time_vs_network checks the clock on real mpi ranks
 @pytest.mark.timeout(180)
 def test_emulated_step_time_of_real_mpi_peers(app, tmp_path):
     """Real processes: 4 mpi peers of one-peer D-PSGD and of all-reduce under ethernet_1g report the

@@ -114,6 +114,8 @@ def test_staging_on_cpu_equals_the_direct_path_bit_for_bit():
         assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
 
 
+# make soak: the staged path is checked bit for bit on local peers above and by the gpu-check dry run below
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mpi"])  # torch/gloo: the gpu-check dry run below compares the same
 def test_staged_peers_end_with_the_direct_runs_numbers(app, backend, tmp_path):
     """Real processes: backend.staging=always (every message through host buffers) against never."""
