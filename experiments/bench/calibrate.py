@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from experiments.bench.common import ROOT
+from experiments.bench.common import ROOT, torch_ranks_on_test_hosts
 
 sys.path.insert(0, str(ROOT / "tools"))
 import testhosts  # noqa: E402
@@ -87,25 +86,9 @@ def fit(times: dict[int, float]) -> tuple[float, float]:
 
 
 def measure(hosts: testhosts.TestHosts, tmp: Path) -> dict[int, float]:
-    from dpsgd.launch import peer_env
-
     out = tmp / "pingpong.json"
-    base = {**peer_env(), "MASTER_ADDR": hosts.address(1), "MASTER_PORT": str(PORT), "WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "experiments.bench.calibrate", "--worker", str(out)]
-    procs = [
-        hosts.popen(i, cmd, cwd=ROOT, env={**base, "RANK": str(i - 1)}, stderr=subprocess.PIPE, text=True)
-        for i in (1, 2)
-    ]
-    try:
-        for i, p in zip((1, 2), procs):
-            _, err = p.communicate(timeout=TIMEOUT_S)
-            if p.returncode != 0:
-                raise RuntimeError(f"calibrate: the rank on host {i} failed ({p.returncode}): {err[-2000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    argv = ["-m", "experiments.bench.calibrate", "--worker", str(out)]
+    torch_ranks_on_test_hosts(hosts, argv, n=2, per_host=1, port=PORT, tmp=tmp, timeout_s=TIMEOUT_S)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 

@@ -252,3 +252,32 @@ def floor_line(floor: dict) -> str:
         f"of ranks at once: {floor['bytes_per_s'] / 1e9:.2f} GB/s per rank "
         f"(a local memcpy: {floor['memcpy_bytes_per_s'] / 1e9:.2f} GB/s)"
     )
+
+
+def torch_ranks_on_test_hosts(
+    hosts, argv: list[str], n: int, per_host: int, port: int, tmp: Path, timeout_s: float
+) -> None:
+    """Run `python ARGV` as n torch.distributed ranks on test hosts (tools/testhosts.py), rank r on host
+    r // per_host + 1 with the master on host 1, rank r's stderr in tmp/r{r}.err; raise naming the first
+    rank that failed. Every rank has ended on return."""
+    from dpsgd.launch import peer_env
+
+    base = {**peer_env(), "MASTER_ADDR": hosts.address(1), "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
+            "PYTHONPATH": str(ROOT), "DPSGD_PROGRESS": "0"}  # fmt: skip
+    procs = []
+    try:
+        for rank in range(n):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % per_host)}
+            with open(tmp / f"r{rank}.err", "w") as err:
+                procs.append(hosts.popen(rank // per_host + 1, [sys.executable, *argv], cwd=ROOT, env=env, stderr=err))
+        deadline = time.monotonic() + timeout_s
+        for rank, p in enumerate(procs):
+            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                err = (tmp / f"r{rank}.err").read_text()[-3000:]
+                raise RuntimeError(f"{argv[1]}: rank {rank} (host {rank // per_host + 1}) failed ({code}):\n{err}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

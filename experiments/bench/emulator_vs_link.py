@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.bench.common import ROOT, print_table, write_result
+from experiments.bench.common import ROOT, print_table, torch_ranks_on_test_hosts, write_result
 
 sys.path.insert(0, str(ROOT / "tools"))
 import testhosts  # noqa: E402
@@ -199,30 +199,10 @@ def worker(out: Path, spec: dict) -> None:
 
 def measure(hosts: testhosts.TestHosts, spec: dict, tmp: Path) -> dict:
     """Run the 4 ranks on the 2 hosts; rank 0's result."""
-    from dpsgd.launch import peer_env
-
     out = tmp / "link.json"
+    argv = ["-m", "experiments.bench.emulator_vs_link", "--worker", str(out), json.dumps(spec)]
     n = HOSTS * PEERS_PER_HOST
-    base = {**peer_env(), "MASTER_ADDR": hosts.address(1), "MASTER_PORT": str(PORT), "WORLD_SIZE": str(n),
-            "PYTHONPATH": str(ROOT), "DPSGD_PROGRESS": "0"}  # fmt: skip
-    cmd = [sys.executable, "-m", "experiments.bench.emulator_vs_link", "--worker", str(out), json.dumps(spec)]
-    procs = []
-    try:
-        for rank in range(n):
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % PEERS_PER_HOST)}
-            with open(tmp / f"r{rank}.err", "w") as err:
-                procs.append(hosts.popen(rank // PEERS_PER_HOST + 1, cmd, cwd=ROOT, env=env, stderr=err))
-        deadline = time.monotonic() + TIMEOUT_S
-        for rank, p in enumerate(procs):
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if code != 0:
-                err = (tmp / f"r{rank}.err").read_text()[-3000:]
-                raise RuntimeError(f"emulator_vs_link: rank {rank} failed ({code}):\n{err}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    torch_ranks_on_test_hosts(hosts, argv, n, PEERS_PER_HOST, PORT, tmp, TIMEOUT_S)
     return json.loads(out.read_text())
 
 
