@@ -150,20 +150,14 @@ def spawn_mpi(
     return run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
 
 
-def first_failure(
-    log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None, hosts: list[str] | None = None
-) -> str:
-    """The one line that explains a failed run: the error of the peer that failed first, or, when
-    the first peer to end died without a word (a signal, the OOM killer), its rank and last step.
-    With `hosts` (each rank's host, for a run on several hosts), a silent death names every peer of
-    that host that died without a word too: a lost host takes all its peers."""
-    return failure_cause(log_dir, sup, code, n, codes, hosts)[0]
-
-
 def failure_cause(
     log_dir: Path, sup: Supervisor, code: int, n: int, codes: list | None = None, hosts: list[str] | None = None
 ) -> tuple[str, int | None]:
-    """`first_failure`'s line, and the rank whose death caused it (None: a peer's error did)."""
+    """The one line that explains a failed run, and the rank whose death caused it (None: a peer's error
+    did): the error of the peer that failed first, or, when the first peer to end died without a word
+    (a signal, the OOM killer), its rank and last step. With `hosts` (each rank's host, for a run on
+    several hosts), a silent death names every peer of that host that died without a word too: a lost
+    host takes all its peers."""
     errors = {}
     for r in range(n):
         path = log_dir / ERROR_FILE.format(rank=r)

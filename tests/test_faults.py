@@ -18,7 +18,7 @@ from runs import assert_same_numbers
 from dpsgd import checkpoint
 from dpsgd.comm import PeerTimeoutError, run_local
 from dpsgd.faults import FaultInjector, FaultPlan, InjectedFault
-from dpsgd.launch import first_failure
+from dpsgd.launch import failure_cause
 from dpsgd.supervisor import Supervisor
 from dpsgd.training import train
 
@@ -320,49 +320,53 @@ def _error_file(log_dir: Path, rank: int, line: str, at: float) -> None:
     os.utime(path, (at, at))
 
 
-def test_first_failure_is_the_silent_death_that_came_first(tmp_path):
+def first_line(*args, **kwargs) -> str:
+    return failure_cause(*args, **kwargs)[0]
+
+
+def test_failure_cause_is_the_silent_death_that_came_first(tmp_path):
     (tmp_path / "rank3.log").write_text("fault: peer 3 exited at step 40\n")
     _error_file(tmp_path, 1, "rank 1: PeerTimeoutError: neighbor_average timed out", at=1000.5)
     seen = _Seen({0: 41, 1: 41, 2: 41, 3: 40}, {3: 1000.0, 0: 1000.6})
-    line = first_failure(tmp_path, seen, 9, 4)
+    line = first_line(tmp_path, seen, 9, 4)
     assert line.startswith("peer 3 died at step 40 without an error message (exit code 9)")
     assert line.endswith("its log ends: fault: peer 3 exited at step 40")
 
 
-def test_first_failure_a_timeout_is_the_cause_of_the_deaths_after_it(tmp_path):
+def test_failure_cause_a_timeout_is_the_cause_of_the_deaths_after_it(tmp_path):
     timeout = "rank 1: PeerTimeoutError: neighbor_average timed out ... [2] at step 5"
     _error_file(tmp_path, 1, timeout, at=1000.0)
     seen = _Seen({0: 5, 1: 5, 2: 5, 3: 5}, {2: 1000.1, 0: 1000.1, 3: 1000.2})  # mpiexec's cleanup
-    assert first_failure(tmp_path, seen, 1, 4) == timeout
+    assert first_line(tmp_path, seen, 1, 4) == timeout
 
 
-def test_first_failure_a_survivor_reporting_a_failed_peer_defers_to_it(tmp_path):
+def test_failure_cause_a_survivor_reporting_a_failed_peer_defers_to_it(tmp_path):
     _error_file(tmp_path, 0, "rank 0: PeerFailedError: peer(s) [1] failed or cannot be reached", at=1000.0)
     seen = _Seen({0: 151, 1: 151}, {1: 1000.3})  # the driver's thread saw the death late
-    assert first_failure(tmp_path, seen, 1, 2).startswith("peer 1 died at step 151 without an error message")
+    assert first_line(tmp_path, seen, 1, 2).startswith("peer 1 died at step 151 without an error message")
 
 
-def test_first_failure_torch_process_killed_by_a_signal(tmp_path):
+def test_failure_cause_torch_process_killed_by_a_signal(tmp_path):
     _error_file(tmp_path, 0, "rank 0: PeerTimeoutError: Connection closed by peer", at=999.0)
     seen = _Seen({0: 7, 1: 7}, {1: 1000.0})
-    assert "peer 1 died at step 7 without an error message (killed by SIGKILL)" in first_failure(
+    assert "peer 1 died at step 7 without an error message (killed by SIGKILL)" in first_line(
         tmp_path, seen, 1, 2, codes=[None, -9]
     )
 
 
-def test_first_failure_a_lost_host_names_all_its_peers(tmp_path):
+def test_failure_cause_a_lost_host_names_all_its_peers(tmp_path):
     """Host b lost (both its peers killed): the line names peers 2 and 3 and the host; a silent death
     on one host among several names that peer alone."""
     _error_file(tmp_path, 0, "rank 0: PeerTimeoutError: Connection closed by peer", at=1001.0)
     seen = _Seen({0: 23, 1: 23, 2: 23, 3: 22}, {3: 1000.0, 2: 1000.1})
     on = ["a", "a", "b", "b"]
-    line = first_failure(tmp_path, seen, 1, 4, codes=[None, None, -9, -9], hosts=on)
+    line = first_line(tmp_path, seen, 1, 4, codes=[None, None, -9, -9], hosts=on)
     assert line == (
         "peers 2, 3 (every peer on host b) died at steps 23, 22 without an error message (killed by SIGKILL): "
         "the host or its link was lost"
     )
     seen = _Seen({0: 23, 1: 23, 2: 23, 3: 22}, {3: 1000.0})
-    assert first_failure(tmp_path, seen, 1, 4, codes=[None, None, None, -9], hosts=on).startswith(
+    assert first_line(tmp_path, seen, 1, 4, codes=[None, None, None, -9], hosts=on).startswith(
         "peer 3 died at step 22 without an error message (killed by SIGKILL)"
     )
 
