@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
+
+from experiments.sweeps import finished, run_sweep
 
 # the algorithm's own main setting, searched beside the learning rate (the issue's "period, gamma, outer lr")
 KNOBS = {
@@ -78,22 +79,6 @@ def sweep_args(space: dict[str, list], sampler: str, trials: int | None) -> list
         else:
             args.append(f"{key}=choice({text})")
     return args
-
-
-def run_sweep(args: list[str], sweep_dir: Path) -> None:
-    log = sweep_dir.with_suffix(".log")
-    sweep_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "experiments.train", "-m", *args, f"hydra.sweep.dir={sweep_dir}"]
-    with log.open("w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise SystemExit(f"error: a sweep failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}\n(all of it: {log})")
-
-
-def finished(sweep_dir: Path, runs: int) -> bool:
-    """The sweep already holds its runs (the same command run again, e.g. after an interruption): read, not rerun."""
-    return len(list(sweep_dir.rglob("summary.json"))) >= runs
 
 
 def trials(sweep_dir: Path) -> list[dict]:

@@ -1,0 +1,199 @@
+"""Reproductions in miniature: `python -m experiments.reproduce NAME [--seeds N] [--out DIR] [--docs] [overrides]`.
+
+Each reproduction, a module experiments/reproductions/NAME.py, names a paper's claim, the sweeps that test it
+(`SWEEPS`: name -> overrides of `experiments.train -m`, run over seeds 0 .. N-1) and how to read them
+(`analyze`): a table of the paper's reported shape beside ours, plots, and a verdict computed from the measured
+numbers, never written by hand. Writes OUT/result.md and OUT/result.json (default outputs/reproductions/NAME);
+`--docs` also copies the plots into docs/reproductions/ (the figures docs/reproductions.md shows). Extra overrides
+apply to every run (`peers=32`, `backend=mpi`). The same command again reads the sweeps that are complete.
+`--list` names the reproductions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments import reproductions
+from experiments.intervals import summarize
+from experiments.report import group_by_seed, load_runs, swept_keys, value
+from experiments.sweeps import finished, run_sweep
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "reproductions"
+
+
+@dataclass
+class Finding:
+    """What a reproduction concludes: `table` (markdown, the paper's shape beside ours), `verdict` (one paragraph,
+    starting with holds / does not hold / partly holds), `holds` (True, False or None for partly), plot files."""
+
+    table: str
+    verdict: str
+    holds: bool | None
+    plots: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class Configuration:
+    """The runs of one setting over its seeds: `setting` (the swept keys' values), `summary` (means, KEY_ci95 the
+    95% Student-t half widths, `seeds`), `runs` (report.load_runs' records)."""
+
+    setting: dict
+    summary: dict
+    runs: list[dict]
+
+    def mean(self, key: str) -> float:
+        return float(self.summary[key])
+
+    def ci(self, key: str) -> float:
+        return float(self.summary.get(f"{key}_ci95", 0.0))
+
+    def text(self, key: str, digits: int = 4) -> str:
+        """'mean ± half width' (the mean alone for one seed)."""
+        ci = self.summary.get(f"{key}_ci95")
+        return f"{self.mean(key):.{digits}f}" + (f" ± {ci:.{digits}f}" if ci is not None else "")
+
+
+def configurations(runs: list[dict]) -> list[Configuration]:
+    """The sweep's runs grouped by setting (runs differing only by seed are one), in the order they first appear."""
+    keys, groups = group_by_seed(runs, swept_keys(runs))
+    return [Configuration({k: value(g[0], k) for k in keys}, summarize([r["summary"] for r in g]), g) for g in groups]
+
+
+def find(configs: list[Configuration], **setting) -> Configuration:
+    """The one configuration whose swept values include `setting` (keys with dots written as __)."""
+    wanted = {k.replace("__", "."): v for k, v in setting.items()}
+    hits = [c for c in configs if all(c.setting.get(k) == v for k, v in wanted.items())]
+    if len(hits) != 1:
+        raise LookupError(f"{len(hits)} configurations match {wanted}; have {[c.setting for c in configs]}")
+    return hits[0]
+
+
+def plot_curves(
+    configs: list[Configuration],
+    x_key: str,
+    y_keys: list[tuple[str, str]],
+    path: Path,
+    title: str,
+    x_label: str | None = None,
+    label=None,
+    log_x: bool = False,
+) -> Path:
+    """One panel per (metric, axis label) in `y_keys`, one line per configuration against `x_key` (a metrics.jsonl
+    field): the mean over its seeds in a band of the 95% interval. `label(config)` names a line (default: its
+    setting)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from experiments.intervals import band
+
+    fig, axes = plt.subplots(1, len(y_keys), figsize=(5.2 * len(y_keys), 4.2), squeeze=False)
+    for ax, (y_key, y_label) in zip(axes[0], y_keys):
+        for config in configs:
+            curves = [
+                [(m[x_key], m[y_key]) for m in r["metrics"] if m.get(x_key) is not None and m.get(y_key) is not None]
+                for r in config.runs
+            ]
+            if not all(curves):
+                continue
+            x_mean, _ = band([[x for x, _ in c] for c in curves])
+            y_mean, ci = band([[y for _, y in c] for c in curves])
+            name = label(config) if label else ", ".join(f"{k}={v}" for k, v in config.setting.items())
+            (line,) = ax.plot(x_mean, y_mean, marker=".", label=name)
+            if len(curves) > 1:
+                ax.fill_between(x_mean, y_mean - ci, y_mean + ci, color=line.get_color(), alpha=0.2, linewidth=0)
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xlabel(x_label or x_key)
+        ax.set_ylabel(y_label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def available() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(reproductions.__path__) if not m.name.startswith("_"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.reproduce", description=__doc__.split("\n")[0], epilog="Other arguments: overrides."
+    )
+    parser.add_argument("name", nargs="?", help="a reproduction (--list names them)")
+    parser.add_argument("--list", action="store_true", help="name the reproductions and their papers")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 per setting (default 3)")
+    parser.add_argument("--out", type=Path, default=None, help="default outputs/reproductions/NAME")
+    parser.add_argument("--docs", action="store_true", help="copy the plots into docs/reproductions/")
+    args, overrides = parser.parse_known_args(argv)
+    if args.list or not args.name:
+        for name in available():
+            print(f"{name:<14} {importlib.import_module(f'experiments.reproductions.{name}').PAPER}")
+        return 0 if args.list else 2
+    if args.name not in available():
+        parser.error(f"no reproduction named {args.name!r}; choose one of {', '.join(available())}")
+    if any(o.startswith("-") for o in overrides):
+        parser.error(f"unknown option(s): {' '.join(o for o in overrides if o.startswith('-'))}")
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    module = importlib.import_module(f"experiments.reproductions.{args.name}")
+    out = args.out or Path("outputs/reproductions") / args.name
+    out.mkdir(parents=True, exist_ok=True)
+
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    runs = {}
+    for sweep, sweep_overrides in module.SWEEPS.items():
+        folder = out / sweep
+        expected = module.RUNS[sweep] * args.seeds
+        if not finished(folder, expected):
+            print(f"{args.name}: sweep {sweep!r} ({expected} runs) ...", flush=True)
+            run_sweep([*sweep_overrides, *overrides, f"seed=range({args.seeds})"], folder)
+        runs[sweep] = load_runs(folder)
+    seconds = time.perf_counter() - started
+    finding = module.analyze({k: configurations(v) for k, v in runs.items()}, out)
+
+    command = " ".join(["python -m experiments.reproduce", *(sys.argv[1:] if argv is None else argv)])
+    result = {
+        "name": args.name,
+        "paper": module.PAPER,
+        "claim": module.CLAIM,
+        "command": command,
+        "seeds": args.seeds,
+        "runs": sum(len(v) for v in runs.values()),
+        "sweep_seconds": round(seconds, 1),
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        "holds": finding.holds,
+        "verdict": finding.verdict,
+        "plots": [str(p) for p in finding.plots],
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = (
+        f"# {module.PAPER}\n\nClaim (paraphrased): {module.CLAIM}\n\n`{command}`: {result['runs']} runs, "
+        f"{seconds:.0f} s of sweeps (load average {load_before:.1f} at the start)\n\n{finding.table}\n\n"
+        f"**Verdict:** {finding.verdict}\n" + "".join(f"\n![{p.name}]({p.name})\n" for p in finding.plots)
+    )
+    (out / "result.md").write_text(md)
+    if args.docs:
+        DOCS.mkdir(parents=True, exist_ok=True)
+        for plot in finding.plots:
+            shutil.copy(plot, DOCS / f"{args.name}_{plot.name}")
+    print(md)
+    print(f"wrote {out / 'result.md'}, {out / 'result.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""experiments.reproduce: a reproduction's sweeps run over seeds, its verdict is computed from the runs, and the
+same command again reads the finished sweeps instead of rerunning them."""
+
+import json
+
+import pytest
+
+from experiments import reproduce
+
+pytestmark = pytest.mark.processes  # the sweeps run as `experiments.train -m` subprocesses
+
+
+def test_lian2017_runs_reports_and_reuses(tmp_path, capsys):
+    out = tmp_path / "lian"
+    args = ["lian2017", "--seeds", "2", "--out", str(out), "epochs=1", "peers=4"]
+    assert reproduce.main(args) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["runs"] == 4 and result["seeds"] == 2
+    assert result["holds"] in (True, False) and result["verdict"]
+    assert (out / "vs_mb_sent.png").stat().st_size > 0
+    # a ring peer sends 2 models per step, a ring all-reduce 2(n-1)/n: 4/3 at 4 peers, in the measured bytes
+    assert "1.333x" in (out / "result.md").read_text()
+    capsys.readouterr()
+    logs = sorted(p.stat().st_mtime for p in out.rglob("summary.json"))
+    assert reproduce.main(args) == 0  # read again, not rerun
+    assert sorted(p.stat().st_mtime for p in out.rglob("summary.json")) == logs
+
+
+def test_unknown_reproduction_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        reproduce.main(["nosuch"])
+    assert "lian2017" in capsys.readouterr().err
+
+
+def test_find_needs_exactly_one_configuration():
+    configs = [
+        reproduce.Configuration({"algorithm": a, "data.alpha": x}, {}, []) for a in ("dpsgd", "qgm") for x in (0.1, 10)
+    ]
+    assert reproduce.find(configs, algorithm="qgm", data__alpha=10).setting == {"algorithm": "qgm", "data.alpha": 10}
+    with pytest.raises(LookupError, match="2 configurations"):
+        reproduce.find(configs, algorithm="qgm")
