@@ -56,6 +56,17 @@ def test_comm_overhead(tmp_path):
     for r in rows:
         assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
         assert r["max_abs_diff_vs_raw"] <= 1e-6, r  # the toolkit computes what the raw code computes
+        assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), r  # the cause split exists for mpi only
+
+
+def test_comm_overhead_miss_cause_splits_the_ratio():
+    row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": 2.0e-3, "ratio": 2.0}
+    cause = comm_overhead.miss_cause(row)
+    # 2.0x = MPI's non-blocking path 1.33x x the toolkit's waiting 1.5x: the product is the ratio
+    assert "non-blocking calls 1.33x" in cause and "wrapper 1.50x" in cause
+    assert cause.endswith("the toolkit's sleeping waits")
+    torch_row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": None, "ratio": 2.0}
+    assert "1.50 ms a call" in comm_overhead.miss_cause(torch_row)
 
 
 def test_allreduce_vs_ddp(tmp_path):
@@ -95,6 +106,17 @@ def test_allreduce_vs_ddp(tmp_path):
     for name in allreduce_vs_ddp.VARIANTS[1:]:
         assert check[f"{name}_vs_large_batch"] <= 1e-12, check  # float64
     assert check["allreduce_torch_vs_ddp"] <= 1e-12, check
+    assert all(0 < res["in_opt_step_s"][v] < res["step_s"][v] * 1.5 for v in allreduce_vs_ddp.VARIANTS)
+
+
+def test_allreduce_vs_ddp_miss_cause_splits_the_step():
+    res = {
+        "step_s": {"allreduce_torch_overlap": 0.012, "ddp": 0.010, "no_comm": 0.006},
+        "in_opt_step_s": {"allreduce_torch_overlap": 0.004, "ddp": 0.001, "no_comm": 0.001},
+    }
+    cause = allreduce_vs_ddp.miss_cause(res, "allreduce_torch_overlap", "ddp")
+    assert cause.startswith("+2.00 ms a step")
+    assert "forward+backward 8.00 against 9.00 ms" in cause and "opt.step() 4.00 against 1.00 ms" in cause
 
 
 def test_waiter_cost(tmp_path):
