@@ -56,7 +56,9 @@ def test_comm_overhead(tmp_path):
     for r in rows:
         assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
         assert r["max_abs_diff_vs_raw"] <= 1e-6, r  # the toolkit computes what the raw code computes
-        assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), r  # the cause split exists for mpi only
+        assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), (
+            r
+        )  # the cause split exists for mpi only
 
 
 def test_comm_overhead_miss_cause_splits_the_ratio():
