@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests
 
-.PHONY: setup run test test-fast lint typecheck clean soak bench gpu-wheels gpu-check chaos
+.PHONY: setup run test test-fast lint typecheck clean soak bench reproductions gpu-wheels gpu-check chaos
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ BENCHMARKS := comm_overhead waiter_cost allreduce_vs_ddp local_sgd_vs_torch step
 	stragglers fleet bytes_to_accuracy
 bench: $(STAMP)
 	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) -m experiments.bench.$$b; done
+
+# every reproduction of docs/reproductions.md (experiments/reproductions/), one after the other, 3 seeds each;
+# results in outputs/reproductions/NAME/, plots copied to docs/reproductions/
+reproductions: $(STAMP)
+	set -e; for r in $$($(PY) -m experiments.reproduce --list | cut -d' ' -f1); do $(PY) -m experiments.reproduce $$r --docs; done
 
 # --- GPU machines (README "GPU peers") ---------------------------------------------------------------------------
 # gpu-wheels (here, with internet): the pure-Python dependencies a CUDA machine's image may lack, plus the MPI

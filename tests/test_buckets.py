@@ -59,14 +59,15 @@ def test_bucketed_allreduce_is_large_batch_sgd(overlap):
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm=comm, overlap=overlap, bucket_mb=300 / 2**20
         )
         xs, ys = X[comm.rank * 8 : (comm.rank + 1) * 8], Y[comm.rank * 8 : (comm.rank + 1) * 8]
-        started_in_backward = []
+        started_in_backward, storages = [], []
         for _ in range(STEPS):
             opt.zero_grad()
             before = comm.stats.calls.get("allreduce_sum", 0)
             (model(xs) - ys).pow(2).mean().backward()
             started_in_backward.append(comm.stats.calls.get("allreduce_sum", 0) - before)
             opt.step()
-        return [p.detach() for p in model.parameters()], started_in_backward, len(opt.buckets.buckets)
+            storages.append({p.grad.untyped_storage().data_ptr() for p in model.parameters()})
+        return [p.detach() for p in model.parameters()], started_in_backward, len(opt.buckets.buckets), storages
 
     model = _model()
     big = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -74,12 +75,25 @@ def test_bucketed_allreduce_is_large_batch_sgd(overlap):
         big.zero_grad()
         (model(X) - Y).pow(2).mean().backward()
         big.step()
-    for params, started, buckets in run_local(N, peer):
+    for params, started, buckets, storages in run_local(N, peer):
         assert buckets >= 4
+        # the averaged gradients are views of one buffer per bucket, the same buffers every step
+        assert len(storages[0]) == buckets and all(s == storages[0] for s in storages)
         for got, want in zip(params, model.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
         # overlap: every bucket's all-reduce was started by the backward pass itself
         assert started == ([buckets] * STEPS if overlap else [0] * STEPS)
+
+
+def test_in_place_allreduce_sums_into_the_buffer():
+    def peer(comm):
+        buf = torch.full((5,), float(comm.rank + 1), dtype=torch.float64)
+        (out,) = comm.start_allreduce_sum_(buf).wait()
+        with pytest.raises(ValueError, match="one flat contiguous buffer"):
+            comm.start_allreduce_sum_(torch.zeros(4, 2, dtype=torch.float64).t())
+        return out.data_ptr() == buf.data_ptr(), buf.tolist()
+
+    assert run_local(N, peer) == [(True, [6.0] * 5)] * N
 
 
 def test_second_backward_before_step_is_refused():

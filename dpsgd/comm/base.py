@@ -252,8 +252,22 @@ class Communicator(ABC):
     def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self.start_allreduce_sum(tensors).wait()
 
+    def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
+        """In place: sum the flat, contiguous `buf` over all peers into `buf` itself, with no copy (for buffers
+        the caller keeps, such as gradient buckets whose gradients are views of them); `.wait()` returns [buf].
+        `buf` must not be touched until then."""
+        if buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(
+                f"start_allreduce_sum_ reduces one flat contiguous buffer in place, got shape {tuple(buf.shape)} "
+                f"(contiguous: {buf.is_contiguous()}); pass a 1-D tensor, or use start_allreduce_sum for a list"
+            )
+        return self._start_allreduce_flat(buf, [buf], "allreduce_sum", mean=False)
+
     def _start_allreduce(self, tensors: Sequence[torch.Tensor], op: str, mean: bool) -> Handle:
-        buf = flatten(tensors)  # a fresh copy: the reduction never touches the caller's tensors
+        # a fresh copy: the reduction never touches the caller's tensors
+        return self._start_allreduce_flat(flatten(tensors), tensors, op, mean)
+
+    def _start_allreduce_flat(self, buf: torch.Tensor, like: Sequence[torch.Tensor], op: str, mean: bool) -> Handle:
         ring = ring_allreduce_bytes(buf.nbytes, self.size)
         self._count(op, sent=ring, received=ring, messages=2 * (self.size - 1))
         pending = self._allreduce_sum(buf) if self.size > 1 else _Done()
@@ -269,7 +283,7 @@ class Communicator(ABC):
                 return float(started.max()) + net.link.allreduce_time(buf.nbytes, self.size)
 
         def finish():
-            return unflatten(buf.div_(self.size) if mean else buf, tensors)
+            return unflatten(buf.div_(self.size) if mean else buf, like)
 
         return Handle(self, op, pending, finish, range(self.size), arrival, buf.device)
 

@@ -6,6 +6,11 @@ gradient as it is accumulated; when a bucket's last one arrives, that bucket's a
 so it runs behind the gradients of the layers before it. `average()` (in the optimizer's step)
 starts whatever backward did not fill (unused parameters, or backends whose tensors never fire the
 hooks, as the fleet's), waits for every bucket in order and writes the averages into the gradients.
+As DDP's reducer does, each bucket is one flat buffer kept across steps: a gradient is divided by the
+number of peers while it is copied in (one pass), the buffer is summed over the peers in place, and the
+gradients become views of it (`gradient_as_bucket_view`): no copy back and no allocation per step. (The
+fleet's stacked tensors have no in-place all-reduce of one buffer: there, a bucket's gradients are
+summed as a list and divided in one pass.)
 Under an emulated network in `model` mode the buckets start after the backward pass (see
 `_modelled_network`). Every peer starts the buckets in the same order (the same model, the same
 backward graph), which is what collectives need.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dpsgd.comm import Communicator, Handle
+from dpsgd.comm.base import unflatten
 
 
 def plan_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
@@ -47,6 +53,16 @@ class GradientBuckets:
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._arrived = [0] * len(self.buckets)
         self._handles: list[Handle | None] = [None] * len(self.buckets)
+        self._in_place = comm.backend != "fleet"
+        self._flat = [
+            torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            if self._in_place
+            else None
+            for bucket in self.buckets
+        ]
+        self._views = [
+            unflatten(flat, bucket) if flat is not None else [] for flat, bucket in zip(self._flat, self.buckets)
+        ]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in trainable] if overlap else []
 
     def _on_gradient(self, p: torch.Tensor) -> None:
@@ -68,10 +84,23 @@ class GradientBuckets:
         net = self.comm.network
         return net is not None and net.active and net.clock.mode == "model"
 
+    @torch.no_grad()
     def _start(self, b: int) -> None:
         grads = [p.grad for p in self.buckets[b] if p.grad is not None]
-        if grads:  # a bucket with no gradient at all sends nothing (on every peer alike)
+        if not grads:  # a bucket with no gradient at all sends nothing (on every peer alike)
+            return
+        flat = self._flat[b]
+        if flat is None:
             self._handles[b] = self.comm.start_allreduce_sum(grads)
+            return
+        for p, view in zip(self.buckets[b], self._views[b]):
+            if p.grad is None:
+                view.zero_()  # the same parameter has no gradient on any peer: it stays None
+            elif p.grad.data_ptr() == view.data_ptr():
+                view.div_(self.comm.size)  # zero_grad(set_to_none=False) left the view: backward summed into it
+            else:
+                torch.div(p.grad, self.comm.size, out=view)
+        self._handles[b] = self.comm.start_allreduce_sum_(flat)
 
     @torch.no_grad()
     def average(self) -> None:
@@ -80,10 +109,17 @@ class GradientBuckets:
             if handle is None:
                 self._start(b)
         for b, handle in enumerate(self._handles):
-            if handle is not None:
+            if handle is None:
+                continue
+            if self._flat[b] is None:
                 grads = [p.grad for p in self.buckets[b] if p.grad is not None]
                 for g, total in zip(grads, handle.wait()):
                     torch.div(total, self.comm.size, out=g)  # the mean written in one pass
+                continue
+            handle.wait()  # the bucket now holds the mean
+            for p, view in zip(self.buckets[b], self._views[b]):
+                if p.grad is not None:
+                    p.grad = view
         self._arrived = [0] * len(self.buckets)
         self._handles = [None] * len(self.buckets)
 
