@@ -83,6 +83,10 @@ class Pending(ABC):
         """Peers whose part has not completed yet (for error messages)."""
         return []
 
+    def progress(self) -> None:  # noqa: B027 - most backends progress on their own
+        """Let the operation advance without waiting for it (MPI's non-blocking collectives move only
+        while a rank tests them; other backends progress in their own threads)."""
+
 
 class Exchange(Pending):
     """A point-to-point exchange: after `wait`, `received[peer]` holds each peer's buffer."""
@@ -136,6 +140,11 @@ class Handle:
         waited.record()
         self._comm._device_overlap.append((self._started_on_device, waited))
         self._comm._settle_device_overlap()
+
+    def progress(self) -> None:
+        """Let the operation advance now, without waiting (a no-op where the backend needs no help)."""
+        if self._result is None:
+            self._pending.progress()
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
@@ -574,6 +583,10 @@ class _All(Pending):
 
     def peers_outstanding(self) -> list[int]:
         return sorted({p for part in self._parts for p in part.peers_outstanding()})
+
+    def progress(self) -> None:
+        for part in self._parts:
+            part.progress()
 
 
 def poll_until(test, deadline: float, outstanding=list, abort: Callable[[], bool] | None = None) -> bool:

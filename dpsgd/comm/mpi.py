@@ -77,6 +77,12 @@ class _Requests(Exchange):
                 f"peer(s) {peers or 'of a collective'} failed or cannot be reached (MPI: {exc.Get_error_string()})"
             ) from None
 
+    def progress(self) -> None:
+        try:
+            self._MPI.Request.Testall(self._requests)
+        except self._MPI.Exception:
+            pass  # a failed peer: wait() says which
+
     def peers_outstanding(self) -> list[int]:
         # a collective has no single peer to blame: the caller then names all of them
         return sorted({p for p, r in zip(self._peers, self._requests) if p >= 0 and not r.Test()})

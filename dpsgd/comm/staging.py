@@ -109,6 +109,9 @@ class _CopyBack(Pending):
     def peers_outstanding(self) -> list[int]:
         return self._inner.peers_outstanding()
 
+    def progress(self) -> None:
+        self._inner.progress()
+
 
 class _StagedRequest(Request):
     """A send from, or a receive into, a host buffer; a receive's values reach `out` once it completes."""

@@ -76,6 +76,9 @@ class GradientBuckets:
         self._arrived[b] += 1
         if self._arrived[b] == len(self.buckets[b]) and not self._modelled_network():
             self._start(b)
+        for handle in self._handles:  # MPI moves a started bucket only while it is tested
+            if handle is not None:
+                handle.progress()
 
     def _modelled_network(self) -> bool:
         """An emulated network in `model` mode advances its clock by the whole computation at the end
