@@ -1,0 +1,70 @@
+"""The lin2021 and kong2021 reproductions: their verdict rules on hand-made numbers (fast), and each one end to end
+at a tiny scale (slow: make soak)."""
+
+import json
+import math
+
+import pytest
+
+from experiments import reproduce
+from experiments.reproduce import Configuration
+from experiments.reproductions import kong2021, lin2021
+
+
+def test_recovered_fraction_is_the_share_of_dpsgds_extra_drop_that_qgm_avoids():
+    # all-reduce loses 1 point, D-PSGD 5, QGM 2: D-PSGD's extra 4 points, of which QGM avoids 3
+    assert lin2021.recovered_fraction(0.01, 0.05, 0.02) == pytest.approx(0.75)
+    assert lin2021.recovered_fraction(0.01, 0.05, 0.06) == pytest.approx(-0.25)  # QGM worse than D-PSGD
+    assert math.isnan(lin2021.recovered_fraction(0.02, 0.01, 0.0))  # no extra drop to recover
+
+
+def test_lin_verdict_needs_a_gap_beyond_the_intervals_and_half_of_it_recovered():
+    holds, text = lin2021.verdict({"allreduce": (0.0, 0.01), "dpsgd": (0.05, 0.01), "qgm": (0.01, 0.01)})
+    assert holds is True and text.startswith("holds") and "80%" in text
+    holds, text = lin2021.verdict({"allreduce": (0.0, 0.01), "dpsgd": (0.05, 0.01), "qgm": (0.04, 0.01)})
+    assert holds is None and text.startswith("partly holds") and "20%" in text
+    holds, text = lin2021.verdict({"allreduce": (0.0, 0.02), "dpsgd": (0.03, 0.02), "qgm": (0.0, 0.01)})
+    assert holds is False and "noise" in text  # 3 points against intervals of 4
+
+
+def test_falls_needs_more_than_both_intervals_and_the_floor():
+    assert kong2021.falls((0.95, 0.01), (0.92, 0.01))  # 3 points below, intervals 2
+    assert not kong2021.falls((0.95, 0.01), (0.93, 0.01))  # 2 points: within
+    assert not kong2021.falls((0.95, 0.0), (0.946, 0.0))  # below the floor of 0.5 point
+    assert not kong2021.falls((0.95, 0.0), (0.99, 0.0))  # better is never a fall
+
+
+def test_critical_distance_splits_held_from_fallen():
+    assert kong2021.critical_distance([(0.5, True), (0.01, False), (0.1, False), (2.0, True)]) == (0.1, 0.5, True)
+    assert kong2021.critical_distance([(0.01, False), (0.1, False)]) == (0.1, None, True)
+    assert kong2021.critical_distance([(0.01, True), (0.1, True)]) == (None, 0.01, True)
+    assert kong2021.critical_distance([(0.01, False), (0.1, True), (1.0, False)]) == (0.01, 0.1, False)
+
+
+def test_kong_verdicts():
+    assert kong2021.verdict(0.1, 0.5, True, 2.0)[0] is True
+    holds, text = kong2021.verdict(0.1, None, True, 0.1)
+    assert holds is False and "no critical value" in text
+    holds, text = kong2021.verdict(0.01, 0.1, False, 1.0)
+    assert holds is False and "do not order" in text
+    assert kong2021.verdict(None, 0.01, True, 0.1)[0] is None
+
+
+def test_mean_distance_averages_records_then_seeds():
+    runs = [
+        {"metrics": [{"consensus_distance": 1.0}, {"consensus_distance": 3.0}]},  # mean 2
+        {"metrics": [{"consensus_distance": 4.0}]},  # mean 4
+    ]
+    assert kong2021.mean_distance(Configuration({}, {}, runs)) == pytest.approx(3.0)
+
+
+@pytest.mark.slow  # make soak: 9 runs of 4 peers for one epoch each
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, runs", [("lin2021", 9), ("kong2021", 9)])
+def test_reproduction_runs_end_to_end(tmp_path, capsys, name, runs):
+    out = tmp_path / name
+    assert reproduce.main([name, "--seeds", "1", "--out", str(out), "epochs=1", "peers=4"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["runs"] == runs and result["verdict"] and result["holds"] in (True, False, None)
+    assert all((out / p.split("/")[-1]).stat().st_size > 0 for p in result["plots"])
