@@ -1,0 +1,106 @@
+"""The ying2021 and koloskova2019 reproductions: their byte formulas against the toolkit's graphs and compressors,
+their verdict rules on hand-made configurations, and (slow) each command end to end at a tiny scale."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import topologies
+from dpsgd import compress
+from experiments import reproduce
+from experiments.reproduce import Configuration
+from experiments.reproductions import koloskova2019, ying2021
+from experiments.reproductions._verdicts import compare, overall
+from topologies.analysis import degree
+
+
+def config(setting: dict, mean: float, ci: float | None = None, **summary) -> Configuration:
+    summary = {"test_accuracy": mean, **summary}
+    if ci is not None:
+        summary["test_accuracy_ci95"] = ci
+    return Configuration(setting, summary, [])
+
+
+def test_compare_says_which_interval_lies_above():
+    assert compare(config({}, 0.90, 0.01), config({}, 0.85, 0.01), "test_accuracy") == 1
+    assert compare(config({}, 0.85, 0.01), config({}, 0.90, 0.01), "test_accuracy") == -1
+    assert compare(config({}, 0.90, 0.03), config({}, 0.85, 0.03), "test_accuracy") == 0  # they overlap
+    assert compare(config({}, 0.90), config({}, 0.90), "test_accuracy") == 0  # one seed: equal means
+    assert compare(config({}, 0.90), config({}, 0.89), "test_accuracy") == 1
+
+
+def test_overall_is_partly_when_some_parts_hold():
+    assert overall([True, True]) is True
+    assert overall([False, False]) is False
+    assert overall([True, False]) is None
+
+
+@pytest.mark.parametrize("n", [8, 32, 64])
+def test_one_peer_byte_ratios_match_the_graphs_message_counts(n):
+    paper, undirected = ying2021.expected_byte_ratios(n)
+    one_peer = degree(topologies.make("one_peer_exponential", n))
+    assert one_peer == 1
+    assert math.isclose(paper, one_peer / degree(topologies.make("directed_exponential", n)))
+    assert math.isclose(undirected, one_peer / degree(topologies.make("exponential", n)))
+
+
+def test_ying_findings_read_the_intervals():
+    configs = [
+        config({"topology": "ring"}, 0.80, 0.01),
+        config({"topology": "exponential"}, 0.90, 0.01),
+        config({"topology": "directed_exponential"}, 0.91, 0.01),
+        config({"topology": "one_peer_exponential"}, 0.905, 0.01),
+    ]
+    assert ying2021.findings(configs, "test_accuracy") == (True, True, True)
+    configs[0] = config({"topology": "ring"}, 0.89, 0.02)
+    configs[1] = config({"topology": "exponential"}, 0.95, 0.01)
+    assert ying2021.findings(configs, "test_accuracy") == (True, False, False)
+
+
+@pytest.mark.parametrize("numel", [50, 300, 4810, 50890, 200_000])
+@pytest.mark.parametrize("name", ["top_k", "sign"])
+def test_choco_byte_formula_matches_the_encoded_messages(name, numel):
+    compressor = compress.make(name, ratio=0.01)
+    message = compressor.encode(torch.randn(numel))
+    assert math.isclose(koloskova2019.expected_byte_ratio(name, numel), message.numel() / (4 * numel))
+
+
+def test_model_entries_from_exact_gossip_bytes():
+    exact = Configuration({}, {"mb_sent_per_peer": 150 * 2 * 4810 * 4 / 1e6, "steps": 150}, [])
+    assert koloskova2019.model_entries(exact) == 4810
+
+
+def test_steps_to_reach_follows_the_mean_curve():
+    def run(accuracies):
+        return {
+            "metrics": [
+                {"step": 10 * (i + 1), "test_accuracy": a, "mb_sent_per_peer": i + 1.0}
+                for i, a in enumerate(accuracies)
+            ]
+        }
+
+    long = Configuration({}, {}, [run([0.5, 0.7, 0.9]), run([0.6, 0.9, 0.9])])
+    assert koloskova2019.steps_to_reach(long, "test_accuracy", 0.8) == (20, 2.0)  # mean 0.55, 0.8, 0.9
+    assert koloskova2019.steps_to_reach(long, "test_accuracy", 0.95) is None
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["ying2021", "koloskova2019"])
+def test_reproduction_runs_end_to_end(name, tmp_path, capsys):
+    out = tmp_path / name
+    assert reproduce.main([name, "--seeds", "2", "--out", str(out), "epochs=1"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    module = {"ying2021": ying2021, "koloskova2019": koloskova2019}[name]
+    assert result["seeds"] == 2 and result["runs"] == 2 * sum(module.RUNS.values())
+    assert result["holds"] in (True, False, None) and result["verdict"]
+    assert result["plots"] and all(Path(p).stat().st_size > 0 for p in result["plots"])
+    table = (out / "result.md").read_text()
+    if name == "ying2021":  # the measured byte ratio one-peer / the paper's static graph: 1/log2(n)
+        assert "0.200 of the directed static graph's" in table and "0.167 of the directed static graph's" in table
+    else:  # 4810 entries: top-1% packs 49 float32 values and uint16 positions, sign 4 bytes + 602 bytes of bits
+        assert "0.0153 (0.0153)" in table and "0.0315 (0.0315)" in table
