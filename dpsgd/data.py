@@ -85,7 +85,7 @@ def load(
         if validation_fraction:
             raise ValueError(
                 "heterogeneous_regression holds each peer's problem in its block of the training split, which a "
-                "validation split would cut into; set data.validation_fraction=0 (its optimum is known: no tuning split)"
+                "validation split would cut into; set data.validation_fraction=0 (the optimum is known: no tuning)"
             )
         return heterogeneous_regression(peers, samples_per_peer, num_features, heterogeneity, test_fraction, seed)
     split = _load(name, test_fraction, seed, root, num_samples, num_features, num_classes, seq_len, image_shape)
@@ -211,7 +211,9 @@ def heterogeneous_regression(
     Theory: D-PSGD with a constant step converges to a neighbourhood of theta* that grows with h, while
     gradient tracking and D2 converge to theta* itself (Tang et al. 2018; Koloskova et al. 2020)."""
     if peers < 1 or not heterogeneity >= 0:
-        raise ValueError(f"heterogeneous_regression needs peers >= 1 and heterogeneity >= 0, got {peers}, {heterogeneity}")
+        raise ValueError(
+            f"heterogeneous_regression needs peers >= 1 and heterogeneity >= 0, got {peers}, {heterogeneity}"
+        )
     if not 0 < test_fraction < 1:
         raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
     held_out = lambda samples: max(1, round(samples * test_fraction))  # noqa: E731
@@ -242,7 +244,9 @@ def heterogeneous_regression(
     x_te = np.concatenate([z[train:, :-1] for z in inputs])
     y_te = np.concatenate([t[train:] for t in targets])
     split = _split(x_tr, y_tr, x_te, y_te, 0)
-    return Split(split.x_train, split.y_train, split.x_test, split.y_test, 0, torch.tensor(optimum, dtype=torch.float32))
+    return Split(
+        split.x_train, split.y_train, split.x_test, split.y_test, 0, torch.tensor(optimum, dtype=torch.float32)
+    )
 
 
 # --- file-based datasets ----------------------------------------------------------------------

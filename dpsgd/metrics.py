@@ -94,8 +94,9 @@ def optimum_distances(
 def own_optimum_distances(model: nn.Module, optimum: torch.Tensor | None) -> dict:
     """`optimum_distances` of one peer's own model (an asynchronous run's records while its peers train)."""
     own = flat(p.detach() for p in model.parameters()).cpu()
-    sq = (own.double() - optimum.double()).pow(2).sum().reshape(1) if optimum is not None else None
-    return optimum_distances(own, sq if sq is not None and own.numel() == optimum.numel() else None, optimum)
+    if optimum is None or own.numel() != optimum.numel():
+        return optimum_distances(own, None, optimum)
+    return optimum_distances(own, (own.double() - optimum.double()).pow(2).sum().reshape(1), optimum)
 
 
 def flat(tensors) -> torch.Tensor:

@@ -161,6 +161,23 @@ def test_runs_report_the_distances_of_the_reference(tmp_path):
     assert "optimum_distance" not in digits  # no known optimum: no such key
 
 
+def test_report_shows_the_distances(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from experiments import report
+
+    for algorithm in ("dpsgd", "gradient_tracking"):
+        run_dir = tmp_path / algorithm
+        run_dir.mkdir()
+        cfg = config(algorithm, 4, 1.0, 12)
+        OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
+        train_fleet(cfg, run_dir)
+    assert report.main([str(tmp_path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "dist to x* (avg model)" in table[0] and "dist to x* (peers, rms)" in table[0]
+    assert (tmp_path / "optimum_vs_steps.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def _train_local(comm, cfg):
     from dpsgd.training import train
 
@@ -188,7 +205,8 @@ def test_mpi_peers_give_the_fleets_numbers(app, hydra_config, tmp_path):
     (tmp_path / "fleet").mkdir()
     train_fleet(hydra_config(*args, "backend=fleet"), tmp_path / "fleet")
     mpi, fleet = (
-        [json.loads(r) for r in (tmp_path / kind / "metrics.jsonl").read_text().splitlines()] for kind in ("mpi", "fleet")
+        [json.loads(r) for r in (tmp_path / kind / "metrics.jsonl").read_text().splitlines()]
+        for kind in ("mpi", "fleet")
     )
     assert json.loads((tmp_path / "mpi" / "summary.json").read_text())["backend"] == "mpi"
     assert [r["step"] for r in mpi] == [r["step"] for r in fleet] == list(range(10, 61, 10))

@@ -172,7 +172,13 @@ class EventsRun(FleetRun):
             "wall_time_s": wall_s,
             "emulated_time_s": sim.now,
             **snapshot_metrics(
-                sim.model, sim.names, sim.live_params(), sim.split.x_test, sim.split.y_test, train_loss, sim.split.optimum
+                sim.model,
+                sim.names,
+                sim.live_params(),
+                sim.split.x_test,
+                sim.split.y_test,
+                train_loss,
+                sim.split.optimum,
             ),
             **traffic(
                 torch.tensor(sim.bytes_sent, dtype=torch.float64),
