@@ -50,9 +50,10 @@ def build_topology(cfg: dict, n: int) -> topologies.Topology:
 
 def load_data(cfg: dict) -> data.Split:
     d = cfg["data"]
-    options = {
-        k: d[k] for k in ("root", "num_samples", "num_features", "num_classes", "seq_len") if d.get(k) is not None
-    }
+    keys = ("root", "num_samples", "num_features", "num_classes", "seq_len", "samples_per_peer", "heterogeneity")
+    options = {k: d[k] for k in keys if d.get(k) is not None}
+    if d["name"] == "heterogeneous_regression":
+        options["peers"] = int(cfg["peers"])  # one problem per peer of the run
     if d.get("image_shape") is not None:
         options["image_shape"] = tuple(int(s) for s in d["image_shape"])  # hashable: data.load caches
     if d.get("validation_fraction"):

@@ -3,8 +3,9 @@
 `load(name, ...)` returns a fixed train/test split as tensors (with `validation_fraction`, a validation split
 carved from the training split takes the test split's place: what tuning selects on); `partition(...)` gives each peer
 its share of the training set: `iid` (equal random shares), `dirichlet` (class proportions per
-peer drawn from Dirichlet(alpha), Hsu et al. 2019) or `shards` (sorted by class, cut into shards,
-`shards_per_peer` each, McMahan et al. 2017). Everything is seeded: the same seed gives the same
+peer drawn from Dirichlet(alpha), Hsu et al. 2019), `shards` (sorted by class, cut into shards,
+`shards_per_peer` each, McMahan et al. 2017) or `blocks` (equal contiguous blocks in the dataset's
+order: the peers' own problems of `heterogeneous_regression`). Everything is seeded: the same seed gives the same
 split on every backend. No dataset is downloaded at run time: bundled ones come with installed
 packages, file-based ones are read from `root`.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import gzip
+import itertools
+import math
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +23,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASETS = ("digits", "mnist_small", "synthetic", "synthetic_regression", "tiny_text", "mnist", "cifar10")
-PARTITIONS = ("iid", "dirichlet", "shards")
+DATASETS = (
+    "digits",
+    "mnist_small",
+    "synthetic",
+    "synthetic_regression",
+    "heterogeneous_regression",
+    "tiny_text",
+    "mnist",
+    "cifar10",
+)
+PARTITIONS = ("iid", "dirichlet", "shards", "blocks")
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,9 @@ class Split:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int  # 0 for regression
+    # the known minimizer of the mean training loss, as model=linear's parameters flattened (weights, then bias);
+    # None where it is not known
+    optimum: torch.Tensor | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -57,11 +72,22 @@ def load(
     seq_len: int = 32,
     image_shape: tuple[int, ...] | None = None,
     validation_fraction: float = 0.0,
+    peers: int = 1,
+    samples_per_peer: int = 40,
+    heterogeneity: float = 0.0,
 ) -> Split:
     """The dataset `name` with a fixed held-out test split. Bundled or generated datasets are split
     by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets.
     `image_shape` (synthetic): its samples shaped as images, e.g. (3, 32, 32) for CIFAR-shaped inputs.
+    `peers`, `samples_per_peer`, `heterogeneity`: heterogeneous_regression's (see `heterogeneous_regression`).
     `validation_fraction` > 0: see `hold_out_validation`; the test split is then not returned at all."""
+    if name == "heterogeneous_regression":
+        if validation_fraction:
+            raise ValueError(
+                "heterogeneous_regression holds each peer's problem in its block of the training split, which a "
+                "validation split would cut into; set data.validation_fraction=0 (the optimum is known: no tuning)"
+            )
+        return heterogeneous_regression(peers, samples_per_peer, num_features, heterogeneity, test_fraction, seed)
     split = _load(name, test_fraction, seed, root, num_samples, num_features, num_classes, seq_len, image_shape)
     return hold_out_validation(split, validation_fraction, seed) if validation_fraction else split
 
@@ -170,6 +196,59 @@ def _tiny_text(num_samples: int, seq_len: int, test_fraction: float, seed: int) 
     return Split(x[:cut], y[:cut], x[cut:], y[cut:], num_classes=len(vocab))
 
 
+# --- a least-squares problem with a known optimum and controlled heterogeneity ------------------
+def heterogeneous_regression(
+    peers: int, samples_per_peer: int, num_features: int, heterogeneity: float, test_fraction: float, seed: int
+) -> Split:
+    """Peer i's samples (one block per peer, in rank order: partition `blocks`) are a noise-free linear
+    problem y = w_i . x + b_i whose exact minimizer theta_i = (w_i, b_i) lies at theta* + h u_i, h =
+    `heterogeneity`. Each peer draws its own feature scales (exp of U(-1, 1)), so the peers' Hessians
+    H_i = mean over its samples of z z^T (z = (x, 1)) differ too. The u_i are seeded directions made to satisfy
+    sum_i H_i u_i = 0, so theta* is exactly the minimizer of the mean of the peers' losses (the global problem),
+    and scaled so that sqrt(mean_i |u_i|^2) = 1: h is the root mean square distance of the peers' optima from
+    theta*. The test split holds the last `test_fraction` of every peer's samples, drawn alike.
+
+    Theory: D-PSGD with a constant step converges to a neighbourhood of theta* that grows with h, while
+    gradient tracking and D2 converge to theta* itself (Tang et al. 2018; Koloskova et al. 2020)."""
+    if peers < 1 or not heterogeneity >= 0:
+        raise ValueError(
+            f"heterogeneous_regression needs peers >= 1 and heterogeneity >= 0, got {peers}, {heterogeneity}"
+        )
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
+    held_out = lambda samples: max(1, round(samples * test_fraction))  # noqa: E731
+    train = samples_per_peer - held_out(samples_per_peer)
+    if train <= num_features:
+        enough = next(s for s in itertools.count(samples_per_peer) if s - held_out(s) > num_features)
+        raise ValueError(
+            f"heterogeneous_regression: each peer trains on {train} samples of {num_features} features (and a bias): "
+            f"its problem has no unique minimizer; set data.samples_per_peer >= {enough} or lower data.num_features"
+        )
+    rng = np.random.default_rng(seed)
+    dim = num_features + 1  # the weights and the bias
+    optimum = rng.normal(size=dim) / math.sqrt(dim)
+    inputs = []
+    for _ in range(peers):
+        scales = np.exp(rng.uniform(-1.0, 1.0, size=num_features))
+        x = rng.normal(size=(samples_per_peer, num_features)) * scales
+        inputs.append(np.hstack([x, np.ones((samples_per_peer, 1))]))
+    hessians = [z[:train].T @ z[:train] / train for z in inputs]
+    directions = rng.normal(size=(peers, dim))
+    pull = np.mean([h @ v for h, v in zip(hessians, directions)], axis=0)
+    directions -= np.stack([np.linalg.solve(h, pull) for h in hessians])  # now sum_i H_i u_i = 0
+    rms = math.sqrt(float((directions**2).sum(1).mean()))
+    directions = directions / rms if rms > 1e-12 else directions  # one peer: u = 0, its optimum is theta*
+    targets = [z @ (optimum + heterogeneity * u) for z, u in zip(inputs, directions)]
+    x_tr = np.concatenate([z[:train, :-1] for z in inputs])
+    y_tr = np.concatenate([t[:train] for t in targets])
+    x_te = np.concatenate([z[train:, :-1] for z in inputs])
+    y_te = np.concatenate([t[train:] for t in targets])
+    split = _split(x_tr, y_tr, x_te, y_te, 0)
+    return Split(
+        split.x_train, split.y_train, split.x_test, split.y_test, 0, torch.tensor(optimum, dtype=torch.float32)
+    )
+
+
 # --- file-based datasets ----------------------------------------------------------------------
 def _find(root: Path, name: str, dataset: str, hint: str) -> Path:
     for candidate in (root / name, root / (name + ".gz")):
@@ -247,6 +326,9 @@ def partition(
         share = n // peers  # equal shares: all-reduce of mean gradients is then exactly large-batch SGD
         order = rng.permutation(n)
         return [np.sort(order[r * share : (r + 1) * share]) for r in range(peers)]
+    if scheme == "blocks":  # the dataset's own order (heterogeneous_regression: peer r's problem is block r)
+        share = n // peers
+        return [np.arange(r * share, (r + 1) * share) for r in range(peers)]
     if labels.dtype.kind == "f" or labels.ndim > 1:
         raise ValueError(f"partition {scheme!r} splits by class; regression and text data need partition=iid")
     if scheme == "dirichlet":

@@ -1,8 +1,11 @@
 """Measurements shared by every algorithm: evaluation of the averaged and the local models,
-consensus distance (1/n) sum_i ||x_i - x_bar||^2, and traffic. Their own communication runs
+consensus distance (1/n) sum_i ||x_i - x_bar||^2, traffic, and where the workload allows, the
+perplexity of a language model and the distances to a known optimum. Their own communication runs
 `uncounted`, so the reported bytes are the algorithm's alone."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -63,28 +66,79 @@ def gather_scalars(comm: Communicator, values: list[float]) -> torch.Tensor:
         return comm.allreduce_mean([slots])[0] * comm.size
 
 
+def language_metrics(test_loss: float, y: torch.Tensor) -> dict:
+    """For token sequences (a language model's targets): the perplexity, exp of the mean per-token
+    cross-entropy of the averaged model. Nothing for other targets."""
+    if y.is_floating_point() or y.dim() < 2:
+        return {}
+    return {"test_perplexity": math.exp(min(test_loss, 700.0))}  # capped: a diverged run stays a finite number
+
+
+def optimum_distances(
+    average: torch.Tensor, peer_sq_distances: torch.Tensor | None, optimum: torch.Tensor | None
+) -> dict:
+    """Where the data's minimizer x* is known (dpsgd.data.Split.optimum): `optimum_distance`, |x_bar - x*| of the
+    averaged model (flattened), and `peer_optimum_distance`, sqrt(mean_i |x_i - x*|^2) from each peer's own
+    squared distance. None for a model whose parameters are not x*'s (not model=linear); nothing without x*."""
+    if optimum is None:
+        return {}
+    if average.numel() != optimum.numel() or peer_sq_distances is None:
+        return {"optimum_distance": None, "peer_optimum_distance": None}
+    return {
+        "optimum_distance": float((average.double() - optimum.double()).norm()),
+        "peer_optimum_distance": float(peer_sq_distances.double().mean().sqrt()),
+    }
+
+
+@torch.no_grad()
+def own_optimum_distances(model: nn.Module, optimum: torch.Tensor | None) -> dict:
+    """`optimum_distances` of one peer's own model (an asynchronous run's records while its peers train)."""
+    own = flat(p.detach() for p in model.parameters()).cpu()
+    if optimum is None or own.numel() != optimum.numel():
+        return optimum_distances(own, None, optimum)
+    return optimum_distances(own, (own.double() - optimum.double()).pow(2).sum().reshape(1), optimum)
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
 @torch.no_grad()
 def snapshot_metrics(
-    comm: Communicator, model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor, train_loss: float
+    comm: Communicator,
+    model: nn.Module,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+    train_loss: float,
+    optimum: torch.Tensor | None = None,
 ) -> dict:
-    """Test metrics of the averaged model and of each peer's own, consensus distance, mean train loss."""
+    """Test metrics of the averaged model and of each peer's own, consensus distance, mean train loss;
+    with `optimum`, the distances to it (`optimum_distances`); for a language model, its perplexity."""
     names = [n for n, _ in model.named_parameters()]
     local = [p.detach() for p in model.parameters()]
     with comm.uncounted():
         avg = comm.allreduce_mean(local)
     sq_dist = sum(float((x.double() - a.double()).pow(2).sum()) for x, a in zip(local, avg))
+    own_flat = flat(local).cpu()
+    sq_optimum = (
+        float((own_flat.double() - optimum.double()).pow(2).sum())
+        if optimum is not None and optimum.numel() == own_flat.numel()
+        else 0.0
+    )
 
     # the averaged model: each peer scores its slice of the test set, and the counts are summed
     lo, hi = comm.rank * len(x_test) // comm.size, (comm.rank + 1) * len(x_test) // comm.size
     avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test[lo:hi], y_test[lo:hi])
     own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x_test, y_test)
     table = gather_scalars(
-        comm, [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count, sq_dist, train_loss]
+        comm,
+        [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count, sq_dist, train_loss, sq_optimum],
     )
     total = table.sum(0)
     peer_acc = table[:, 3]
+    test_loss = float(total[0] / total[2])
     return {
-        "test_loss": float(total[0] / total[2]),
+        "test_loss": test_loss,
         "test_accuracy": float(total[1] / total[2]),
         "peer_test_accuracy_mean": float(peer_acc.mean()),
         "peer_test_accuracy_min": float(peer_acc.min()),
@@ -92,6 +146,8 @@ def snapshot_metrics(
         "peer_test_loss_mean": float(table[:, 4].mean()),
         "consensus_distance": float(table[:, 5].mean()),
         "train_loss": float(table[:, 6].mean()),
+        **language_metrics(test_loss, y_test),
+        **optimum_distances(flat(avg).cpu(), table[:, 7], optimum),
     }
 
 

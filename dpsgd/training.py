@@ -241,7 +241,7 @@ class SynchronousRun:
             "epoch": self.samples / peer.samples_per_epoch,
             "samples": self.samples,
             "wall_time_s": wall_s,
-            **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss),
+            **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.split.optimum),
             **metrics.traffic(self.comm),
         }
 
@@ -318,6 +318,8 @@ class AsynchronousRun(SynchronousRun):
             "wall_time_s": wall_s,
             "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
             **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
+            **metrics.language_metrics(own["test_loss"], peer.y_test),
+            **metrics.own_optimum_distances(peer.model, peer.split.optimum),
             **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s", "peak_mb_sent_per_step")},
             "scope": "rank 0",
         }
@@ -347,7 +349,7 @@ class AsynchronousRun(SynchronousRun):
             "epoch": sum(samples) / len(peer.split.x_train),
             "samples": int(sum(samples)),
             "wall_time_s": max(columns[8]),  # until its last peer stopped
-            **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss),
+            **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.split.optimum),
             **metrics.traffic(comm),
             "peak_mb_sent_per_step": None,  # no global step to count it in
             "scope": "all peers",

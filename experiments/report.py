@@ -8,7 +8,8 @@ Runs that differ only by `seed` are one configuration: its row holds the mean ov
 Student-t interval (experiments.intervals) and the number of seeds, and its curves a band of that interval.
 
 Writes into the output folder (default DIR): report.md, report.csv, and PNG plots
-vs_steps.png (test accuracy of the averaged model and of the peers, test loss, consensus distance), vs_wall_time.png,
+vs_steps.png (test accuracy of the averaged model and of the peers, test loss, consensus distance),
+optimum_vs_steps.png (distances to a known optimum, where the data has one), vs_wall_time.png,
 vs_emulated_time.png (with an emulated network) and
 vs_mb_sent.png (test accuracy and loss).
 """
@@ -125,6 +126,14 @@ def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
                 ("consensus_distance", "consensus distance"),
             ],
         ),
+        "optimum_vs_steps": (  # data with a known optimum (heterogeneous_regression)
+            "step",
+            "step",
+            [
+                ("optimum_distance", "distance to x* (averaged model)"),
+                ("peer_optimum_distance", "distance to x* (peers' models, rms)"),
+            ],
+        ),
         "vs_wall_time": (
             "wall_time_s",
             "wall time (s)",
@@ -145,8 +154,10 @@ def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
     seeds = max(len(g) for g in groups)
     written = []
     for name, (x_key, x_label, panels) in figures.items():
-        if not any(m.get(x_key) is not None for r in runs for m in r["metrics"]):
-            continue  # e.g. no emulated network in these runs
+        if not any(m.get(x_key) is not None for r in runs for m in r["metrics"]) or not any(
+            m.get(y_key) is not None for r in runs for m in r["metrics"] for y_key, _ in panels
+        ):
+            continue  # e.g. no emulated network, or no known optimum, in these runs
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
         for ax, (y_key, y_label) in zip(axes[0], panels):
             for group in groups:
@@ -172,7 +183,7 @@ def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
                 ax.set_xscale("log", nonpositive="mask")  # e.g. averaging periods spanning 1 to 64
             ax.set_xlabel(x_label)
             ax.set_ylabel(y_label)
-            if y_key == "consensus_distance":
+            if y_key in ("consensus_distance", "optimum_distance", "peer_optimum_distance"):
                 ys = [y for r in runs for y in _values(r, y_key)]
                 if ys and min(ys) > 0:
                     ax.set_yscale("log")

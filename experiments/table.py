@@ -12,12 +12,16 @@ COLUMNS = [  # (header, summary key, format)
     ("seeds", "seeds", "{}"),  # the report's rows: runs that differ only by seed, as mean +- 95% interval
     ("test acc (avg model)", "test_accuracy", "{:.4f}"),
     ("test acc (peer mean)", "peer_test_accuracy_mean", "{:.4f}"),
+    ("test ppl (avg model)", "test_perplexity", "{:.3f}"),  # language models
+    ("dist to x* (avg model)", "optimum_distance", "{:.3e}"),  # data with a known optimum
+    ("dist to x* (peers, rms)", "peer_optimum_distance", "{:.3e}"),
     ("consensus dist", "consensus_distance", "{:.3e}"),
     ("MB sent/peer", "mb_sent_per_peer", "{:.2f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
     ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.netem)
 ]
-OPTIONAL = {"emulated_time_s", "seeds"}  # columns left out when no row has them
+# columns left out when no row has them
+OPTIONAL = {"emulated_time_s", "seeds", "test_perplexity", "optimum_distance", "peer_optimum_distance"}
 
 
 def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:

@@ -145,6 +145,11 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
     _check_choice("data.partition", cfg["data"].get("partition", "iid"), data.PARTITIONS)
+    if cfg["data"].get("name") == "heterogeneous_regression" and cfg["data"].get("partition") != "blocks":
+        raise ConfigError(  # any other partition mixes the peers' problems, and x* is no longer the known optimum
+            f"data=heterogeneous_regression gives peer i the i-th block, its own problem: it needs "
+            f"data.partition=blocks, got {cfg['data'].get('partition')!r}"
+        )
     fraction = cfg["data"].get("validation_fraction") or 0
     if not _is_number(fraction) or not 0 <= fraction < 1:
         raise ConfigError(

@@ -30,6 +30,7 @@ def test_sweep_to_table_and_plots(app, tmp_path):
     for name in ("vs_steps", "vs_wall_time", "vs_mb_sent"):
         png = sweep / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert not (sweep / "optimum_vs_steps.png").exists()  # digits has no known optimum
 
 
 def test_report_says_what_is_missing(tmp_path):

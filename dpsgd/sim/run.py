@@ -42,9 +42,12 @@ def evaluate_peers(
 
 
 @torch.no_grad()
-def snapshot_metrics(model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float) -> dict:
+def snapshot_metrics(
+    model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum=None
+) -> dict:
     """`dpsgd.metrics.snapshot_metrics` for stacked parameters: the averaged model's test metrics,
-    every peer's own, the consensus distance and the mean train loss."""
+    every peer's own, the consensus distance and the mean train loss (and where known, the perplexity
+    and the distances to the optimum)."""
     avg = [p.mean(0) for p in params]
     sq_dist = torch.stack(
         [((p.double() - a.double()) ** 2).reshape(p.shape[0], -1).sum(1) for p, a in zip(params, avg)]
@@ -52,6 +55,12 @@ def snapshot_metrics(model, names: list[str], params: list[torch.Tensor], x_test
     avg_loss, avg_correct, count = metrics.evaluate(model, dict(zip(names, avg)), x_test, y_test)
     own_loss, own_correct, own_count = evaluate_peers(model, names, params, x_test, y_test)
     peer_acc = own_correct / own_count
+    stacked = torch.cat([p.detach().reshape(p.shape[0], -1) for p in params], 1).cpu()
+    sq_optimum = (
+        ((stacked.double() - optimum.double()) ** 2).sum(1)
+        if optimum is not None and optimum.numel() == stacked.shape[1]
+        else torch.zeros(len(stacked))
+    )
     return {
         "test_loss": avg_loss / count,
         "test_accuracy": avg_correct / count,
@@ -61,6 +70,8 @@ def snapshot_metrics(model, names: list[str], params: list[torch.Tensor], x_test
         "peer_test_loss_mean": float((own_loss / own_count).mean()),
         "consensus_distance": float(sq_dist.mean()),
         "train_loss": float(train_loss),
+        **metrics.language_metrics(avg_loss / count, y_test),
+        **metrics.optimum_distances(metrics.flat(avg).cpu(), sq_optimum, optimum),
     }
 
 
@@ -113,7 +124,7 @@ class FleetRun:
             "samples": step * fleet.batches.batch_size * fleet.n,
             "wall_time_s": wall_s,
             "emulated_time_s": None,
-            **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss),
+            **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss, fleet.split.optimum),
             **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s, self.peak_step_bytes),
         }
 
@@ -160,7 +171,15 @@ class EventsRun(FleetRun):
             "samples": samples,
             "wall_time_s": wall_s,
             "emulated_time_s": sim.now,
-            **snapshot_metrics(sim.model, sim.names, sim.live_params(), sim.split.x_test, sim.split.y_test, train_loss),
+            **snapshot_metrics(
+                sim.model,
+                sim.names,
+                sim.live_params(),
+                sim.split.x_test,
+                sim.split.y_test,
+                train_loss,
+                sim.split.optimum,
+            ),
             **traffic(
                 torch.tensor(sim.bytes_sent, dtype=torch.float64),
                 torch.tensor(sim.bytes_received, dtype=torch.float64),
