@@ -13,7 +13,7 @@ from dpsgd import compress
 from experiments import reproduce
 from experiments.reproduce import Configuration
 from experiments.reproductions import koloskova2019, ying2021
-from experiments.reproductions._verdicts import compare, overall
+from experiments.reproductions._verdicts import compare, overall, paired
 from topologies.analysis import degree
 
 
@@ -36,6 +36,19 @@ def test_overall_is_partly_when_some_parts_hold():
     assert overall([True, True]) is True
     assert overall([False, False]) is False
     assert overall([True, False]) is None
+
+
+def test_paired_differences_match_seeds_not_order():
+    def runs(values):
+        return [{"summary": {"seed": seed, "test_accuracy": v}} for seed, v in values]
+
+    a = Configuration({}, {}, runs([(2, 0.93), (0, 0.91), (1, 0.95), (5, 0.5)]))
+    b = Configuration({}, {}, runs([(0, 0.90), (1, 0.92), (2, 0.94)]))
+    mean, ci, higher, count = paired(a, b, "test_accuracy")  # differences 0.01, 0.03, -0.01 (seed 5 unpaired)
+    assert (higher, count) == (2, 3) and math.isclose(mean, 0.01)
+    assert math.isclose(ci, 4.302652729911275 * 0.02 / math.sqrt(3))  # t(0.975, 2) * sd / sqrt(3)
+    with pytest.raises(LookupError, match="no seed in common"):
+        paired(a, Configuration({}, {}, runs([(9, 0.9)])), "test_accuracy")
 
 
 @pytest.mark.parametrize("n", [8, 32, 64])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from experiments.intervals import mean_interval
 from experiments.reproduce import Configuration
 
 
@@ -20,3 +21,17 @@ def compare(a: Configuration, b: Configuration, key: str) -> int:
 def overall(parts: list[bool]) -> bool | None:
     """A claim made of parts holds if every part holds, does not hold if none does, and partly holds (None) else."""
     return True if all(parts) else False if not any(parts) else None
+
+
+def paired(a: Configuration, b: Configuration, key: str) -> tuple[float, float, int, int]:
+    """a - b seed by seed, over the seeds both ran (a seed fixes the partition, batches and initial model, so the
+    pair differs only by the setting): (mean difference, its 95% interval half width, seeds where a is higher,
+    seeds compared)."""
+    b_values = {r["summary"]["seed"]: r["summary"][key] for r in b.runs}
+    differences = [
+        r["summary"][key] - b_values[r["summary"]["seed"]] for r in a.runs if r["summary"]["seed"] in b_values
+    ]
+    if not differences:
+        raise LookupError(f"no seed in common between {a.setting} and {b.setting}")
+    mean, ci = mean_interval(differences)
+    return mean, ci, sum(d > 0 for d in differences), len(differences)
