@@ -6,6 +6,7 @@ the fleet and every real backend: test_contract.py.)"""
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,14 @@ def test_hydra_app_runs_backend_fleet(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "backend=fleet keeps no checkpoints" in bad.stderr
+
+
+def test_threads_are_every_core_unless_backend_threads_says():
+    from dpsgd.backends.fleet import threads
+
+    assert threads({"name": "fleet", "threads": None}) == (os.cpu_count() or 1)
+    assert threads({"name": "fleet"}) == (os.cpu_count() or 1)
+    assert threads({"name": "fleet", "threads": 3}) == 3
+    for wrong in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="backend.threads must be a whole number >= 1"):
+            threads({"name": "fleet", "threads": wrong})

@@ -1,4 +1,4 @@
-"""The `fleet` backend: every peer simulated in the driver's process (dpsgd.sim), on every core."""
+"""The `fleet` backend: every peer simulated in the driver's process (dpsgd.sim), on every core by default."""
 
 from __future__ import annotations
 
@@ -24,8 +24,19 @@ class FleetBackend(Backend):
 
         from dpsgd.sim import train_fleet
 
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(threads(cfg["backend"]))
         return train_fleet(cfg, run_dir)
+
+
+def threads(backend: dict) -> int:
+    """torch's intra-op threads for the fleet: `backend.threads`, or every core when it is null. Small models on a
+    shared machine run faster on 1: idle threads spin-wait for cores that other jobs hold."""
+    wanted = backend.get("threads")
+    if wanted is None:
+        return os.cpu_count() or 1
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+        raise ValueError(f"backend.threads must be a whole number >= 1, or null for every core; got {wanted!r}")
+    return wanted
 
 
 register(FleetBackend())
