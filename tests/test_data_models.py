@@ -95,6 +95,23 @@ def test_cifar_binary_files_are_read(tmp_path):
     assert split.input_shape == (3, 32, 32) and len(split.x_train) == 20 and split.y_test.tolist() == [0, 1, 2, 3]
 
 
+def test_cifar_python_files_are_read(tmp_path):
+    """The python version (cifar-10-python.tar.gz unpacked: pickled dicts of uint8 rows, channel-major)."""
+    import pickle
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batches[name] = {b"data": rng.integers(0, 256, (3, 3072)).astype(np.uint8), b"labels": [7, 8, 9]}
+        (folder / name).write_bytes(pickle.dumps(batches[name]))
+    split = data.load("cifar10", root=str(tmp_path))
+    assert split.input_shape == (3, 32, 32) and len(split.x_train) == 15 and split.y_test.tolist() == [7, 8, 9]
+    row = batches["data_batch_1"][b"data"][1]  # 1024 red, then green, then blue values, each row by row
+    assert split.x_train[1, 2, 5, 7].item() == pytest.approx(row[2 * 1024 + 5 * 32 + 7] / 255)
+
+
 def test_missing_files_say_where_and_what(tmp_path):
     with pytest.raises(data.DataNotFoundError, match="train-images-idx3-ubyte not found under .*nothing is downloaded"):
         data.load("mnist", root=str(tmp_path))

@@ -59,6 +59,17 @@ def test_peers_optima_lie_h_apart_around_the_known_global_optimum():
         data.load("heterogeneous_regression", peers=2, samples_per_peer=10, num_features=FEATURES)
 
 
+def test_the_validator_keeps_the_peers_problems_apart(hydra_config):
+    from experiments.validate import ConfigError, validate
+
+    args = ("backend=fleet", "model=linear", "data=heterogeneous_regression")
+    validate(hydra_config(*args))
+    with pytest.raises(ConfigError, match="needs data.partition=blocks, got 'iid'"):
+        validate(hydra_config(*args, "data.partition=iid"))
+    with pytest.raises(ConfigError, match="set data.validation_fraction=0"):
+        validate(hydra_config(*args, "data.validation_fraction=0.2"))
+
+
 # --- the numpy reference: full-batch D-PSGD (cta) and gradient tracking with SGD, from the equations --------
 def gradients(x: np.ndarray, z: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Each peer's gradient of its mean squared error (1/m) |z_i x_i - y_i|^2 at x_i."""
