@@ -106,7 +106,8 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     numel, steps = model_entries(exact), int(exact.mean("steps"))
     exact_mb = exact.mean("mb_sent_per_peer")
     lines = [
-        f"8 peers on a ring, {int(exact.summary['seeds'])} seeds, mean ± 95% interval; the model has {numel} entries.",
+        f"{int(exact.summary['peers'])} peers on a ring, {int(exact.summary['seeds'])} seeds, mean ± 95% interval; "
+        f"the model has {numel} entries.",
         "",
         "| run | test acc, averaged model | test acc, peers' own models | consensus distance | MB sent per peer | "
         "bytes per step / exact gossip's (formula) |",
@@ -145,7 +146,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         + f": at the same {steps} steps, the best gamma of each compressor's grid (chosen on the test split, so "
         "slightly optimistic) against exact gossip: "
         + "; ".join(notes)
-        + f". Top-1% run {LONG_EPOCHS // 30}x as long: "
+        + f". Top-1% run for {int(longs[0].mean('steps'))} steps: "
         + "; ".join(longer)
         + "."
     )
@@ -154,7 +155,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         "mb_sent_per_peer",
         [("test_accuracy", "test accuracy (averaged model)"), ("peer_test_accuracy_mean", "test accuracy (peers)")],
         out / "vs_mb_sent.png",
-        "CHOCO-SGD against exact gossip, 8 peers, ring: mean and 95% interval over seeds",
+        f"CHOCO-SGD against exact gossip, {int(exact.summary['peers'])} peers, ring: mean and 95% interval over seeds",
         x_label="MB sent per peer (log)",
         label=name,
         log_x=True,
