@@ -161,16 +161,27 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("outputs/reproductions") / args.name
     out.mkdir(parents=True, exist_ok=True)
 
-    started, load_before, cpu_before = time.perf_counter(), os.getloadavg()[0], _children_cpu_s()
-    runs = {}
+    runs, timings = {}, []
     for sweep, sweep_overrides in module.SWEEPS.items():
         folder = out / sweep
         expected = module.RUNS[sweep] * args.seeds
+        timing_file = folder.with_suffix(".timing.json")
         if not finished(folder, expected):
             print(f"{args.name}: sweep {sweep!r} ({expected} runs) ...", flush=True)
+            started, load, cpu = time.perf_counter(), os.getloadavg()[0], _children_cpu_s()
             run_sweep([*sweep_overrides, *overrides, f"seed=range({args.seeds})"], folder)
+            timing = {
+                "seconds": time.perf_counter() - started,
+                "cpu_seconds": _children_cpu_s() - cpu,
+                "load_average": [load, os.getloadavg()[0]],
+            }
+            timing_file.write_text(json.dumps(timing) + "\n")
+        if timing_file.exists():  # a sweep read again keeps the time it took when it ran
+            timings.append(json.loads(timing_file.read_text()))
         runs[sweep] = load_runs(folder)
-    seconds, cpu_seconds = time.perf_counter() - started, _children_cpu_s() - cpu_before
+    seconds = sum(t["seconds"] for t in timings)
+    cpu_seconds = sum(t["cpu_seconds"] for t in timings)
+    load_before = max((t["load_average"][0] for t in timings), default=os.getloadavg()[0])
     finding = module.analyze({k: configurations(v) for k, v in runs.items()}, out)
 
     command = " ".join(["python -m experiments.reproduce", *(sys.argv[1:] if argv is None else argv)])
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         # the sweeps' processes' CPU time (user + sys): on a loaded machine the wall time stretches, this
         # hardly does; a one-process sweep takes about this long on a quiet core
         "sweep_cpu_seconds": round(cpu_seconds, 1),
-        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        "load_average_at_start": round(load_before, 1),  # the highest of the sweeps'
         "holds": finding.holds,
         "verdict": finding.verdict,
         "plots": [str(p) for p in finding.plots],
@@ -193,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     md = (
         f"# {module.PAPER}\n\nClaim (paraphrased): {module.CLAIM}\n\n`{command}`: {result['runs']} runs, "
-        f"{seconds:.0f} s of sweeps, {cpu_seconds:.0f} s of CPU (load average {load_before:.1f} at the start)\n\n"
+        f"{seconds:.0f} s of sweeps, {cpu_seconds:.0f} s of CPU "
+        f"(load average up to {load_before:.1f} at the sweeps' starts)\n\n"
         f"{finding.table}\n\n"
         f"**Verdict:** {finding.verdict}\n" + "".join(f"\n![{p.name}]({p.name})\n" for p in finding.plots)
     )

@@ -24,6 +24,9 @@ def test_lian2017_runs_reports_and_reuses(tmp_path, capsys):
     logs = sorted(p.stat().st_mtime for p in out.rglob("summary.json"))
     assert reproduce.main(args) == 0  # read again, not rerun
     assert sorted(p.stat().st_mtime for p in out.rglob("summary.json")) == logs
+    again = json.loads((out / "result.json").read_text())
+    assert again["sweep_seconds"] == result["sweep_seconds"] > 0  # the time it took when it ran
+    assert 0 < again["sweep_cpu_seconds"] == result["sweep_cpu_seconds"]
 
 
 def test_unknown_reproduction_names_the_choices(capsys):
