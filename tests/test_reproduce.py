@@ -42,3 +42,9 @@ def test_find_needs_exactly_one_configuration():
     assert reproduce.find(configs, algorithm="qgm", data__alpha=10).setting == {"algorithm": "qgm", "data.alpha": 10}
     with pytest.raises(LookupError, match="2 configurations"):
         reproduce.find(configs, algorithm="qgm")
+
+
+def test_fleet_sweeps_run_on_one_thread_unless_told():
+    assert reproduce.fleet_threads(["experiment=x", "backend=fleet"]) == ["backend.threads=1"]
+    assert reproduce.fleet_threads(["backend=fleet", "backend.threads=2"]) == []
+    assert reproduce.fleet_threads(["backend=mpi"]) == []
