@@ -129,6 +129,10 @@ def test_waiter_cost(tmp_path):
     assert res["benchmark"] == "waiter_cost" and len(res["computing"]) == 2  # 4 ranks: 2 compute, 2 wait
     assert set(res["ratios"]) == set(waiter_cost.MODES) and res["ratios"]["asleep"] == 1.0
     assert all(t > 0 for row in res["computing"] for t in row.values())
+    assert len(res["waiting_cpu_fraction"]) == 2 and all(
+        0 <= f <= 1.5 for row in res["waiting_cpu_fraction"] for f in row.values()
+    )
+    assert "MPICH's blocking wait 50.0%" in waiter_cost.miss_cause({"toolkit": 0.1, "asleep": 0.0, "mpi_blocking": 0.5})
 
 
 def test_local_sgd_vs_torch(tmp_path):

@@ -54,15 +54,20 @@ def worker(args) -> None:
             dt = compute()
             comm.wait_request("send", comm.start_send(flag, partner, tag=1), [partner])
             return dt
+        wall, cpu = time.perf_counter(), time.process_time()
         if mode == "asleep":
             time.sleep(sleep_s)
         if mode == "mpi_blocking":
             comm._comm.Recv(flag.numpy(), source=partner, tag=1)  # the library's own (spinning) wait
         else:
             comm.wait_request("recv", comm.start_recv(flag, partner, tag=1), [partner])
+        busy[mode].append((time.process_time() - cpu) / (time.perf_counter() - wall))
         return None
 
+    busy: dict[str, list[float]] = {m: [] for m in MODES}  # a waiting rank's CPU time / its wait's wall time
     warm = [round_("toolkit", 0.0) or 0.0 for _ in range(args.warmup)]
+    for b in busy.values():
+        b.clear()  # the warm-up's waits do not count
     sleep_s = 1.5 * world.allreduce(max(warm), op=MPI.MAX)  # the baseline sleeps past every computation
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for i in range(args.rounds * len(MODES)):
@@ -71,10 +76,24 @@ def worker(args) -> None:
         if dt is not None:
             times[mode].append(dt)
     mine = {m: float(np.median(t)) for m, t in times.items()} if computing else None
-    gathered = world.gather(mine, root=0)
+    waiting = {m: float(np.median(b)) for m, b in busy.items()} if not computing and partner < n else None
+    gathered = world.gather((mine, waiting), root=0)
     comm.close()
-    result = {"peers": n, "computing": [g for g in gathered or [] if g is not None], "sleep_s": sleep_s}
+    result = {
+        "peers": n,
+        "computing": [g for g, _ in gathered or [] if g is not None],
+        "waiting_cpu_fraction": [w for _, w in gathered or [] if w is not None],
+        "sleep_s": sleep_s,
+    }
     common.finish_ranks(world, args.worker, result)
+
+
+def miss_cause(busy: dict[str, float]) -> str:
+    """What the waiting partner took from the cores, measured: its CPU time over its wait's wall time."""
+    return (
+        f"the partner used {100 * busy['toolkit']:.1f}% of a core while waiting in the toolkit's polls "
+        f"(asleep {100 * busy['asleep']:.1f}%, in MPICH's blocking wait {100 * busy['mpi_blocking']:.1f}%)"
+    )
 
 
 def main(argv=None) -> int:
@@ -109,6 +128,11 @@ def main(argv=None) -> int:
     ]
     res["ratios"] = {m: mean[m] / mean["asleep"] for m in MODES}
     common.print_targets(targets)
+    busy = {m: sum(w[m] for w in res["waiting_cpu_fraction"]) / len(res["waiting_cpu_fraction"]) for m in MODES}
+    res["waiting_cpu_fraction_mean"] = busy
+    print("the waiting partner's CPU time / its wait: " + ", ".join(f"{m} {100 * busy[m]:.1f}%" for m in MODES))
+    if not targets[0].holds:
+        print(f"  MISS {targets[0].name}: {miss_cause(busy)}")
     common.write_result(args.out, "waiter_cost", res, targets, argv)
     print(f"written: {args.out}")
     return 0
