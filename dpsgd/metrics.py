@@ -6,12 +6,14 @@ perplexity of a language model and the distances to a known optimum. Their own c
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from dpsgd.comm import Communicator
+from dpsgd.comm.base import flatten
 
 SNAPSHOT_KEYS = (
     "test_loss",
@@ -75,32 +77,42 @@ def language_metrics(test_loss: float, y: torch.Tensor) -> dict:
 
 
 def optimum_distances(
-    average: torch.Tensor, peer_sq_distances: torch.Tensor | None, optimum: torch.Tensor | None
+    average: Sequence[torch.Tensor], peer_sq_distances: torch.Tensor | None, optimum: torch.Tensor | None
 ) -> dict:
     """Where the data's minimizer x* is known (dpsgd.data.Split.optimum): `optimum_distance`, |x_bar - x*| of the
-    averaged model (flattened), and `peer_optimum_distance`, sqrt(mean_i |x_i - x*|^2) from each peer's own
-    squared distance. None for a model whose parameters are not x*'s (not model=linear); nothing without x*."""
+    averaged model's parameters `average` (flattened), and `peer_optimum_distance`, sqrt(mean_i |x_i - x*|^2) from
+    each peer's own squared distance. None for a model whose parameters are not x*'s (not model=linear); nothing,
+    and no work, without x*."""
     if optimum is None:
         return {}
-    if average.numel() != optimum.numel() or peer_sq_distances is None:
+    avg = flatten(average).cpu()
+    if avg.numel() != optimum.numel() or peer_sq_distances is None:
         return {"optimum_distance": None, "peer_optimum_distance": None}
     return {
-        "optimum_distance": float((average.double() - optimum.double()).norm()),
+        "optimum_distance": float((avg.double() - optimum.double()).norm()),
         "peer_optimum_distance": float(peer_sq_distances.double().mean().sqrt()),
     }
+
+
+def squared_optimum_distances(
+    params: Sequence[torch.Tensor], optimum: torch.Tensor | None, peer_axis: bool = False
+) -> torch.Tensor | None:
+    """|x_i - x*|^2 in float64, one per model: `params` is one model's parameters, or with `peer_axis` every peer's
+    (a leading peer axis, as the fleet stacks them). None, and no work, without x*, or for a model whose parameters
+    are not x*'s."""
+    if optimum is None:
+        return None
+    rows = torch.cat([p.detach().reshape(p.shape[0] if peer_axis else 1, -1) for p in params], 1).cpu()
+    if rows.shape[1] != optimum.numel():
+        return None
+    return (rows.double() - optimum.double()).pow(2).sum(1)
 
 
 @torch.no_grad()
 def own_optimum_distances(model: nn.Module, optimum: torch.Tensor | None) -> dict:
     """`optimum_distances` of one peer's own model (an asynchronous run's records while its peers train)."""
-    own = flat(p.detach() for p in model.parameters()).cpu()
-    if optimum is None or own.numel() != optimum.numel():
-        return optimum_distances(own, None, optimum)
-    return optimum_distances(own, (own.double() - optimum.double()).pow(2).sum().reshape(1), optimum)
-
-
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
+    own = [p.detach() for p in model.parameters()]
+    return optimum_distances(own, squared_optimum_distances(own, optimum), optimum)
 
 
 @torch.no_grad()
@@ -119,12 +131,7 @@ def snapshot_metrics(
     with comm.uncounted():
         avg = comm.allreduce_mean(local)
     sq_dist = sum(float((x.double() - a.double()).pow(2).sum()) for x, a in zip(local, avg))
-    own_flat = flat(local).cpu()
-    sq_optimum = (
-        float((own_flat.double() - optimum.double()).pow(2).sum())
-        if optimum is not None and optimum.numel() == own_flat.numel()
-        else 0.0
-    )
+    sq_optimum = squared_optimum_distances(local, optimum)
 
     # the averaged model: each peer scores its slice of the test set, and the counts are summed
     lo, hi = comm.rank * len(x_test) // comm.size, (comm.rank + 1) * len(x_test) // comm.size
@@ -132,7 +139,8 @@ def snapshot_metrics(
     own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x_test, y_test)
     table = gather_scalars(
         comm,
-        [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count, sq_dist, train_loss, sq_optimum],
+        [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count, sq_dist, train_loss]
+        + [float(sq_optimum[0]) if sq_optimum is not None else 0.0],
     )
     total = table.sum(0)
     peer_acc = table[:, 3]
@@ -147,7 +155,7 @@ def snapshot_metrics(
         "consensus_distance": float(table[:, 5].mean()),
         "train_loss": float(table[:, 6].mean()),
         **language_metrics(test_loss, y_test),
-        **optimum_distances(flat(avg).cpu(), table[:, 7], optimum),
+        **optimum_distances(avg, table[:, 7] if sq_optimum is not None else None, optimum),
     }
 
 

@@ -161,23 +161,8 @@ def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
         for ax, (y_key, y_label) in zip(axes[0], panels):
             for group in groups:
-                curves = [
-                    [
-                        (m[x_key], m[y_key])
-                        for m in r["metrics"]
-                        if m.get(x_key) is not None and m.get(y_key) is not None
-                    ]
-                    for r in group
-                ]
-                if not all(curves):
-                    continue
-                # the seeds' i-th records are taken together (same step; wall time and bytes as their mean)
-                x_mean, _ = band([[x for x, _ in c] for c in curves])
-                y_mean, ci = band([[y for _, y in c] for c in curves])
                 legend = label(group[0], keys) + (f" ({len(group)} seeds)" if seeds > 1 else "")
-                (line,) = ax.plot(x_mean, y_mean, marker=".", label=legend)
-                if len(group) > 1:
-                    ax.fill_between(x_mean, y_mean - ci, y_mean + ci, color=line.get_color(), alpha=0.2, linewidth=0)
+                draw_band(ax, group, x_key, y_key, legend)
             xs = [x for r in runs for x in _values(r, x_key) if x > 0]
             if x_key == "mb_sent_per_peer" and xs and max(xs) / min(xs) > 100:
                 ax.set_xscale("log", nonpositive="mask")  # e.g. averaging periods spanning 1 to 64
@@ -199,6 +184,23 @@ def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def draw_band(ax, runs: list[dict], x_key: str, y_key: str, legend: str) -> None:
+    """One configuration's runs (its seeds) as one line on `ax`: the mean of `y_key` against `x_key` (metrics.jsonl
+    fields), in a band of the 95% interval where there are several. Nothing when a run lacks the fields."""
+    curves = [
+        [(m[x_key], m[y_key]) for m in r["metrics"] if m.get(x_key) is not None and m.get(y_key) is not None]
+        for r in runs
+    ]
+    if not all(curves):
+        return
+    # the seeds' i-th records are taken together (same step; wall time and bytes as their mean)
+    x_mean, _ = band([[x for x, _ in c] for c in curves])
+    y_mean, ci = band([[y for _, y in c] for c in curves])
+    (line,) = ax.plot(x_mean, y_mean, marker=".", label=legend)
+    if len(curves) > 1:
+        ax.fill_between(x_mean, y_mean - ci, y_mean + ci, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
 def _values(run: dict, key: str):

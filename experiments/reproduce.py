@@ -24,7 +24,7 @@ from pathlib import Path
 
 from experiments import reproductions
 from experiments.intervals import summarize
-from experiments.report import group_by_seed, load_runs, swept_keys, value
+from experiments.report import draw_band, group_by_seed, load_runs, swept_keys, value
 from experiments.sweeps import finished, run_sweep
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reproductions"
@@ -95,23 +95,11 @@ def plot_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.intervals import band
-
     fig, axes = plt.subplots(1, len(y_keys), figsize=(5.2 * len(y_keys), 4.2), squeeze=False)
     for ax, (y_key, y_label) in zip(axes[0], y_keys):
         for config in configs:
-            curves = [
-                [(m[x_key], m[y_key]) for m in r["metrics"] if m.get(x_key) is not None and m.get(y_key) is not None]
-                for r in config.runs
-            ]
-            if not all(curves):
-                continue
-            x_mean, _ = band([[x for x, _ in c] for c in curves])
-            y_mean, ci = band([[y for _, y in c] for c in curves])
             name = label(config) if label else ", ".join(f"{k}={v}" for k, v in config.setting.items())
-            (line,) = ax.plot(x_mean, y_mean, marker=".", label=name)
-            if len(curves) > 1:
-                ax.fill_between(x_mean, y_mean - ci, y_mean + ci, color=line.get_color(), alpha=0.2, linewidth=0)
+            draw_band(ax, config.runs, x_key, y_key, name)
         if log_x:
             ax.set_xscale("log")
         ax.set_xlabel(x_label or x_key)

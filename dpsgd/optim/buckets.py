@@ -53,10 +53,10 @@ class GradientBuckets:
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._arrived = [0] * len(self.buckets)
         self._handles: list[Handle | None] = [None] * len(self.buckets)
-        self._in_place = comm.backend != "fleet"
+        in_place = comm.backend != "fleet"  # the fleet's stacked tensors: the list path
         self._flat = [
             torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-            if self._in_place
+            if in_place
             else None
             for bucket in self.buckets
         ]

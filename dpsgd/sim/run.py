@@ -55,12 +55,7 @@ def snapshot_metrics(
     avg_loss, avg_correct, count = metrics.evaluate(model, dict(zip(names, avg)), x_test, y_test)
     own_loss, own_correct, own_count = evaluate_peers(model, names, params, x_test, y_test)
     peer_acc = own_correct / own_count
-    stacked = torch.cat([p.detach().reshape(p.shape[0], -1) for p in params], 1).cpu()
-    sq_optimum = (
-        ((stacked.double() - optimum.double()) ** 2).sum(1)
-        if optimum is not None and optimum.numel() == stacked.shape[1]
-        else torch.zeros(len(stacked))
-    )
+    sq_optimum = metrics.squared_optimum_distances(params, optimum, peer_axis=True)
     return {
         "test_loss": avg_loss / count,
         "test_accuracy": avg_correct / count,
@@ -71,7 +66,7 @@ def snapshot_metrics(
         "consensus_distance": float(sq_dist.mean()),
         "train_loss": float(train_loss),
         **metrics.language_metrics(avg_loss / count, y_test),
-        **metrics.optimum_distances(metrics.flat(avg).cpu(), sq_optimum, optimum),
+        **metrics.optimum_distances(avg, sq_optimum, optimum),
     }
 
 
