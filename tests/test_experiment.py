@@ -134,11 +134,15 @@ def test_world_size_must_match_peers(app, tmp_path):
 
 
 def test_killed_run_resumes_to_the_same_numbers(app, tmp_path):
-    args = ["backend=local", "epochs=60", "log_every=10", "checkpoint.every=20"]
+    args = ["backend=local", "epochs=20", "log_every=10", "checkpoint.every=20"]
     full = tmp_path / "full"
     assert app(args, full).returncode == 0
     run_dir = tmp_path / "killed"
-    proc = app.start(args, run_dir, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # peer 0 sleeps 0.2 s before each step from step 20 on (numbers unchanged): the run is still going
+    # when its first checkpoint is seen, however fast the machine
+    slowed = ["faults.delay_peer=0", "faults.delay_s=0.2", "faults.at_step=20"]
+    proc = app.start(args + slowed, run_dir, start_new_session=True, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 120
     while not list(run_dir.glob("checkpoints/*/COMPLETE")) and time.monotonic() < deadline:
         time.sleep(0.005)
