@@ -81,6 +81,13 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
             f"compression={compression} encodes the messages of real peers; the fleet simulates exact messages "
             "only: use backend=local, mpi or torch, or compression=none"
         )
+    if record.name == "fleet":
+        from dpsgd.backends.fleet import threads
+
+        try:
+            threads(cfg["backend"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if not record.checkpoints and ((cfg.get("checkpoint") or {}).get("every") or cfg.get("resume")):
         keeping = ", ".join(n for n in backends.names() if backends.get(n).checkpoints)
         raise ConfigError(

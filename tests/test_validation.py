@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
         (["algorithm=adpsgd", "topology=ring", "peers=5"], "AD-PSGD needs a bipartite graph"),
         (["faults.kill_peer=4"], "faults.kill_peer must be a peer rank in [0, 4) or null, got 4"),
         (["backend=fleet", "compression=int8"], "the fleet simulates exact messages only"),
+        (["backend=fleet", "backend.threads=0"], "backend.threads must be a whole number >= 1, or null"),
         (["algorithm=sgp", "compression=fp16"], "algorithm=sgp sends no compressed messages"),
         (["algorithm=diloco", "compression=powersgd"], "use algorithm=allreduce compression=powersgd"),
         (["algorithm=streaming_diloco", "algorithm.delay=4"], "delay 4 must be < period / fragments = 4"),
