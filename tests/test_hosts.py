@@ -37,6 +37,15 @@ def local_reference(app, tmp_path_factory) -> dict:
     return summary(run_dir)
 
 
+def assert_single_host_numbers(run_dir: Path, want: dict) -> dict:
+    """The two-host run in `run_dir` (4 peers) ended with the single-host numbers `want`: its summary."""
+    s = summary(run_dir)
+    assert s["peers"] == 4 and s["steps"] == want["steps"]
+    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
+        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    return s
+
+
 def _run_on_hosts(hosts, app, commands: dict[int, list[str]]) -> dict[int, subprocess.CompletedProcess]:
     """Start each host's command, wait for all; stop every one on a timeout (down() ends the rest)."""
     procs = {
@@ -91,10 +100,7 @@ def test_torchrun_two_hosts_c10d_rendezvous(hosts, app, tmp_path, local_referenc
     done = _run_on_hosts(hosts, app, commands)
     for i, r in done.items():
         assert r.returncode == 0, f"host {i}: {r.stdout[-3000:]}"
-    s, want = summary(run_dir), local_reference
-    assert s["peers"] == 4 and s["steps"] == want["steps"]
-    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
-        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    assert_single_host_numbers(run_dir, local_reference)
     logs = sorted(p.name for p in run_dir.glob("train_rank*.log"))
     assert logs == [f"train_rank{r}.log" for r in range(4)], logs
 
@@ -128,10 +134,7 @@ def test_mpiexec_two_hosts(hosts, app, tmp_path, local_reference):
     ]  # fmt: skip
     done = _run_on_hosts(hosts, app, {1: app.command(["backend=mpi", *SHORT], run_dir, launcher)})
     assert done[1].returncode == 0, done[1].stdout[-3000:]
-    s, want = summary(run_dir), local_reference
-    assert s["peers"] == 4 and s["steps"] == want["steps"]
-    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
-        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    s = assert_single_host_numbers(run_dir, local_reference)
     # both hosts carried the run's traffic: each sent at least half of what one host's two peers sent
     sent = hosts.counters(2)["tx_bytes"]
     assert sent > 0.5 * 2 * s["mb_sent_per_peer"] * 1e6 * 0.5, sent
@@ -152,10 +155,7 @@ def test_app_spawner_on_hosts(hosts, app, tmp_path, local_reference, backend):
     ]  # fmt: skip
     done = _run_on_hosts(hosts, app, {1: app.command(args, run_dir)})
     assert done[1].returncode == 0, done[1].stdout[-3000:]
-    s, want = summary(run_dir), local_reference
-    assert s["peers"] == 4 and s["steps"] == want["steps"]
-    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
-        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    s = assert_single_host_numbers(run_dir, local_reference)
     # host 2's two peers sent over its link, not over loopback or shared memory
     sent = hosts.counters(2)["tx_bytes"] - before
     assert sent > 0.5 * 2 * s["mb_sent_per_peer"] * 1e6 * 0.5, sent
@@ -209,7 +209,4 @@ def test_one_host_lost_ends_the_run_and_resume_finishes_it(hosts, app, tmp_path)
     resumed = hosts.run(1, app.command([*args, *on_hosts, "resume=true"], run_dir), timeout=TIMEOUT_S, cwd=app.root,
                         env=app.env(), capture_output=True, text=True)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    s, want = summary(run_dir), summary(tmp_path / "ref")
-    assert s["steps"] == want["steps"]
-    for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
-        assert s[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    assert_single_host_numbers(run_dir, summary(tmp_path / "ref"))
