@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 import topologies
-from dpsgd import data, faults, metrics, models, netem, placement, supervisor
+from dpsgd import data, faults, metrics, models, placement, supervisor
+from dpsgd.comm import netem
 from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.seeds import batch_seed
 

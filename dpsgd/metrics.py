@@ -162,7 +162,7 @@ def snapshot_metrics(
 def traffic(comm: Communicator) -> dict:
     """Mean over peers of the algorithm's bytes sent (and the most one peer sent in one step), time
     blocked in communication, and time its non-blocking exchanges ran behind computation (e.g. D-PSGD
-    with overlap); with an emulated network (dpsgd.netem), the emulated time (the latest peer's clock)
+    with overlap); with an emulated network (dpsgd.comm.netem), the emulated time (the latest peer's clock)
     and the emulated time spent waiting."""
     s, net = comm.stats, comm.network
     clock = net.clock if net is not None and net.active else None

@@ -35,11 +35,11 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a
     user's launcher, in every rank before it joins the others)."""
     from dpsgd import backends, data, loggers, models, placement
+    from dpsgd.backends.hosts import placement as host_placement
     from dpsgd.build import build_model, build_peer, build_topology, check_algorithm, load_data
     from dpsgd.comm import LocalCommunicator, LocalWorld
     from dpsgd.comm.staging import check_mode
     from dpsgd.faults import FaultPlan
-    from dpsgd.hosts import placement as host_placement
     from dpsgd.optim import BASE_OPTIMIZERS
 
     peers = cfg.get("peers")
@@ -142,7 +142,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     if not _is_number(timeout) or timeout <= 0:
         raise ConfigError(f"comm.timeout_s must be a number of seconds > 0, got {timeout!r}")
     try:
-        FaultPlan.from_config(cfg.get("faults"), peers, backend)
+        FaultPlan.from_config(cfg.get("faults"), peers, record)
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
     try:

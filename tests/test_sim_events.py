@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from dpsgd import data
-from dpsgd.netem import Link
+from dpsgd.comm.netem import Link
 from dpsgd.sim.events import ComputeTimes, Simulation
 
 torch.set_num_threads(1)

@@ -1,11 +1,12 @@
-"""The `fleet` backend: every peer simulated in the driver's process (dpsgd.sim), on every core by default."""
+"""The `fleet` backend: every peer simulated in the driver's process (dpsgd.sim), on every core by default.
+Its communicator (dpsgd.sim.fleet) serves all peers at once, so it has no transport to give one peer."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from . import Backend, register
+from .driver import Backend
 
 
 class FleetBackend(Backend):
@@ -27,6 +28,9 @@ class FleetBackend(Backend):
         torch.set_num_threads(threads(cfg["backend"]))
         return train_fleet(cfg, run_dir)
 
+    def check(self, cfg: dict) -> None:
+        threads(cfg["backend"])
+
 
 def threads(backend: dict) -> int:
     """torch's intra-op threads for the fleet: `backend.threads`, or every core when it is null. Small models on a
@@ -37,6 +41,3 @@ def threads(backend: dict) -> int:
     if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
         raise ValueError(f"backend.threads must be a whole number >= 1, or null for every core; got {wanted!r}")
     return wanted
-
-
-register(FleetBackend())

@@ -1,7 +1,7 @@
 """AD-PSGD as an event-driven simulation in virtual time: the protocol of `dpsgd.optim.adpsgd` replayed
 exactly (roles, partner draws with the real peer's generator and candidates, locks, staleness), with
 compute times drawn per peer and step from a configurable distribution (stragglers, heavy tails) and
-message times from a `dpsgd.netem.Link`. What virtual time adds to that protocol:
+message times from a `dpsgd.comm.netem.Link`. What virtual time adds to that protocol:
 - the gradient at the snapshot x_hat_i takes `compute.draw(i)` virtual seconds; the step then waits
   while x_i is locked (an active peer holds the lock from sending its request until the reply is
   averaged in);
@@ -28,8 +28,8 @@ from torch.func import functional_call, grad_and_value
 from dpsgd import data
 from dpsgd.build import base_optimizer, build_model, build_topology, load_data, partition
 from dpsgd.comm.base import flatten, unflatten
+from dpsgd.comm.netem import NetworkEmulator
 from dpsgd.metrics import loss_function
-from dpsgd.netem import NetworkEmulator
 from dpsgd.optim.adpsgd import HEADER, check_budget, choose_partner, partner_rng, roles
 from dpsgd.seeds import batch_seed
 

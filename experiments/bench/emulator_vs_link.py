@@ -1,4 +1,4 @@
-"""Does the emulator predict a real link? Wall time per step on 2 test hosts x 2 peers against dpsgd.netem.
+"""Does the emulator predict a real link? Wall time per step on 2 test hosts x 2 peers against dpsgd.comm.netem.
 
 On one set of test hosts (tools/testhosts.py, root), ranks 0, 1 on host 1 and 2, 3 on host 2 (as
 `launcher.hosts` places them), torch/gloo:
@@ -211,7 +211,7 @@ def emulate(name: str, spec: dict, network: dict) -> float:
     import torch
 
     from dpsgd.comm import run_local
-    from dpsgd.netem import NetworkEmulator
+    from dpsgd.comm.netem import NetworkEmulator
 
     def peer(comm):
         torch.set_num_threads(1)

@@ -27,16 +27,12 @@ import queue
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from dpsgd.comm import PeerTimeoutError
-from dpsgd.comm.base import poll_until
+from dpsgd.comm.pending import poll_until
 from dpsgd.seeds import partner_seed
-
-if TYPE_CHECKING:
-    from .optimizer import ADPSGD
 
 TAG_REQUEST, TAG_REPLY = 11, 12
 AVERAGE, DONE = 0.0, 1.0
@@ -83,7 +79,7 @@ class Averaging:
     its thread talks on (`link`), and its counters. The thread averages `live` (x_i, the optimizer's) under
     `lock`; `version` counts the averagings applied to it."""
 
-    def __init__(self, opt: ADPSGD, seed: int):
+    def __init__(self, opt, seed: int):  # opt: the ADPSGD (whose module imports this one)
         self.opt, self.comm, self.topology, self.live, self.lock = opt, opt.comm, opt.topology, opt.live, opt.lock
         self.role, self.partners = roles(opt.topology, opt.comm.rank, opt.comm.size)
         self.rng = partner_rng(seed, opt.comm.rank)
@@ -94,7 +90,7 @@ class Averaging:
         self.orders: queue.SimpleQueue = queue.SimpleQueue()  # "average" or "done", from the main thread
         self.idle = threading.Event()  # no averaging in flight
         self.idle.set()
-        # emulated network (dpsgd.netem): an averaging ordered at t completes at t + request + reply
+        # emulated network (dpsgd.comm.netem): an averaging ordered at t completes at t + request + reply
         self.network = getattr(opt.comm, "network", None)
         self.done_at: float | None = None
 

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from dpsgd.comm import PeerTimeoutError
-from dpsgd.comm.base import Request, poll_until
-
-if TYPE_CHECKING:
-    from .optimizer import ADPSGD
+from dpsgd.comm.pending import Request, poll_until
 
 BUDGETS = ("steps", "samples", "seconds")
 TAG_PROGRESS, TAG_ANSWER = 13, 14
@@ -37,7 +33,7 @@ class Budget:
     thread waits with `opt._wait` (bounded, naming what it awaited); the coordinator thread ends early
     once `opt._abort` is set."""
 
-    def __init__(self, opt: ADPSGD, seconds: float | None):
+    def __init__(self, opt, seconds: float | None):  # opt: the ADPSGD (whose module imports this one)
         self.opt, self.kind, self.comm = opt, check_budget(opt.budget), opt.comm
         self.amounts: dict[str, float | None] = {"steps": None, "samples": None, "seconds": None}
         self.set(seconds=seconds)

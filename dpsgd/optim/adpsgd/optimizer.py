@@ -20,7 +20,8 @@ import time
 import torch
 
 from dpsgd.comm import CommError, Communicator, PeerTimeoutError
-from dpsgd.comm.base import flatten, poll_until, unflatten
+from dpsgd.comm.base import flatten, unflatten
+from dpsgd.comm.pending import poll_until
 from dpsgd.seeds import protocol_jitter_seed
 from topologies import Topology
 
