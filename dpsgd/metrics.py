@@ -5,6 +5,7 @@ perplexity of a language model and the distances to a known optimum. Their own c
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
@@ -66,6 +67,15 @@ def gather_scalars(comm: Communicator, values: list[float]) -> torch.Tensor:
     slots[comm.rank] = torch.tensor(values, dtype=torch.float64)
     with comm.uncounted():
         return comm.allreduce_mean([slots])[0] * comm.size
+
+
+def gather_objects(comm: Communicator, value) -> list:
+    """Every peer's `value` (anything JSON writes exactly: numbers, strings, lists, dicts), rank order, on every
+    peer: its JSON text gathered as byte values."""
+    text = json.dumps(value).encode()
+    lengths = [round(float(v)) for v in gather_scalars(comm, [float(len(text))])[:, 0]]
+    table = gather_scalars(comm, [float(b) for b in text] + [0.0] * (max(lengths) - len(text)))
+    return [json.loads(bytes(round(float(v)) for v in table[r, : lengths[r]])) for r in range(comm.size)]
 
 
 def language_metrics(test_loss: float, y: torch.Tensor) -> dict:

@@ -27,8 +27,6 @@ from dpsgd.comm import Communicator
 from dpsgd.optim import AsynchronousOptimizer
 from dpsgd.seeds import reshuffle_seed
 
-HISTOGRAM_BINS = 16  # AD-PSGD's staleness 0..15, the last bin holding 15 and more
-
 
 class Run(Protocol):
     """What the loop asks of a kind of run. `step_count` counts the steps that `log_every` and
@@ -273,7 +271,7 @@ class AsynchronousRun(SynchronousRun):
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
         super().__init__(peer, comm, writer)
         self.opt = cast(AsynchronousOptimizer, peer.optimizer)
-        self.per_peer: dict[str, list] = {}
+        self.rows: list[dict] = []  # every peer's measurements, once finished
         self.opt.set_budget(
             steps=peer.total_steps,
             samples=peer.total_steps * peer.batches.batch_size * comm.size,
@@ -333,22 +331,15 @@ class AsynchronousRun(SynchronousRun):
             raise
         wall_own = wall_s + time.perf_counter() - finishing
         self.comm.context = "final metrics"
-        comm, peer, mine = self.comm, self.peer, self.opt.measurements()
-        own = [mine[k] for k in MEASURED] + [wall_own, peer.network.slowdown.slept_s, ROLES.index(mine["role"])]
-        table = metrics.gather_scalars(comm, own + binned(mine["staleness_histogram"]))
-        columns = [[float(v) for v in column] for column in table.T]
-        self.per_peer = {f"{k}_per_peer": columns[i] for i, k in enumerate(MEASURED)}
-        self.per_peer.update(
-            slowdown_s_per_peer=columns[9],
-            roles=[ROLES[int(r)] for r in columns[10]],
-            staleness_histogram_per_peer=[list(row) for row in zip(*columns[11:])],
-        )
-        steps, samples = columns[0], columns[1]
+        comm, peer = self.comm, self.peer
+        mine = {**self.opt.measurements(), "slowdown_s": peer.network.slowdown.slept_s, "wall_s": wall_own}
+        self.rows = metrics.gather_objects(comm, mine)
+        steps, samples = [r["steps"] for r in self.rows], [r["samples"] for r in self.rows]
         return {
             "step": round(sum(steps) / comm.size),
             "epoch": sum(samples) / len(peer.split.x_train),
             "samples": int(sum(samples)),
-            "wall_time_s": max(columns[8]),  # until its last peer stopped
+            "wall_time_s": max(r["wall_s"] for r in self.rows),  # until its last peer stopped
             **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.split.optimum),
             **metrics.traffic(comm),
             "peak_mb_sent_per_step": None,  # no global step to count it in
@@ -356,7 +347,8 @@ class AsynchronousRun(SynchronousRun):
         }
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        return {"adpsgd": adpsgd_summary(self.opt.budget, self.per_peer), **super().summary(final, wall_s)}
+        block = self.opt.summary([{k: v for k, v in r.items() if k != "wall_s"} for r in self.rows])
+        return {self.opt.summary_key: block, **super().summary(final, wall_s)}
 
     def state(self, extra: dict) -> dict | None:
         """With a steps budget every peer reaches each checkpoint step (experiments.validate refuses the
@@ -368,39 +360,6 @@ class AsynchronousRun(SynchronousRun):
         self.comm.context = f"checkpoint at step {self.step_count}"
         self.comm.barrier()
         return super().state(extra)
-
-
-ROLES = ("alone", "active", "passive")
-# an asynchronous optimizer's measurements() gathered from every peer; those in COUNTS are whole numbers
-MEASURED = (
-    "steps samples averagings_initiated averagings_served staleness_mean staleness_max wait_s samples_per_s".split()
-)
-COUNTS = {f"{k}_per_peer" for k in "steps samples averagings_initiated averagings_served staleness_max".split()}
-
-
-def binned(histogram: list[int]) -> list[int]:
-    """A staleness histogram in HISTOGRAM_BINS bins, the last one holding every larger staleness."""
-    head = list(histogram[: HISTOGRAM_BINS - 1])
-    return head + [0] * (HISTOGRAM_BINS - 1 - len(head)) + [sum(histogram[HISTOGRAM_BINS - 1 :])]
-
-
-def adpsgd_summary(budget: str, per_peer: dict) -> dict:
-    """The `adpsgd` block of summary.json from every peer's figures (`*_per_peer` lists and `roles`, the
-    staleness histograms `binned`), on real peers and in the event simulator alike."""
-    histograms = [[int(v) for v in h] for h in per_peer["staleness_histogram_per_peer"]]
-    total = [sum(col) for col in zip(*histograms)]
-    count = sum(total)
-    per_peer = {k: [int(v) for v in values] if k in COUNTS else list(values) for k, values in per_peer.items()}
-    return {
-        "budget": budget,
-        "averagings": sum(per_peer["averagings_initiated_per_peer"]),
-        "staleness_mean": sum(k * c for k, c in enumerate(total)) / count if count else 0.0,
-        "staleness_max": max(per_peer["staleness_max_per_peer"]),
-        "staleness_histogram": total,  # over all steps of all peers; last bin: >= HISTOGRAM_BINS - 1
-        "wait_s_mean": sum(per_peer["wait_s_per_peer"]) / len(histograms),
-        **per_peer,
-        "staleness_histogram_per_peer": histograms,
-    }
 
 
 def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:

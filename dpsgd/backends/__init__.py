@@ -34,6 +34,7 @@ class Backend:
     threads = False  # peers are threads of this process: a killed one raises, messages can be dropped (faults)
     processes = False  # peers are processes the driver spawns (`spawn`), which faults can kill or hang
     checkpoints = True  # runs keep checkpoints and resume from them
+    compresses = True  # its peers' messages can be compressed (`compression=`)
 
     @property
     def real_peers(self) -> bool:

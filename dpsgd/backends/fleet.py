@@ -11,6 +11,10 @@ from . import Backend, register
 class FleetBackend(Backend):
     name = "fleet"
     checkpoints = False  # a fleet run is minutes
+    compresses = False  # exact messages only
+
+    def options(self, cfg: dict) -> dict:
+        return {"threads": threads(cfg["backend"])}
 
     def connect(self, timeout_s: float, **options):
         raise ValueError(
@@ -24,7 +28,7 @@ class FleetBackend(Backend):
 
         from dpsgd.sim import train_fleet
 
-        torch.set_num_threads(threads(cfg["backend"]))
+        torch.set_num_threads(self.options(cfg)["threads"])
         return train_fleet(cfg, run_dir)
 
 

@@ -15,7 +15,7 @@ from torch.func import vmap
 from dpsgd import metrics
 from dpsgd.build import class_histograms, describe
 from dpsgd.comm import Communicator
-from dpsgd.training import adpsgd_summary, binned, run_loop
+from dpsgd.training import run_loop
 
 from .fleet import Fleet, FleetCommunicator
 
@@ -134,7 +134,7 @@ class FleetRun:
 
 
 class EventsRun(FleetRun):
-    """AD-PSGD on the event simulator (virtual time), for dpsgd.training.run_loop: a record at every
+    """An asynchronous algorithm on the event simulator (virtual time), for dpsgd.training.run_loop: a record at every
     `log_every`-th step of peer 0, each covering every peer, with the virtual time as `emulated_time_s`."""
 
     def __init__(self, cfg: dict):
@@ -178,7 +178,7 @@ class EventsRun(FleetRun):
             **traffic(
                 torch.tensor(sim.bytes_sent, dtype=torch.float64),
                 torch.tensor(sim.bytes_received, dtype=torch.float64),
-                sum(sim.wait_s) / sim.n,
+                sum(opt.wait_s for opt in sim.opts) / sim.n,
                 None,  # no global step
             ),
             "scope": "all peers",
@@ -193,26 +193,9 @@ class EventsRun(FleetRun):
         return self.record(train_loss, wall_s, progress=False)
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        sim = self.sim
-        per_peer = {
-            "roles": list(sim.role),
-            "steps_per_peer": sim.steps,
-            "samples_per_peer": [s * sim.batch_size for s in sim.steps],
-            "averagings_initiated_per_peer": sim.initiated,
-            "averagings_served_per_peer": sim.served,
-            "staleness_mean_per_peer": [sum(k * c for k, c in enumerate(h)) / max(1, sum(h)) for h in sim.staleness],
-            "staleness_max_per_peer": [len(h) - 1 if h else 0 for h in sim.staleness],
-            "staleness_histogram_per_peer": [binned(h) for h in sim.staleness],
-            "wait_s_per_peer": sim.wait_s,
-            "samples_per_s_per_peer": [
-                s * sim.batch_size / e if e > 0 else 0.0 for s, e in zip(sim.steps, sim.finished_at)
-            ],
-            "slowdown_s_per_peer": [0.0] * sim.n,
-        }
-        return {
-            "adpsgd": adpsgd_summary(sim.budget, per_peer),
-            "class_histograms": class_histograms(sim.split, sim.shares),
-        }
+        sim, opt = self.sim, self.sim.opts[0]
+        rows = [{**o.measurements(), "slowdown_s": 0.0} for o in sim.opts]  # compute times are drawn, not slept
+        return {opt.summary_key: opt.summary(rows), "class_histograms": class_histograms(sim.split, sim.shares)}
 
 
 def train_fleet(cfg: dict, out_dir: str | Path | None = None) -> dict:
