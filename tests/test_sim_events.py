@@ -54,10 +54,11 @@ def softmax_grad(w: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int) -> n
     return np.concatenate([(p.T @ x).reshape(-1), p.sum(0)])
 
 
-def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
+def replay(cfg: dict, sim: Simulation, x0: np.ndarray, weight: float = 0.5) -> np.ndarray:
     """Apply the event log in order, in float64: a step takes its peer's next batch, the gradient at
     the peer's snapshot (its live value after its previous step), -lr g added to the live value; an
-    averaging sets both peers to their mean. Checks each logged staleness on the way."""
+    averaging moves each of its two peers `weight` of the way to the other (1/2: both to their mean).
+    Checks each logged staleness on the way."""
     n, lr = cfg["peers"], cfg["algorithm"]["lr"]
     live = np.tile(x0.astype(np.float64), (n, 1))
     snap = live.copy()
@@ -78,7 +79,7 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
             snap[i] = live[i]
         else:
             _, _, a, _, p = event
-            live[a] = live[p] = (live[a] + live[p]) / 2
+            live[a], live[p] = live[a] + weight * (live[p] - live[a]), live[p] + weight * (live[a] - live[p])
             version[a] += 1
             version[p] += 1
     return live
