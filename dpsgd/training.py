@@ -192,7 +192,7 @@ class SynchronousRun:
 
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
         self.peer, self.comm, self.writer = peer, comm, writer
-        self.step_count, self.total_steps = 0, peer.total_steps
+        self.step_count, self.total_steps = 0, peer.plan.total_steps
         self.samples = 0  # by all peers: a step takes batch_size from each peer of the world of that time
 
     def describe(self, cfg: dict) -> dict:
@@ -210,7 +210,7 @@ class SynchronousRun:
                 peer.batches.reshuffle(reshuffle_seed(peer.seed, self.comm.rank, self.step_count))
             self.samples = state.get("samples", self.step_count * peer.batches.batch_size * self.comm.size)
             if "elastic_from" in state:  # the steps left to the run's budget of samples, at this world's size
-                left = max(0, peer.total_samples - self.samples)
+                left = max(0, peer.plan.total_samples - self.samples)
                 self.total_steps = self.step_count + math.ceil(left / (peer.batches.batch_size * self.comm.size))
             for key, value in state["comm_stats"].items():
                 setattr(self.comm.stats, key, value)
@@ -236,10 +236,12 @@ class SynchronousRun:
         peer, step = self.peer, self.step_count
         return {
             "step": step,
-            "epoch": self.samples / peer.samples_per_epoch,
+            "epoch": peer.plan.epoch(self.samples),
             "samples": self.samples,
             "wall_time_s": wall_s,
-            **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.split.optimum),
+            **metrics.snapshot_metrics(
+                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
+            ),
             **metrics.traffic(self.comm),
         }
 
@@ -247,7 +249,7 @@ class SynchronousRun:
         return last
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        return {"class_histograms": self.peer.class_histograms()}
+        return {"class_histograms": self.peer.plan.class_histograms()}
 
     def state(self, extra: dict) -> dict | None:
         peer = self.peer
@@ -273,8 +275,8 @@ class AsynchronousRun(SynchronousRun):
         self.opt = cast(AsynchronousOptimizer, peer.optimizer)
         self.rows: list[dict] = []  # every peer's measurements, once finished
         self.opt.set_budget(
-            steps=peer.total_steps,
-            samples=peer.total_steps * peer.batches.batch_size * comm.size,
+            steps=peer.plan.total_steps,
+            samples=peer.plan.total_steps * peer.batches.batch_size * comm.size,
             samples_per_step=peer.batches.batch_size,
         )
 
@@ -311,13 +313,13 @@ class AsynchronousRun(SynchronousRun):
         own = {"test_loss": loss / count, "test_accuracy": correct / count, "train_loss": train_loss}
         return {
             "step": step,
-            "epoch": step / peer.steps_per_epoch,
+            "epoch": peer.plan.epoch(step * peer.batches.batch_size * self.comm.size),
             "samples": step * peer.batches.batch_size * self.comm.size,  # estimated: peers run at their own pace
             "wall_time_s": wall_s,
             "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
             **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
             **metrics.language_metrics(own["test_loss"], peer.y_test),
-            **metrics.own_optimum_distances(peer.model, peer.split.optimum),
+            **metrics.own_optimum_distances(peer.model, peer.plan.split.optimum),
             **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s", "peak_mb_sent_per_step")},
             "scope": "rank 0",
         }
@@ -337,10 +339,10 @@ class AsynchronousRun(SynchronousRun):
         steps, samples = [r["steps"] for r in self.rows], [r["samples"] for r in self.rows]
         return {
             "step": round(sum(steps) / comm.size),
-            "epoch": sum(samples) / len(peer.split.x_train),
+            "epoch": peer.plan.epoch(sum(samples)),
             "samples": int(sum(samples)),
             "wall_time_s": max(r["wall_s"] for r in self.rows),  # until its last peer stopped
-            **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.split.optimum),
+            **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum),
             **metrics.traffic(comm),
             "peak_mb_sent_per_step": None,  # no global step to count it in
             "scope": "all peers",

@@ -63,10 +63,10 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray, weight: float = 0.5) -> n
     live = np.tile(x0.astype(np.float64), (n, 1))
     snap = live.copy()
     version, snap_version = np.zeros(n, int), np.zeros(n, int)
-    seed, split = cfg["seed"], sim.split
+    seed, split = cfg["seed"], sim.plan.split
     batches = [
         data.Batches(split.x_train[s], split.y_train[s], cfg["batch_size"], seed=seed * 1000 + r + 1)
-        for r, s in enumerate(sim.shares)
+        for r, s in enumerate(sim.plan.shares)
     ]
     for event in sim.log:
         if event[0] == "step":

@@ -29,7 +29,7 @@ import torch
 from torch.func import functional_call, grad_and_value
 
 from dpsgd import data
-from dpsgd.build import build_model, build_optimizer, build_topology, load_data, partition
+from dpsgd.build import build_model, build_optimizer, build_topology, plan
 from dpsgd.comm.base import Communicator
 from dpsgd.metrics import loss_function
 from dpsgd.netem import NetworkEmulator
@@ -110,16 +110,15 @@ class Simulation:
         self.cfg, self.n, self.batch_size = cfg, n, bs
         self.link = link if link is not None else NetworkEmulator.from_config(cfg.get("network")).link
         self.compute = compute if compute is not None else compute_times(cfg, n)
-        self.split = load_data(cfg)
-        self.shares = partition(cfg, self.split, n)
+        self.plan = run = plan(cfg, n)
         self.batches = [
-            data.Batches(self.split.x_train[s], self.split.y_train[s], bs, seed=batch_seed(seed, r))
-            for r, s in enumerate(self.shares)
+            data.Batches(run.split.x_train[s], run.split.y_train[s], bs, seed=batch_seed(seed, r))
+            for r, s in enumerate(run.shares)
         ]
-        self.model = build_model(cfg, self.split)
+        self.model = build_model(cfg, run.split)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.topology = build_topology(cfg, n)
-        self.loss_fn = loss_function(self.split.y_train)
+        self.loss_fn = loss_function(run.split.y_train)
         self.now = 0.0
         tally: dict[int, int] = {}
         alone = {**cfg, "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}  # no collective here
@@ -131,11 +130,9 @@ class Simulation:
             if not isinstance(built, AsynchronousOptimizer) or not built.asynchronous:
                 raise ValueError(f"the event simulator runs asynchronous algorithms; {type(built).__name__} is not one")
             self.opts.append(built)
-        self.steps_per_epoch = max(1, len(self.split.x_train) // (n * bs))
-        self.total_steps = int(cfg["epochs"]) * self.steps_per_epoch
-        self.budget_samples = self.total_steps * bs * n
+        self.budget_samples = run.total_steps * bs * n
         for opt in self.opts:
-            opt.set_budget(steps=self.total_steps, samples=self.budget_samples, samples_per_step=bs)
+            opt.set_budget(steps=run.total_steps, samples=self.budget_samples, samples_per_step=bs)
             opt.start(threads=False)
         self.budget = self.opts[0].budget
         self.bytes_sent = [0] * n

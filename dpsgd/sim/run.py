@@ -13,7 +13,7 @@ import torch
 from torch.func import vmap
 
 from dpsgd import metrics
-from dpsgd.build import class_histograms, describe
+from dpsgd.build import describe
 from dpsgd.comm import Communicator
 from dpsgd.training import run_loop
 
@@ -91,9 +91,9 @@ class FleetRun:
 
     def __init__(self, cfg: dict):
         self.fleet = fleet = Fleet(cfg)
-        self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.total_steps
+        self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.plan.total_steps
         self.peak_step_bytes = 0.0  # the most bytes one peer sent in one step
-        self._test = fleet.split.x_test.to(fleet.device), fleet.split.y_test.to(fleet.device)
+        self._test = fleet.plan.split.x_test.to(fleet.device), fleet.plan.split.y_test.to(fleet.device)
 
     def describe(self, cfg: dict) -> dict:
         return describe(cfg, self.fleet.topology, self.comm)
@@ -115,11 +115,13 @@ class FleetRun:
         fleet, step = self.fleet, self.step_count
         return {
             "step": step,
-            "epoch": step / fleet.steps_per_epoch,
+            "epoch": fleet.plan.epoch(step * fleet.batches.batch_size * fleet.n),
             "samples": step * fleet.batches.batch_size * fleet.n,
             "wall_time_s": wall_s,
             "emulated_time_s": None,
-            **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss, fleet.split.optimum),
+            **snapshot_metrics(
+                fleet.model, fleet.names, fleet.params, *self._test, train_loss, fleet.plan.split.optimum
+            ),
             **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s, self.peak_step_bytes),
         }
 
@@ -127,7 +129,7 @@ class FleetRun:
         return last
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        return {"class_histograms": class_histograms(self.fleet.split, self.fleet.shares)}
+        return {"class_histograms": self.fleet.plan.class_histograms()}
 
     def state(self, extra: dict) -> dict | None:
         return None
@@ -142,7 +144,7 @@ class EventsRun(FleetRun):
 
         self.sim = sim = Simulation(cfg)
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
-        self.step_count, self.total_steps = 0, sim.total_steps
+        self.step_count, self.total_steps = 0, sim.plan.total_steps
 
     def describe(self, cfg: dict) -> dict:
         return describe(cfg, self.sim.topology, self.comm)
@@ -162,7 +164,7 @@ class EventsRun(FleetRun):
         samples = sum(sim.steps) * sim.batch_size
         out = {
             "step": round(sum(sim.steps) / sim.n),
-            "epoch": samples / len(sim.split.x_train),
+            "epoch": sim.plan.epoch(samples),
             "samples": samples,
             "wall_time_s": wall_s,
             "emulated_time_s": sim.now,
@@ -170,10 +172,10 @@ class EventsRun(FleetRun):
                 sim.model,
                 sim.names,
                 sim.live_params(),
-                sim.split.x_test,
-                sim.split.y_test,
+                sim.plan.split.x_test,
+                sim.plan.split.y_test,
                 train_loss,
-                sim.split.optimum,
+                sim.plan.split.optimum,
             ),
             **traffic(
                 torch.tensor(sim.bytes_sent, dtype=torch.float64),
@@ -195,7 +197,7 @@ class EventsRun(FleetRun):
     def summary(self, final: dict, wall_s: float) -> dict:
         sim, opt = self.sim, self.sim.opts[0]
         rows = [{**o.measurements(), "slowdown_s": 0.0} for o in sim.opts]  # compute times are drawn, not slept
-        return {opt.summary_key: opt.summary(rows), "class_histograms": class_histograms(sim.split, sim.shares)}
+        return {opt.summary_key: opt.summary(rows), "class_histograms": sim.plan.class_histograms()}
 
 
 def train_fleet(cfg: dict, out_dir: str | Path | None = None) -> dict:
