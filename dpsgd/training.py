@@ -233,17 +233,17 @@ class SynchronousRun:
 
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
-        peer, step = self.peer, self.step_count
-        return {
-            "step": step,
-            "epoch": peer.plan.epoch(self.samples),
-            "samples": self.samples,
-            "wall_time_s": wall_s,
-            **metrics.snapshot_metrics(
+        peer = self.peer
+        return metrics.record(
+            step=self.step_count,
+            epoch=peer.plan.epoch(self.samples),
+            samples=self.samples,
+            wall_time_s=wall_s,
+            scope="all peers",
+            **metrics.measure_peers(
                 self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
             ),
-            **metrics.traffic(self.comm),
-        }
+        )
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         return last
@@ -310,19 +310,20 @@ class AsynchronousRun(SynchronousRun):
         loss, correct, count = metrics.evaluate(
             peer.model, dict(peer.model.named_parameters()), peer.x_test, peer.y_test
         )
-        own = {"test_loss": loss / count, "test_accuracy": correct / count, "train_loss": train_loss}
-        return {
-            "step": step,
-            "epoch": peer.plan.epoch(step * peer.batches.batch_size * self.comm.size),
-            "samples": step * peer.batches.batch_size * self.comm.size,  # estimated: peers run at their own pace
-            "wall_time_s": wall_s,
-            "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
-            **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
-            **metrics.language_metrics(own["test_loss"], peer.y_test),
+        samples = step * peer.batches.batch_size * self.comm.size  # estimated: peers run at their own pace
+        return metrics.record(  # rank 0's own model: the average needs collectives
+            step=step,
+            epoch=peer.plan.epoch(samples),
+            samples=samples,
+            wall_time_s=wall_s,
+            emulated_time_s=peer.network.clock.elapsed() if peer.network.active else None,
+            test_loss=loss / count,
+            test_accuracy=correct / count,
+            train_loss=train_loss,
+            **metrics.language_metrics(loss / count, peer.y_test),
             **metrics.own_optimum_distances(peer.model, peer.plan.split.optimum),
-            **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s", "peak_mb_sent_per_step")},
-            "scope": "rank 0",
-        }
+            scope="rank 0",
+        )
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         finishing = time.perf_counter()
@@ -337,16 +338,17 @@ class AsynchronousRun(SynchronousRun):
         mine = {**self.opt.measurements(), "slowdown_s": peer.network.slowdown.slept_s, "wall_s": wall_own}
         self.rows = metrics.gather_objects(comm, mine)
         steps, samples = [r["steps"] for r in self.rows], [r["samples"] for r in self.rows]
-        return {
-            "step": round(sum(steps) / comm.size),
-            "epoch": peer.plan.epoch(sum(samples)),
-            "samples": int(sum(samples)),
-            "wall_time_s": max(r["wall_s"] for r in self.rows),  # until its last peer stopped
-            **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum),
-            **metrics.traffic(comm),
-            "peak_mb_sent_per_step": None,  # no global step to count it in
-            "scope": "all peers",
-        }
+        measured = metrics.measure_peers(
+            comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
+        )
+        return metrics.record(
+            step=round(sum(steps) / comm.size),
+            epoch=peer.plan.epoch(sum(samples)),
+            samples=int(sum(samples)),
+            wall_time_s=max(r["wall_s"] for r in self.rows),  # until its last peer stopped
+            **{**measured, "peak_mb_sent_per_step": None},  # no global step to count it in
+            scope="all peers",
+        )
 
     def summary(self, final: dict, wall_s: float) -> dict:
         block = self.opt.summary([{k: v for k, v in r.items() if k != "wall_s"} for r in self.rows])
