@@ -54,18 +54,19 @@ def softmax_grad(w: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int) -> n
     return np.concatenate([(p.T @ x).reshape(-1), p.sum(0)])
 
 
-def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
+def replay(cfg: dict, sim: Simulation, x0: np.ndarray, weight: float = 0.5) -> np.ndarray:
     """Apply the event log in order, in float64: a step takes its peer's next batch, the gradient at
     the peer's snapshot (its live value after its previous step), -lr g added to the live value; an
-    averaging sets both peers to their mean. Checks each logged staleness on the way."""
+    averaging moves each of its two peers `weight` of the way to the other (1/2: both to their mean).
+    Checks each logged staleness on the way."""
     n, lr = cfg["peers"], cfg["algorithm"]["lr"]
     live = np.tile(x0.astype(np.float64), (n, 1))
     snap = live.copy()
     version, snap_version = np.zeros(n, int), np.zeros(n, int)
-    seed, split = cfg["seed"], sim.split
+    seed, split = cfg["seed"], sim.plan.split
     batches = [
         data.Batches(split.x_train[s], split.y_train[s], cfg["batch_size"], seed=seed * 1000 + r + 1)
-        for r, s in enumerate(sim.shares)
+        for r, s in enumerate(sim.plan.shares)
     ]
     for event in sim.log:
         if event[0] == "step":
@@ -78,7 +79,7 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray) -> np.ndarray:
             snap[i] = live[i]
         else:
             _, _, a, _, p = event
-            live[a] = live[p] = (live[a] + live[p]) / 2
+            live[a], live[p] = live[a] + weight * (live[p] - live[a]), live[p] + weight * (live[a] - live[p])
             version[a] += 1
             version[p] += 1
     return live
@@ -93,7 +94,7 @@ def test_parameters_equal_a_numpy_replay_of_the_event_log(link, distribution):
     )
     x0 = sim.live[0].double().numpy().copy()
     sim.run()
-    assert any(e[0] == "avg" for e in sim.log) and max(max(h) and len(h) - 1 for h in sim.staleness) >= 1
+    assert any(e[0] == "avg" for e in sim.log) and max(opt.measurements()["staleness_max"] for opt in sim.opts) >= 1
     expected = replay(cfg, sim, x0)
     np.testing.assert_allclose(sim.live.double().numpy(), expected, rtol=0, atol=2e-5)
 
@@ -102,15 +103,18 @@ def test_protocol_invariants():
     cfg = config(peers=8, topology="hypercube", model="mlp")
     sim = Simulation(copy.deepcopy(cfg), link=Link(latency_s=0.02))  # slower links than compute: steps wait
     sim.run()
-    active = {r for r in range(8) if sim.role[r] == "active"}
+    active = {r for r in range(8) if sim.opts[r].role == "active"}
     for e in sim.log:
         if e[0] == "avg":
-            assert e[2] in active and e[4] not in active and e[4] in sim.partners[e[2]]
-    assert sum(sim.initiated) == sum(sim.served) == sum(e[0] == "avg" for e in sim.log)
+            assert e[2] in active and e[4] not in active and e[4] in sim.opts[e[2]].averaging.partners
+    m = [opt.measurements() for opt in sim.opts]
+    assert sum(p["averagings_initiated"] for p in m) == sum(p["averagings_served"] for p in m)
+    assert sum(p["averagings_served"] for p in m) == sum(e[0] == "avg" for e in sim.log)
     assert sum(sim.steps) * cfg["batch_size"] >= sim.budget_samples
-    assert all(sim.wait_s[r] > 0 for r in active) and all(sim.wait_s[r] == 0 for r in range(8) if r not in active)
+    waits = [p["wait_s"] for p in m]
+    assert all(waits[r] > 0 for r in active) and all(waits[r] == 0 for r in range(8) if r not in active)
     # a link 20 ms per message: every averaging costs an active peer two messages in flight
-    assert sim.end_time >= max(sim.initiated) * 2 * 0.02
+    assert sim.end_time >= max(p["averagings_initiated"] for p in m) * 2 * 0.02
 
 
 def test_one_history_per_seed():

@@ -4,6 +4,7 @@ Its communicator (dpsgd.sim.fleet) serves all peers at once, so it has no transp
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from .driver import Backend
@@ -12,6 +13,10 @@ from .driver import Backend
 class FleetBackend(Backend):
     name = "fleet"
     checkpoints = False  # a fleet run is minutes
+    compresses = False  # exact messages only
+
+    def options(self, cfg: Mapping) -> dict:
+        return {"threads": threads(cfg["backend"])}
 
     def connect(self, timeout_s: float, **options):
         raise ValueError(
@@ -25,7 +30,7 @@ class FleetBackend(Backend):
 
         from dpsgd.sim import train_fleet
 
-        torch.set_num_threads(threads(cfg["backend"]))
+        torch.set_num_threads(self.options(cfg)["threads"])
         return train_fleet(cfg, run_dir)
 
     def check(self, cfg: dict) -> None:

@@ -89,9 +89,7 @@ def run_steps(opt, model, x, y, steps: int, overlap: bool, net=None) -> tuple[fl
     figure is its clock's."""
     import torch
 
-    from dpsgd.optim import ADPSGD
-
-    asynchronous = isinstance(opt, ADPSGD)
+    asynchronous = opt.asynchronous  # no global step: its own pace within a budget
     if asynchronous:
         opt.set_budget(steps=steps)
     opt.comm.barrier()

@@ -112,9 +112,7 @@ def emulated_steps(comm, net, opt, model, x, y, steps: int, overlap: bool = Fals
     after a barrier); returns the wall seconds they took."""
     import torch
 
-    from dpsgd.optim import ADPSGD
-
-    asynchronous = isinstance(opt, ADPSGD)
+    asynchronous = opt.asynchronous  # no global step: its own pace within a budget
     if asynchronous:  # no global step: a budget of steps per peer
         opt.set_budget(steps=steps)
     comm.barrier()

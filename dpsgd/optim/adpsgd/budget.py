@@ -37,8 +37,11 @@ class Budget:
         self.opt, self.kind, self.comm = opt, check_budget(opt.budget), opt.comm
         self.amounts: dict[str, float | None] = {"steps": None, "samples": None, "seconds": None}
         self.set(seconds=seconds)
+        # a simulator's world (dpsgd.sim.events) shares every peer's samples here, read at once
+        self.tally: dict[int, int] | None = getattr(self.comm, "tally", None)
         # collective and in the same order on every peer: every peer makes the same duplicates
-        self.control = self.comm.duplicate() if self.comm.size > 1 and self.kind == "samples" else None
+        shared = self.comm.size > 1 and self.kind == "samples" and self.tally is None
+        self.control = self.comm.duplicate() if shared else None
         self.coordinating = self.control is not None and self.comm.rank == 0
         self.stop = threading.Event()  # the shared samples budget is spent (rank 0: by its coordinator)
         # (request, buffer, send) of the coordinator's answer to our last report
@@ -60,12 +63,16 @@ class Budget:
             return self.stop.is_set()
         amount = self.amounts[self.kind]
         assert amount is not None  # require() said so
+        if self.tally is not None and self.kind == "samples":
+            return sum(self.tally.values()) >= amount
         return {"steps": steps, "samples": samples, "seconds": seconds}[self.kind] >= amount
 
     # --- the shared samples budget: the main thread's side -------------------------------------------
     def report(self, samples: int, final: bool) -> None:
         """After each step (`final`: at the end). Rank 0 counts in-process; the others send [rank,
         samples, final] and read the answer to their previous report first."""
+        if self.tally is not None:
+            self.tally[self.comm.rank] = samples
         control = self.control
         if control is None:
             return
