@@ -176,9 +176,7 @@ class LocalSGD(DistributedOptimizer):
         params = self.params()
         if len(self._outer.anchors) != len(params):  # a parameter group was added since the construction
             self._outer = self._new_outer()
-        start = params if self._same_start else self.comm.allreduce_mean(params)
-        for anchor, x in zip(self._outer.anchors, start):
-            anchor.copy_(x)
+        self._outer.set_anchors(params if self._same_start else self.comm.allreduce_mean(params))
         self._anchored = True
 
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -218,8 +216,7 @@ class LocalSGD(DistributedOptimizer):
             for p, a in zip(params, x_avg):
                 p.copy_(a)
             if not group and self._outer is not None:
-                for anchor, a in zip(self._outer.anchors, x_avg):
-                    anchor.copy_(a)
+                self._outer.set_anchors(x_avg)
         if self.inner_state == "reset":
             self.base.state.clear()
 
@@ -250,11 +247,8 @@ class LocalSGD(DistributedOptimizer):
         if saved is not None:
             if self._outer is None:
                 raise ValueError(
-                    f"this state_dict holds an outer anchor but this {type(self).__name__} keeps none: it was "
-                    "saved with an outer optimizer or compression; build it with the same options"
+                    f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer"
                 )
-            if len(self._outer.anchors) != len(self.params()):
-                self._outer = self._new_outer()
             self._outer.load_state_dict(saved)
         self.messages.load_state(state.get("compression"))
 
@@ -268,36 +262,17 @@ class LocalSGD(DistributedOptimizer):
 
 
 class SlowMo(LocalSGD):
-    """SlowMo (Wang et al. 2020) over local SGD: outer SGD with slow momentum beta = 0.5 and slow lr
-    alpha = 1 (fairscale's SlowMoDistributedDataParallel defaults), scaled by the base lr as in the paper."""
+    """SlowMo (Wang et al. 2020) over local SGD: outer SGD with slow momentum beta = 0.5 and slow lr alpha = 1
+    (fairscale's SlowMoDistributedDataParallel defaults), scaled by the base lr as in the paper."""
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        comm: Communicator,
-        period: int = 4,
-        outer=SLOWMO,
-        scale_by_base_lr: bool = True,
-        **options,
-    ):
-        super().__init__(base, comm=comm, period=period, outer=outer, scale_by_base_lr=scale_by_base_lr, **options)
+    __init__ = functools.partialmethod(LocalSGD.__init__, outer=SLOWMO, scale_by_base_lr=True)
 
 
 class DiLoCo(LocalSGD):
     """DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 and lr 0.7 on the outer
-    gradient x_anchor - x_avg; the paper's inner optimizer is AdamW (pass it as `base`)."""
+    gradient x_anchor - x_avg, every 8 steps; the paper's inner optimizer is AdamW (pass it as `base`)."""
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        comm: Communicator,
-        period: int = 8,
-        outer=DILOCO,
-        **options,
-    ):
-        super().__init__(base, comm=comm, period=period, outer=outer, **options)
+    __init__ = functools.partialmethod(LocalSGD.__init__, period=8, outer=DILOCO)
 
 
 class BMUF(LocalSGD):

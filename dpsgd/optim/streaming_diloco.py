@@ -71,10 +71,7 @@ class StreamingDiLoCo(DistributedOptimizer):
             raise ValueError(f"StreamingDiLoCo alpha (the share of local progress kept) must be in [0, 1], got {alpha}")
         make = factory(outer, "StreamingDiLoCo")
         if make is None:
-            raise ValueError(
-                "StreamingDiLoCo needs an outer optimizer, e.g. outer=functools.partial(torch.optim.SGD, lr=0.7, "
-                "momentum=0.9, nesterov=True) (its default, DiLoCo's); got None"
-            )
+            raise ValueError("StreamingDiLoCo needs an outer optimizer (its default is DiLoCo's); got outer=None")
         self.period, self.n_fragments, self.delay, self.alpha = period, fragments, delay, float(alpha)
         self.messages = compressions.quantized(comm, compression, "StreamingDiLoCo")
         cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
@@ -101,8 +98,7 @@ class StreamingDiLoCo(DistributedOptimizer):
 
     def completing(self, t: int) -> int | None:
         """The fragment whose sync completes after inner step t, if any (none before its first start)."""
-        p = self.starting(t - self.delay) if t - self.delay >= 1 else None
-        return p
+        return self.starting(t - self.delay) if t - self.delay >= 1 else None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,8 +106,7 @@ class StreamingDiLoCo(DistributedOptimizer):
         params = self.params()
         if not self._anchored:  # the peers' mean model: their common start with broadcast_initial
             start = self.comm.flatten(params if self._same_start else self.comm.allreduce_mean(params))
-            for p, anchor in enumerate(self._outer.anchors):
-                anchor.copy_(start[..., self.fragment(p)])
+            self._outer.set_anchors(start[..., self.fragment(p)] for p in range(self.n_fragments))
             self._anchored = True
         self.base.step()
         t = self.step_count + 1
@@ -153,14 +148,11 @@ class StreamingDiLoCo(DistributedOptimizer):
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         p = self.params()[0]
-
-        def own(t):
-            return None if t is None else t.detach().clone().to(p.device, p.dtype)
-
         self._anchored = state.get("outer") is not None
         if self._anchored:
             self._outer.load_state_dict(state["outer"])
-        self._in_flight = {int(k): [own(t) for t in v] for k, v in (state.get("arrived") or {}).items()}
+        arrived = (state.get("arrived") or {}).items()
+        self._in_flight = {int(k): [t.detach().to(p.device, p.dtype).clone() for t in v] for k, v in arrived}
         self.messages.load_state(state.get("compression"))
 
     def __repr__(self) -> str:
