@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
         ),
         (["algorithm=choco", "algorithm.ratio=1.5"], "must be in (0, 1], got 1.5"),
         (["algorithm=choco", "algorithm.compressor=zip"], "unknown compressor 'zip'; valid: top_k"),
-        (["algorithm=local_sgd", "algorithm.outer_momentum=2"], "outer_momentum must be in [0, 1), got 2"),
+        (["algorithm=diloco", "algorithm.outer.momentum=-1"], "cannot build its outer optimizer: Invalid momentum"),
         (["epochs=0"], "epochs must be an integer >= 1, got 0"),
         (["checkpoint.every=-5"], "checkpoint.every must be an integer >= 0"),
         (["comm.timeout_s=0"], "comm.timeout_s must be a number of seconds > 0, got 0"),
