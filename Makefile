@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests
 
-.PHONY: setup run test test-fast lint typecheck clean soak bench reproductions gpu-wheels gpu-check chaos
+.PHONY: setup run test test-fast lint typecheck docs clean soak bench reproductions gpu-wheels gpu-check chaos
 
 setup: $(STAMP)
 
@@ -41,8 +41,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# the documentation site (mkdocs.yml; guides, results and the API reference from the docstrings) into site/;
+# --strict: a broken link or an API page naming something that does not exist fails the build. Offline.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun site
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
