@@ -116,6 +116,7 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like the tensors of `like`, in order (the inverse of `flatten`)."""
     out, offset = [], 0
     for t in like:
         n = t.numel()
@@ -170,7 +171,8 @@ class Communicator(ABC):
         """Sum `buf` over all peers, in place, without blocking."""
 
     @abstractmethod
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every peer has called `barrier()` (within the deadline)."""
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release backend resources; the communicator cannot be used afterwards."""
@@ -195,6 +197,7 @@ class Communicator(ABC):
         return self._start_allreduce(tensors, "allreduce_mean", mean=True)
 
     def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean of `tensors` over all peers, (1/n) sum_j x_j, as new tensors (a ring all-reduce's bytes)."""
         return self.start_allreduce_mean(tensors).wait()
 
     def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
@@ -202,6 +205,7 @@ class Communicator(ABC):
         return self._start_allreduce(tensors, "allreduce_sum", mean=False)
 
     def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The sum of `tensors` over all peers, sum_j x_j, as new tensors."""
         return self.start_allreduce_sum(tensors).wait()
 
     def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
@@ -266,6 +270,8 @@ class Communicator(ABC):
         return Handle(self, "neighbor_average", ex, finish, recv_from, arrival, buf.device)
 
     def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> list[torch.Tensor]:
+        """Send `tensors` to the peers of `weights.send`, receive from those of `weights.recv`, and return
+        self_weight x_i + sum_j recv[j] x_j: row i of a mixing matrix applied to the peers' tensors."""
         return self.start_neighbor_average(tensors, weights).wait()
 
     def start_neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]) -> Handle:
@@ -289,6 +295,7 @@ class Communicator(ABC):
     def neighbor_exchange(
         self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]
     ) -> list[torch.Tensor]:
+        """The blocking form of `start_neighbor_exchange`: the buffers received, in the order of `recv_from`."""
         return self.start_neighbor_exchange(buf, send_to, recv_from).wait()
 
     def start_exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
@@ -301,6 +308,7 @@ class Communicator(ABC):
         return Handle(self, "exchange", ex, lambda: unflatten(received(peer), tensors), [peer], arrival, buf.device)
 
     def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
+        """Pairwise exchange (AD-PSGD's primitive): send `tensors` to `peer`, return its tensors, shaped like ours."""
         return self.start_exchange(tensors, peer).wait()
 
     # --- the operations update rules are made of (dpsgd.optim) ----------------------------
@@ -320,6 +328,7 @@ class Communicator(ABC):
     def mix(
         self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False
     ) -> list[torch.Tensor]:
+        """sum_j W(step)[i, j] x_j with the topology's mixing matrix (`lazy`: with (I + W) / 2): one gossip step."""
         return self.start_mix(tensors, topology, step, lazy).wait()
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
@@ -369,6 +378,7 @@ class Communicator(ABC):
         return flatten(tensors)
 
     def unflatten(self, flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of `flatten`: views of `flat` shaped like `like`."""
         return unflatten(flat, like)
 
     def start_send(self, buf: torch.Tensor, peer: int, tag: int) -> Request:

@@ -149,6 +149,9 @@ class _LocalRecv(Request):
 
 
 class LocalCommunicator(Communicator):
+    """One peer of a `LocalWorld`: peers as threads of one process, messages as tensors handed over in memory
+    (`run_local` makes them). Counts bytes as a network would carry them."""
+
     backend = "local"
     in_process = True
 

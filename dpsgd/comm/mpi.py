@@ -114,6 +114,9 @@ class _MPIRequest(Request):
 
 
 class MPICommunicator(Communicator):
+    """One rank of an MPI world (mpi4py): CPU tensors travel as zero-copy buffers, CUDA tensors directly on a
+    CUDA-aware MPI or through page-locked host buffers otherwise. Start the ranks with mpiexec or srun."""
+
     backend = "mpi"
 
     def __init__(self, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S, staging: str = "auto"):

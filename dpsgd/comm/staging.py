@@ -19,6 +19,7 @@ _KEPT_PER_SHAPE = 8
 
 
 def check_mode(mode: str) -> str:
+    """`mode` if it is one of MODES (auto, always, never); a ValueError naming them otherwise."""
     if mode not in MODES:
         raise ValueError(f"backend.staging must be one of {', '.join(MODES)}, got {mode!r}")
     return mode

@@ -94,6 +94,9 @@ class _TorchRequest(Request):
 
 
 class TorchCommunicator(Communicator):
+    """One rank of torch.distributed: gloo on CPU (CUDA tensors through page-locked host buffers), nccl on
+    GPU. Start the ranks with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
+
     backend = "torch"
 
     def __init__(

@@ -25,7 +25,20 @@ STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Base class: subclasses implement `step()` with `self.base.step()` and communication."""
+    """The contract every distributed optimizer keeps: it wraps a local torch optimizer and behaves like one.
+
+    Constructed as `Algorithm(base, topology=..., comm=..., broadcast_initial=True, **options)`: `base` is
+    any `torch.optim.Optimizer` (its `param_groups` and `state` are this optimizer's own, so LR schedulers
+    and gradient clipping act on what really steps); `topology` (`topologies.Topology`, n = `comm.size`)
+    where the rule mixes; `comm` any `dpsgd.comm.Communicator`; `broadcast_initial=True` gives every peer
+    rank 0's parameters at construction, as DDP does. `step()` fires torch's step hooks; `state_dict()`
+    holds the base's state and the algorithm's own (`algorithm_state()`), so a run resumes bit for bit.
+
+    A subclass implements `step()` with `self.base.step()` and the communicator's operations
+    (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...), checks
+    its topology needs in its constructor (`require_topology("doubly" | "column")`), and extends
+    `algorithm_state()` / `load_algorithm_state()` with its own state.
+    """
 
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
     # True: its per-peer state has a rule for a world that re-forms with another peer count (dpsgd.elastic)
@@ -74,6 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.base.state
 
     def params(self) -> list[torch.Tensor]:
+        """Every parameter of every group, in order (the tensors the rule updates)."""
         return [p for group in self.param_groups for p in group["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -135,14 +149,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {"step_count": self.step_count}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Restore what `algorithm_state()` returned; subclasses extend it."""
         self.step_count = int(state["step_count"])
 
     def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state dict with the algorithm's own state under one more key."""
         sd = self.base.state_dict()
         sd[STATE_KEY] = self.algorithm_state()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a `state_dict()` of this algorithm (a plain torch optimizer's is refused, saying so)."""
         if STATE_KEY not in state_dict:
             raise ValueError(
                 f"this state_dict has no '{STATE_KEY}' entry: it was saved from a plain torch optimizer, "
@@ -221,4 +238,5 @@ _ADVICE = {
 
 @torch.no_grad()
 def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of `params` (a point to come back to, or to take a gradient at)."""
     return [p.detach().clone() for p in params]

@@ -82,7 +82,15 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 class LocalSGD(DistributedOptimizer):
-    """Local steps, exact averaging every `period` steps, and an outer optimizer (see the module).
+    """Local SGD / model averaging: base steps locally, and every H = `period` steps an exact average.
+
+    Every H steps the peers all-reduce their models, x_avg = mean_j x_j, and an outer step moves from the
+    anchor x_a (the model after the previous averaging) along the outer gradient G = x_a - x_avg:
+    plain averaging sets x = x_avg; SlowMo's and BMUF's block momentum and DiLoCo's Nesterov step are
+    torch optimizers stepping on G (see `SlowMo`, `BMUF`, `DiLoCo` and the module). `warmup_steps` all-reduce
+    the gradients first (post-local SGD, Lin et al. 2020); `group_size` with `global_period` averages within
+    groups every H steps and across all peers every `global_period` steps; `inner_state` keeps, resets or
+    averages the base optimizer's state at each averaging. The topology is accepted and ignored.
 
     outer: None (plain model averaging), a factory params -> torch.optim.Optimizer such as
     functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), or a config dict with

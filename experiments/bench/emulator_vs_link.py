@@ -19,7 +19,7 @@ scheduler's: this machine's other work slows only the measured side). `machine` 
 run took beyond the emulator's prediction for it (copies, TCP, reductions on these cores), and
 `emulated+machine` sets the capped measurement against prediction plus that.
 
-    python -m experiments.bench.emulator_vs_link                  # the README table
+    python -m experiments.bench.emulator_vs_link                  # the table of docs/results/network.md
     python -m experiments.bench.emulator_vs_link --rates 1gbit --algorithms allreduce --steps 4 --rounds 1
 """
 

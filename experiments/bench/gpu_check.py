@@ -1,4 +1,4 @@
-"""The prepared GPU check: `make gpu-check` on a machine with one GPU (README "GPU peers"); under 6 minutes.
+"""The prepared GPU check: `make gpu-check` on a machine with one GPU (docs/guide/clusters.md); under 6 minutes.
 
 Parts, each on its own (one that fails or cannot run here is recorded with why, and the next runs):
 1. gpu_tests: the `gpu`-marked tests (tests/test_gpu.py).

@@ -10,7 +10,7 @@ offloaded whole counts once), so payload = tx_bytes - 66 x tx_packets, and a pur
 Inter-host share of the count: each of host 2's peers sends the same bytes to each of its neighbours
 (one model each), so host 2 sent count x (its peers' neighbours on host 1) / (all their neighbours).
 
-    python -m experiments.bench.wire_bytes                     # the README table
+    python -m experiments.bench.wire_bytes                     # the table of docs/results/network.md
     python -m experiments.bench.wire_bytes --backends torch --topologies hierarchical --epochs 1 2
 """
 

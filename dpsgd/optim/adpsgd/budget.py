@@ -23,6 +23,7 @@ TAG_PROGRESS, TAG_ANSWER = 13, 14
 
 
 def check_budget(kind: str) -> str:
+    """`kind` if it is one of BUDGETS (steps, samples, seconds); a ValueError naming them otherwise."""
     if kind not in BUDGETS:
         raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
     return kind

@@ -33,7 +33,12 @@ from .budget import Budget
 
 
 class ADPSGD(DistributedOptimizer):
-    """AD-PSGD. `budget` names what ends the run ('steps' per peer, total 'samples' across peers, or
+    """AD-PSGD (Lian et al. 2018): asynchronous pairwise averaging, no global step.
+
+    Each peer takes its gradient g_i at a snapshot of x_i while x_i may change underneath; an active peer
+    averages atomically with one passive neighbour, x_i, x_j <- (x_i + x_j) / 2, and each peer adds its own
+    increment d_i = base(x_i, g_i) - x_i to its live x_i. The topology must be bipartite (active and
+    passive peers). `budget` names what ends the run ('steps' per peer, total 'samples' across peers, or
     wall-clock 'seconds'); the training loop fills in the amounts with `set_budget`. `seed` drives
     the choice of neighbours; `jitter_s` adds random delays (up to that many seconds) inside the
     protocol, for tests; `record_events` logs every change to the live parameters, in order.
