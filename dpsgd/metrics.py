@@ -155,7 +155,10 @@ def record(**values) -> dict:
     if unknown:
         raise KeyError(f"{sorted(unknown)} are not keys of dpsgd.metrics.Record; add them there")
     required = [k for k in Record.__annotations__ if k in Record.__required_keys__]
-    return {**{k: values.get(k) for k in required}, **{k: values[k] for k in Record.__annotations__ if k in values and k not in required}}
+    return {
+        **{k: values.get(k) for k in required},
+        **{k: values[k] for k in Record.__annotations__ if k in values and k not in required},
+    }
 
 
 # every peer's figures behind a record, one column each (real peers gather their rows, the fleet stacks them)
