@@ -31,8 +31,8 @@ def check_group_overrides(argv: list[str]) -> None:
                 raise ConfigError(f"unknown {group} {choice!r}; valid {group} options: {', '.join(valid)}")
 
 
-# The config schema: (dotted key, kind, bound, null allowed, what it is) of the keys the loop reads itself;
-# every other option is checked by the constructor that takes it (build_peer below).
+# The config schema: (dotted key, kind, bound, null allowed, hint) of the keys the loop reads itself; every
+# other option is checked by the constructor that takes it (build_peer below).
 SCHEMA = (
     ("peers", "integer", ">= 1", False, ""),
     ("epochs", "integer", ">= 1", False, ""),
@@ -45,9 +45,10 @@ SCHEMA = (
     ("algorithm.period", "integer", ">= 1", True, ""),
     ("algorithm.global_period", "integer", ">= 1", True, ""),
     ("algorithm.group_size", "integer", ">= 1", True, ""),
-    ("algorithm.ratio", "fraction", "in (0, 1]", True, " (the fraction of entries a compressor sends)"),
+    ("algorithm.ratio", "fraction", "in (0, 1]", True, ""),
     ("data.split_seed", "integer", "", True, ", or null for the run's seed"),
 )
+WHAT = {"algorithm.ratio": "the fraction of entries a compressor sends"}  # named in the message
 _BOUNDS = {
     ">= 1": lambda v: v >= 1,
     ">= 0": lambda v: v >= 0,
@@ -69,9 +70,8 @@ def check_schema(cfg: dict) -> None:
         if not number or (bound and not _BOUNDS[bound](value)):
             article = "an " if kind[0] in "aeiou" else "a "
             must = f"must be in {bound[3:]}" if bound.startswith("in") else f"must be {article}{kind} {bound}".rstrip()
-            named = f"{key}{note}" if note.startswith(" (the") else key
-            tail = note if not note.startswith(" (the") else ""
-            raise ConfigError(f"{named} {must}{tail}, got {value!r}")
+            named = f"{key} ({WHAT[key]})" if key in WHAT else key
+            raise ConfigError(f"{named} {must}{note}, got {value!r}")
     if not isinstance(cfg.get("elastic", False), bool):
         raise ConfigError(f"elastic must be true or false, got {cfg.get('elastic')!r}")
 
@@ -81,7 +81,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     in every rank before it joins the others): the config schema, the backend's capabilities, then the plan and
     peer 0 built as a real peer builds them, whose constructors' ValueErrors become the one line."""
     from dpsgd import backends, loggers, placement
-    from dpsgd.build import build_peer, build_topology, check_algorithm, plan
+    from dpsgd.build import build_peer, build_topology, check_algorithm
     from dpsgd.comm import LocalCommunicator, LocalWorld
     from dpsgd.comm.staging import check_mode
     from dpsgd.faults import FaultPlan
@@ -149,11 +149,10 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         build_topology(cfg, peers)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
-    # the plan, and peer 0 as a real peer builds it in a world of `peers`: data, partition, model, and the
-    # algorithm with its options on this topology; alone (it must not wait for the others' parameters), on the
-    # CPU (the driver keeps off the GPUs its peers will use)
+    # peer 0 as a real peer builds it in a world of `peers`: the run's plan (data, partition, budget), model, and
+    # the algorithm with its options on this topology; alone (it must not wait for the others' parameters), on
+    # the CPU (the driver keeps off the GPUs its peers will use)
     try:
-        plan(cfg, peers)
         alone = {**cfg, "faults": None, "device": "cpu", "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}
         build_peer(LocalCommunicator(LocalWorld(peers), 0, float(cfg["comm"]["timeout_s"])), alone)
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
