@@ -31,7 +31,7 @@ from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
-from .outer import DILOCO, OuterOptimizer, factory
+from .outer import DILOCO, OuterOptimizer, factory, saved_outer
 
 
 class StreamingDiLoCo(DistributedOptimizer):
@@ -163,9 +163,10 @@ class StreamingDiLoCo(DistributedOptimizer):
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         p = self.params()[0]
-        self._anchored = state.get("outer") is not None
-        if self._anchored:
-            self._outer.load_state_dict(state["outer"])
+        saved = saved_outer(state, "StreamingDiLoCo")
+        self._anchored = saved is not None
+        if saved is not None:
+            self._outer.load_state_dict(saved)
         arrived = (state.get("arrived") or {}).items()
         self._in_flight = {int(k): [t.detach().to(p.device, p.dtype).clone() for t in v] for k, v in arrived}
         self.messages.load_state(state.get("compression"))
