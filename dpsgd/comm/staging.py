@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Exchange, Pending, Request
+from .pending import Exchange, Pending, Request
 
 MODES = ("auto", "always", "never")
 _KEPT_PER_SHAPE = 8

@@ -173,15 +173,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}({self.base!r}, comm={self.comm!r})"
 
 
+class PairwiseExchanges(Protocol):
+    """One peer's side of an asynchronous algorithm's pairwise exchanges, in three parts that its own thread
+    calls on real peers and the event simulator calls in virtual time: the active side's `request` (locks
+    x_i, None when no neighbour now) and `complete`, the passive side's atomic `serve`."""
+
+    lock: Any  # held from request to complete: a step waits for it
+    partners: frozenset[int]
+    message_numel: int  # entries of a request (a closing DONE has as many)
+
+    def request(self) -> tuple[int, torch.Tensor] | None: ...
+    def serve(self, request: torch.Tensor) -> torch.Tensor: ...
+    def complete(self, partner: int, reply: torch.Tensor) -> None: ...
+
+
 @runtime_checkable
 class AsynchronousOptimizer(Protocol):
-    """What the training loop asks of an optimizer with no global step (`asynchronous = True`): each
-    peer steps at its own pace until its budget is spent, then `finish()` ends its part so that
-    collectives may run again; `measurements()` are its per-peer figures for the summary."""
+    """What the training loop and the event simulator ask of an optimizer with no global step
+    (`asynchronous = True`): each peer steps at its own pace until its budget is spent, then `finish()`
+    ends its part so that collectives may run again. It checks its own topology needs in its constructor
+    (a ValueError saying what to use). It describes its own measurements: `measurements()` are one
+    peer's figures (JSON values, with at least `steps` and `samples`), and `summary(rows)`, from every
+    peer's figures in rank order (each with the loop's `slowdown_s`), is summary.json's block `summary_key`.
+    The event simulator (dpsgd.sim.events) runs it with `start(threads=False)` and performs its pairwise
+    exchanges with `averaging.request`, `serve` and `complete`, in virtual time (`comm.clock`)."""
 
     asynchronous: ClassVar[bool]
+    summary_key: ClassVar[str]
     step_count: int
     budget: str  # what ends a peer's run: "steps", "samples" or "seconds"
+    role: str  # "active" (starts exchanges), "passive" (serves them) or "alone"
+    averaging: PairwiseExchanges
+    live: torch.Tensor  # x_i, flat
+    staleness: int  # exchanges applied to x_i since the snapshot the next gradient is taken at
+    wait_s: float  # time its steps waited for x_i (locked by an exchange in flight)
 
     def set_budget(
         self,
@@ -190,11 +215,13 @@ class AsynchronousOptimizer(Protocol):
         seconds: float | None = None,
         samples_per_step: int | None = None,
     ) -> None: ...
-    def start(self) -> None: ...
+    def step(self, closure=None) -> Any: ...  # its own rule: the simulator calls it too
+    def start(self, threads: bool = True) -> None: ...
     def should_stop(self) -> bool: ...
     def finish(self) -> None: ...
     def abort(self) -> None: ...
     def measurements(self) -> dict: ...
+    def summary(self, rows: list[dict]) -> dict: ...
     def settle(self) -> None: ...  # before a checkpoint: no exchange of this peer in flight
 
 

@@ -1,4 +1,4 @@
-"""Does the emulator predict a real link? Wall time per step on 2 test hosts x 2 peers against dpsgd.netem.
+"""Does the emulator predict a real link? Wall time per step on 2 test hosts x 2 peers against dpsgd.comm.netem.
 
 On one set of test hosts (tools/testhosts.py, root), ranks 0, 1 on host 1 and 2, 3 on host 2 (as
 `launcher.hosts` places them), torch/gloo:
@@ -89,9 +89,7 @@ def run_steps(opt, model, x, y, steps: int, overlap: bool, net=None) -> tuple[fl
     figure is its clock's."""
     import torch
 
-    from dpsgd.optim import ADPSGD
-
-    asynchronous = isinstance(opt, ADPSGD)
+    asynchronous = opt.asynchronous  # no global step: its own pace within a budget
     if asynchronous:
         opt.set_budget(steps=steps)
     opt.comm.barrier()
@@ -211,7 +209,7 @@ def emulate(name: str, spec: dict, network: dict) -> float:
     import torch
 
     from dpsgd.comm import run_local
-    from dpsgd.netem import NetworkEmulator
+    from dpsgd.comm.netem import NetworkEmulator
 
     def peer(comm):
         torch.set_num_threads(1)

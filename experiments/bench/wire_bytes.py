@@ -50,7 +50,7 @@ def across_share(topology: str, peers: int, hosts: int) -> float:
 
 def one_run(hosts: testhosts.TestHosts, backend: str, topology: str, epochs: int, run_dir: Path) -> dict:
     """Run the app from host 1 on both hosts (launcher.hosts); host 2's eth0 counters before and after."""
-    from dpsgd.launch import peer_env
+    from dpsgd.backends.launch import peer_env
 
     before = hosts.counters(2)
     cmd = [
