@@ -42,9 +42,10 @@ class StreamingDiLoCo(DistributedOptimizer):
 
     - starts a sync when t = (p + 1) h - tau (mod H): the mean over peers of its outer gradient
       Delta_p = x_anchor,p - x_p, while training goes on;
-    - completes it tau steps later, with DiLoCo's outer step (Nesterov momentum `outer_momentum`,
-      lr `outer_lr`): u_p <- beta u_p + Delta_p, x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p),
-      then x_p <- alpha x_p + (1 - alpha) x_anchor,p (alpha = `alpha`: the share of the tau local steps kept).
+    - completes it tau steps later: the outer optimizer `outer` (any torch optimizer; by default DiLoCo's
+      Nesterov SGD, lr 0.7, momentum beta 0.9) steps the anchor's fragment along the mean Delta_p, for
+      Nesterov SGD u_p <- beta u_p + Delta_p, x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p); then
+      x_p <- alpha x_p + (1 - alpha) x_anchor,p (alpha = `alpha`: the share of the tau local steps kept).
 
     One fragment syncs every h steps, so a peer's peak traffic is 1/P of the model. P = 1, tau = 0,
     alpha = 0 is `DiLoCo` with period H. The topology is accepted and ignored (averaging is exact).
