@@ -24,6 +24,8 @@ from .buckets import GradientBuckets
 class AllReduce(DistributedOptimizer):
     """The topology is accepted, and ignored, so that configs can swap algorithms."""
 
+    uses_topology = False
+
     elastic = True
 
     def __init__(

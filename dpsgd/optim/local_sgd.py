@@ -83,6 +83,7 @@ class LocalSGD(DistributedOptimizer):
     """Local steps, exact averaging every `period` steps, and an outer optimizer (see the module)."""
 
     elastic = True  # the anchor and outer momentum are the same on every peer: an added peer takes rank 0's
+    uses_topology = False  # averaging is exact (all-reduce)
 
     def __init__(
         self,

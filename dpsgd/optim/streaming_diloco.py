@@ -32,6 +32,8 @@ from .base import DistributedOptimizer
 
 
 class StreamingDiLoCo(DistributedOptimizer):
+    uses_topology = False  # fragments are averaged exactly (all-reduce)
+
     def __init__(
         self,
         base: torch.optim.Optimizer,
