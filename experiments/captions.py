@@ -148,7 +148,7 @@ def what_was_run(runs: list[dict], swept: list[str], copies: int = 0) -> str:
         ("data.name", lambda r: _data(r)),
         ("model.name", lambda r: f"model {setting(r, 'model.name')}" + _paren(_options(r, "model"))),
         ("peers", lambda r: f"{setting(r, 'peers')} peers"),
-        ("epochs", lambda r: f"{setting(r, 'epochs')} epochs of batch {setting(r, 'batch_size')} per peer"),
+        ("epochs", lambda r: f"{_count(setting(r, 'epochs'), 'epoch')} of batch {setting(r, 'batch_size')} per peer"),
         ("backend.name", lambda r: f"backend {setting(r, 'backend.name')}"),
         ("network.name", lambda r: f"network {setting(r, 'network.name')}"),
         ("compression.name", lambda r: f"compression {setting(r, 'compression.name')}"),
@@ -169,6 +169,10 @@ def what_was_run(runs: list[dict], swept: list[str], copies: int = 0) -> str:
     if parts:
         text += " Algorithm options (local optimizer, lr, ...): " + ". ".join(parts) + "."
     return text
+
+
+def _count(n, thing: str) -> str:
+    return f"{n} {thing}{'' if str(n) == '1' else 's'}"
 
 
 def _paren(text: str) -> str:
@@ -258,14 +262,22 @@ def settings(run: dict) -> dict:
 
 
 def figure_caption(
-    runs: list[dict], swept: list[str], seed_counts: list[int], clock: str | None, bounds: str, copies: int = 0
+    runs: list[dict],
+    swept: list[str],
+    seed_counts: list[int],
+    clock: str | None,
+    bounds: str,
+    copies: int = 0,
+    marks: tuple[str, str] = ("line", "band"),
 ) -> str:
-    """The short caption under a figure: what was run, what the lines and bands are, and the x axis' clock."""
-    seeds = max(seed_counts)
+    """The caption under a figure: what was run, what its `marks` (a mean's and an interval's: line and band,
+    point and bar) are, and the x axis' clock."""
+    seeds, (mean, interval) = max(seed_counts), marks
     lines = (
-        f"Lines: the mean over {seeds} seeds; bands: the {intervals.CONFIDENCE:.0%} Student-t interval, {bounds}."
+        f"{mean.capitalize()}s: the mean over {seeds} seeds; {interval}s: the {intervals.CONFIDENCE:.0%} Student-t "
+        f"interval, {bounds}."
         if seeds > 1
-        else "One seed per line: no interval."
+        else f"One seed per {mean}: no interval."
     )
     return " ".join(p for p in (what_was_run(runs, swept, copies), lines, clock) if p)
 
