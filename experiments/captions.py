@@ -214,7 +214,7 @@ def clocks(runs: list[dict], columns: set[str]) -> list[str]:
         if any(_simulated(r) and _asynchronous(r) for r in runs):
             lines.append(
                 "Emulated time of an asynchronous run on a simulated backend: the event simulator's virtual clock "
-                "(dpsgd.sim.events): each step's compute time drawn as backend.compute_* say, messages at the "
+                f"(dpsgd.sim.events): each step's compute time drawn from {_compute(runs)}, messages at the "
                 "network's latency and bandwidth; nothing of it is measured on this machine."
             )
         networks = sorted({_network(r) for r in runs if _emulates(r) and not (_simulated(r) and _asynchronous(r))})
@@ -225,6 +225,18 @@ def clocks(runs: list[dict], columns: set[str]) -> list[str]:
                 f"{'; '.join(networks)}."
             )
     return lines
+
+
+def _compute(runs: list[dict]) -> str:
+    """The event simulator's compute times, as its runs' configs set them."""
+    texts = {
+        f"a {setting(r, 'backend.compute_distribution')} distribution of mean {setting(r, 'backend.compute_mean_s')} s"
+        if not setting(r, "network.compute_time")
+        else f"network.compute_time {setting(r, 'network.compute_time')} s"
+        for r in runs
+        if _simulated(r) and _asynchronous(r)
+    }
+    return " or ".join(sorted(texts)) + " per step (x network.compute_scale on network.slow_peers)"
 
 
 def _emulates(run: dict) -> bool:

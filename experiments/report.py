@@ -203,12 +203,14 @@ def plot(
             m.get(y_key) is not None for r in runs for m in r["metrics"] for y_key, _ in y_panels
         ):
             continue  # e.g. no emulated network, or no known optimum, in these runs
-        clock = " ".join(captions.clocks(runs, {x_key}))
+        timed = [r for r in runs if _values(r, x_key)]  # the runs with this axis (emulated time: not all)
+        clock = " ".join(captions.clocks(timed, {x_key}))
         bounds = limits_words([y for y, _ in y_panels])
         caption = captions.figure_caption(runs, keys, seed_counts, clock, bounds, copies)
         caption += "".join(f" Note: {n}." for n in notes)
         if x_key in ("wall_time_s", "emulated_time_s"):
-            x_label = captions.clock_label(runs, x_key)
+            x_label = captions.clock_label(timed, x_key)
+            title = title.replace("emulated time", x_label.split(" (")[0])
         page = Page(len(y_panels), title, caption, len(groups))
         for ax, (y_key, y_label) in zip(page.axes, y_panels):
             for group in groups:

@@ -94,7 +94,8 @@ def plot_curves(
     which clock a time axis is on (experiments.captions)."""
     runs = [r for c in configs for r in c.runs]
     seed_counts = [len(c.runs) for c in configs]
-    clock = " ".join(captions.clocks(runs, {x_key}))
+    timed = [r for r in runs if any(m.get(x_key) is not None for m in r["metrics"])]
+    clock = " ".join(captions.clocks(timed, {x_key}))
     bounds = limits_words([y for y, _ in y_keys])
     caption = captions.figure_caption(runs, swept_keys(runs), seed_counts, clock, bounds)
     page = Page(len(y_keys), title, caption, len(configs))
@@ -104,7 +105,7 @@ def plot_curves(
             draw_band(ax, config.runs, x_key, y_key, name)
         if log_x:
             ax.set_xscale("log")
-        ax.set_xlabel(x_label or (captions.clock_label(runs, x_key) if x_key.endswith("time_s") else x_key))
+        ax.set_xlabel(x_label or (captions.clock_label(timed, x_key) if x_key.endswith("time_s") else x_key))
         ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
     return page.save(path)
