@@ -103,11 +103,9 @@ def value(run: dict, key: str):
 def label(run: dict, keys: list[str]) -> str:
     """A configuration's name in words ('D-PSGD, ring', 'all-reduce'): its swept values, or with nothing swept
     its algorithm and topology."""
-    values = {k: value(run, k) for k in keys if k != "seed"} or {
-        "algorithm": captions.setting(run, "algorithm.name"),
-        "topology": captions.setting(run, "topology.name"),
-    }
-    return captions.legend(run, values) or run["dir"].name
+    swept = captions.legend(run, {k: value(run, k) for k in keys if k != "seed"})
+    values = {"algorithm": captions.setting(run, "algorithm.name"), "topology": captions.setting(run, "topology.name")}
+    return swept or captions.legend(run, values) or run["dir"].name
 
 
 def collapse_identical(runs: list[dict], keys: list[str]) -> tuple[list[dict], list[str]]:
@@ -247,6 +245,8 @@ def rows(groups: list[list[dict]], keys: list[str]) -> list[dict]:
         row = summarize([{**captions.settings(r), **r["summary"], **{k: value(r, k) for k in keys}} for r in group])
         unused = [k for k in (*keys, "topology") if k in row and captions.ignored(first, [k])]
         row.update({k: "unused" for k in unused})
+        if unused:
+            row.pop("spectral_gap", None)  # the unused topology's
         collapsed = {k: v for k, v in first.get("ignored", {}).items() if len(v) > 1}
         if collapsed:
             row["ignored"] = "; ".join(f"{k}={','.join(map(str, v))}" for k, v in collapsed.items())

@@ -172,6 +172,11 @@ def test_collapse_keeps_seeds_apart():
     assert notes == ["all-reduce does not read topology=ring,exponential: those runs are the same run, reported once"]
     _, groups = report.group_by_seed(kept, keys)
     assert [len(g) for g in groups] == [2, 2, 2]
+    assert [report.label(g[0], keys) for g in groups] == ["all-reduce", "D-PSGD, ring", "D-PSGD, exponential"]
+
+    only = [r for r in runs if r["config"]["algorithm.name"] == "allreduce"]  # a topology sweep of all-reduce alone
+    kept, notes = report.collapse_identical(only, ["seed", "topology"])
+    assert len(kept) == 2 and len(notes) == 1 and report.label(kept[0], ["seed", "topology"]) == "all-reduce"
 
 
 def test_report_says_what_is_missing(tmp_path):
