@@ -136,7 +136,7 @@ def _options(run: dict, group: str, skip: tuple[str, ...] = ("name",)) -> str:
     items = [
         (k[len(prefix) :], v) for k, v in run["config"].items() if k.startswith(prefix) and k[len(prefix) :] not in skip
     ]
-    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in items if v is not None)
+    return ", ".join(f"{k} {v}" for k, v in items if v is not None)  # config names: outer_momentum, not outer
 
 
 def what_was_run(runs: list[dict], swept: list[str], copies: int = 0) -> str:

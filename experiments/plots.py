@@ -14,7 +14,7 @@ PAGE_WIDTH_IN = 7.0  # a paper's text width (two columns of a conference page)
 DPI = 200  # 1400 pixels across: sharp in print and on screen, small files
 COLUMNS = 2
 PANEL_HEIGHT_IN = 2.4
-CAPTION_CHARS = 150  # characters per caption line at CAPTION_FONT over PAGE_WIDTH_IN
+CAPTION_CHARS = 140  # characters per caption line at CAPTION_FONT over PAGE_WIDTH_IN
 CAPTION_FONT = 6.5
 
 
