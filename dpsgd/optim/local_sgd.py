@@ -98,6 +98,7 @@ class LocalSGD(DistributedOptimizer):
     `outer_optimizer` is the torch optimizer that moves the anchor (None without one)."""
 
     elastic = True  # the anchor and outer state are the same on every peer: an added peer takes rank 0's
+    uses_topology = False  # averaging is exact (all-reduce)
 
     def __init__(
         self,

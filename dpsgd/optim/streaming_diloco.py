@@ -51,6 +51,8 @@ class StreamingDiLoCo(DistributedOptimizer):
     alpha = 0 is `DiLoCo` with period H. The topology is accepted and ignored (averaging is exact).
     """
 
+    uses_topology = False  # fragments are averaged exactly (all-reduce)
+
     def __init__(
         self,
         base: torch.optim.Optimizer,
