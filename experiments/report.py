@@ -90,13 +90,13 @@ def _parse_overrides(overrides: list[str] | None) -> dict | None:
 def swept_keys(runs: list[dict]) -> list[str]:
     """What differs between runs: the command-line overrides where every run has Hydra's record
     of them (what the user swept, by the names they used), else the differing config keys."""
-    source = "overrides" if all(r["overrides"] is not None for r in runs) else "config"
+    source = "overrides" if all(r.get("overrides") is not None for r in runs) else "config"
     keys = sorted({k for r in runs for k in r[source]})
     return [k for k in keys if not k.startswith(IGNORED_KEYS) and len({repr(r[source].get(k)) for r in runs}) > 1]
 
 
 def value(run: dict, key: str):
-    source = run["overrides"] if run["overrides"] is not None and key in run["overrides"] else run["config"]
+    source = run["overrides"] if run.get("overrides") is not None and key in run["overrides"] else run["config"]
     return source.get(key)
 
 
