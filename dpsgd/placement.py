@@ -63,11 +63,7 @@ def peer_device(
         return torch.device("cpu")
     gpus = torch.cuda.device_count() if gpus is None else gpus
     if gpus == 0:
-        raise RuntimeError(
-            f"device={device} but torch sees no GPU (torch {torch.__version__}, CUDA "
-            f"{torch.version.cuda or 'not built in'}); install a CUDA build of torch on a GPU machine, "
-            f"or set device=cpu"
-        )
+        raise _no_gpu(device)
     local, on_node = node_rank(os.environ if env is None else env, rank, peers)
     if ":" in device:  # the user chose the GPU: every peer of the node on it
         index = int(device[5:])
@@ -77,6 +73,13 @@ def peer_device(
         return torch.device(device)
     _refuse_sharing(cfg, on_node, gpus, nccl, f"{gpus} GPU(s)")
     return torch.device("cuda", local % gpus)
+
+
+def _no_gpu(device: str) -> RuntimeError:
+    return RuntimeError(
+        f"device={device} but torch sees no GPU (torch {torch.__version__}, CUDA "
+        f"{torch.version.cuda or 'not built in'}); install a CUDA build of torch on a GPU machine, or set device=cpu"
+    )
 
 
 def _refuse_sharing(cfg: Mapping, on_node: int | None, gpus: int, nccl: bool, what: str) -> None:
@@ -107,11 +110,7 @@ def single_device(cfg: Mapping) -> torch.device:
     device = str(cfg.get("device", "cpu"))
     resolved = torch.device(kind(device) if device == "auto" else device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"device={device} but torch sees no GPU (torch {torch.__version__}, CUDA "
-            f"{torch.version.cuda or 'not built in'}); install a CUDA build of torch on a GPU machine, "
-            f"or set device=cpu"
-        )
+        raise _no_gpu(device)
     if resolved.type == "cuda" and resolved.index is None:  # an index: torch.cuda.set_device needs one
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved

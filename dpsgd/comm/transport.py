@@ -70,8 +70,3 @@ def get(name: str) -> Transport:
 def having(capability: str) -> list[str]:
     """The names of the transports whose record has `capability` (for error messages)."""
     return [n for n, t in _REGISTRY.items() if getattr(t, capability)]
-
-
-def launched() -> Transport | None:
-    """The transport whose launcher made this process one rank of its world, or None (a plain process)."""
-    return next((t for t in _REGISTRY.values() if t.world() is not None), None)
