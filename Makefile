@@ -26,10 +26,10 @@ run: $(STAMP)
 
 # the suite in TEST_WORKERS parallel pytest processes (pytest-xdist; 0: one process). Many tests wait (process
 # start-up, timeouts, rate-capped links) more than they compute, so 2 workers on 2 cores overlap one's waits with
-# the other's work. --dist loadgroup: tests that share a module's fixture, and the test-host tests, stay on one
-# worker in turn (their xdist_group marks: tests/conftest.py)
+# the other's work. Tests that share a module's fixture, and the test-host tests, stay on one worker, one after
+# the other (the scheduler in tests/conftest.py)
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(TEST_WORKERS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=15 $(ARGS)

@@ -15,15 +15,17 @@ collection, to the tests that
 split, `pytest --forbid-processes -m "not slow and not processes"` fails any selected test that starts a
 process (it stops fork, posix_spawn and subprocess in the tests left unmarked).
 
-Parallel runs: `make test` runs the suite in 2 pytest-xdist workers with `--dist loadgroup`; the tests that
-share a module-scoped fixture, and those that make test hosts, get an `xdist_group` mark here so that one
-worker runs each such group (see `_xdist_group`). A test never uses a fixed port, path or namespace name.
+Parallel runs: `make test` runs the suite in 2 pytest-xdist workers (`-n 2`). The scheduler here
+(`pytest_xdist_make_scheduler`) keeps on one worker, one after the other, the tests that share a module-scoped
+fixture and those that make test hosts (`xdist_scope`). A test never uses a fixed port, path or namespace name.
 
 Measuring: `--cpu-times FILE` writes each test's wall and CPU seconds (its own and its processes') to FILE.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import json
 import os
@@ -166,28 +168,67 @@ def pytest_runtest_protocol(item, nextitem):
         out.write(json.dumps(row) + "\n")
 
 
-def _xdist_group(item) -> str | None:
-    """The worker group of a test under `make test`'s `pytest -n N --dist loadgroup` (pytest-xdist): one worker
-    runs a group's tests one after the other. Groups: the tests that share a module- or class-scoped fixture of
-    their module (it then runs once, not once per worker), and every test that makes test hosts (network
-    namespaces with rate-capped links whose timings a second set on the same cores would disturb)."""
-    module = getattr(item, "module", None)
-    if module is None:
-        return None
-    if "testhosts" in vars(module):
+# --- parallel runs (pytest-xdist): which tests must share one worker -----------------------------------
+
+
+@functools.cache
+def _shared_by(path: str) -> tuple[bool, frozenset]:
+    """For the test file `path`: whether it makes test hosts (imports tools/testhosts.py), and the names of its
+    functions that use one of its module- or class-scoped fixtures (directly or through its other fixtures)."""
+    try:
+        tree = ast.parse((ROOT / path).read_text())
+    except (OSError, SyntaxError):
+        return False, frozenset()
+    hosts = any(
+        isinstance(node, (ast.Import, ast.ImportFrom))
+        and "testhosts" in [getattr(node, "module", None), *(a.name for a in node.names)]
+        for node in ast.walk(tree)
+    )
+    functions = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+    shared = {
+        f.name
+        for f in functions
+        for d in f.decorator_list
+        if isinstance(d, ast.Call)
+        and any(k.arg == "scope" and getattr(k.value, "value", None) in ("module", "class") for k in d.keywords)
+    }
+    users: set = set()
+    while True:  # a function that takes a shared fixture, or a fixture that does, takes part in the sharing
+        more = {f.name for f in functions if {a.arg for a in f.args.args} & (shared | users)} - users
+        if not more:
+            return hosts, frozenset(users)
+        users |= more
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The work unit of a test in `make test`'s parallel run: tests with the same unit run on one worker, one
+    after the other. A test that makes test hosts: "testhosts" (rate-capped links whose timings a second set
+    would disturb); one that uses a module-scoped fixture of its file: the file (the fixture then runs once,
+    not once per worker); any other test: its own."""
+    path, _, rest = nodeid.partition("::")
+    hosts, users = _shared_by(path)
+    if hosts:
         return "testhosts"
-    for defs in item._fixtureinfo.name2fixturedefs.values():
-        if defs and defs[-1].scope in ("module", "class") and defs[-1].baseid == item.nodeid.split("::")[0]:
-            return module.__name__
-    return None
+    if rest.split("::")[-1].split("[")[0] in users:
+        return path
+    return nodeid
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (--dist load): xdist's scope scheduler with the work units of `xdist_scope`."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Shared(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return Shared(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = _xdist_group(item)
-        if group and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(group))
     verdicts: dict = {}
     for item in items:
         if item.get_closest_marker("processes"):
