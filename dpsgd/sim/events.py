@@ -107,7 +107,7 @@ class Simulation:
 
     def __init__(self, cfg: dict, link=None, compute: ComputeTimes | None = None):
         n, seed, bs = int(cfg["peers"]), int(cfg["seed"]), int(cfg["batch_size"])
-        self.cfg, self.n, self.batch_size = cfg, n, bs
+        self.n, self.batch_size = n, bs
         self.link = link if link is not None else NetworkEmulator.from_config(cfg.get("network")).link
         self.compute = compute if compute is not None else compute_times(cfg, n)
         self.plan = run = plan(cfg, n)
@@ -134,7 +134,6 @@ class Simulation:
         for opt in self.opts:
             opt.set_budget(steps=run.total_steps, samples=self.budget_samples, samples_per_step=bs)
             opt.start(threads=False)
-        self.budget = self.opts[0].budget
         self.bytes_sent = [0] * n
         self.bytes_received = [0] * n
         self.finished_at = [0.0] * n
