@@ -75,12 +75,6 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     backend = cfg["backend"].get("name")
     _check_choice("backend", backend, backends.names())
     record = backends.get(backend)
-    compression = (cfg.get("compression") or {}).get("name", "none")
-    if compression != "none" and record.name == "fleet":
-        raise ConfigError(
-            f"compression={compression} encodes the messages of real peers; the fleet simulates exact messages "
-            "only: use backend=local, mpi or torch, or compression=none"
-        )
     if record.name == "fleet":
         from dpsgd.backends.fleet import threads
 

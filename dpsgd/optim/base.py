@@ -6,7 +6,7 @@ state_dict / load_state_dict with the algorithm's own state, LR schedulers.
 Constructors take the base first and then keywords: `topology=`, `comm=`, `broadcast_initial=` and
 the algorithm's options. With `broadcast_initial=True` every peer takes rank 0's parameters at
 construction, as DDP does. An algorithm talks to its peers only through the communicator's operations
-(`allreduce_mean`, `mix`, `group_mean`, `compressed_mix`, ...), so the one statement of its rule runs on
+(`allreduce_mean`, `mix`, `group_mean`, ...), so the one statement of its rule runs on
 real peers and, on tensors with a leading peer axis, on the fleet (dpsgd.sim).
 """
 
@@ -132,10 +132,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self) -> dict[str, Any]:
         """The algorithm's own state beyond the base optimizer's; subclasses extend it."""
-        return {"step_count": self.step_count}
+        memory = self.comm.memory()  # a compressing communicator's error memories
+        return {"step_count": self.step_count, **({"compression": memory} if memory else {})}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
         self.step_count = int(state["step_count"])
+        self.comm.load_memory(state.get("compression"))
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.base.state_dict()

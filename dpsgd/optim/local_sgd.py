@@ -49,10 +49,11 @@ averaging, group or global:
              mean model linearly, so at period 1 "keep" and "average" both equal AllReduce with
              momentum from a common start; they differ for period > 1 and for Adam.)
 
-Option `compression` (fp16, bf16, int8; dpsgd.comm.compression): at global averagings the peers send
-their outer deltas x_anchor - x_i as quantized, error-fed messages and x_avg = x_anchor - mean_i delta_i;
-the anchor is then kept for every outer (plain averaging included). Group averagings and averaged
-inner states stay exact.
+With a compressing communicator (`compression=`, dpsgd.comm.codecs) global averagings send the outer
+deltas x_anchor - x_i, far smaller than the models, as encoded, error-fed messages, and
+x_avg = x_anchor - mean_i delta_i; the anchor is then kept for every outer (plain averaging included).
+Group averagings, the first anchor and averaged inner states stay exact (`comm.exact`; error feedback
+could turn Adam's second moments negative).
 
 Against torch's PeriodicModelAverager(period, warmup_steps): torch averages after step t when
 t - 1 - warmup_steps is a multiple of period (so right after the first local step); here it is
@@ -64,7 +65,6 @@ from __future__ import annotations
 import torch
 
 from dpsgd.comm import Communicator
-from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -99,11 +99,9 @@ class LocalSGD(DistributedOptimizer):
         inner_state: str = "keep",
         group_size: int | None = None,
         global_period: int | None = None,
-        compression: str | dict | None = None,
     ):
         # the topology is accepted, and ignored: averaging is exact
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
-        self.messages = compressions.quantized(comm, compression, type(self).__name__)
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
         if outer not in OUTERS:
@@ -145,11 +143,11 @@ class LocalSGD(DistributedOptimizer):
         if t <= self.warmup_steps:
             grads = [p.grad for p in self.params() if p.grad is not None]
             if grads:
-                for g, avg in zip(grads, self.comm.allreduce_mean(grads)):
+                for g, avg in zip(grads, self.comm.allreduce_mean(grads, stream="gradients")):
                     g.copy_(avg)
             self.base.step()
         else:
-            if (self.outer != "average" or self.messages.codec is not None) and self._anchor is None:
+            if (self.outer != "average" or self.comm.exact is not self.comm) and self._anchor is None:
                 self._anchor = self._common_start()
             self.base.step()
             s = t - self.warmup_steps
@@ -165,7 +163,7 @@ class LocalSGD(DistributedOptimizer):
         parameters (broadcast_initial), since exact averaging and all-reduce warm-up keep them equal."""
         if self._same_start:
             return [p.detach().clone() for p in self.params()]
-        return [a.clone() for a in self.comm.allreduce_mean(self.params())]
+        return [a.clone() for a in self.comm.exact.allreduce_mean(self.params())]
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The base state averaged by inner_state='average', in parameter order (same on every peer)."""
@@ -183,17 +181,17 @@ class LocalSGD(DistributedOptimizer):
         params = self.params()
         state = self._state_tensors() if self.inner_state == "average" else []
         tensors = params + state
-        if not group and self.messages.codec is not None:
+        if not group and self.comm.exact is not self.comm:
             assert self._anchor is not None  # kept whenever deltas are compressed
             deltas = [a - p for a, p in zip(self._anchor, params)]
-            mean_delta = self.messages.allreduce_mean(deltas, "outer")
+            mean_delta = self.comm.allreduce_mean(deltas, stream="outer")
             averaged = [a - m for a, m in zip(self._anchor, mean_delta)]
-            averaged += self.comm.allreduce_mean(state) if state else []
+            averaged += self.comm.exact.allreduce_mean(state) if state else []
         elif not group:
             averaged = self.comm.allreduce_mean(tensors)
         else:
             assert self.group_size is not None  # group averaging is hierarchical averaging
-            averaged = self.comm.group_mean(tensors, self.group_size)
+            averaged = self.comm.exact.group_mean(tensors, self.group_size)
         for s, a in zip(state, averaged[len(params) :]):
             s.copy_(a)
         x_avg = averaged[: len(params)]
@@ -238,14 +236,12 @@ class LocalSGD(DistributedOptimizer):
             **super().algorithm_state(),
             "anchor": copy(self._anchor),
             "outer_buffer": copy(self._outer_buffer),
-            "compression": self.messages.state(),
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         self._anchor = self.own_tensors(state.get("anchor"))
         self._outer_buffer = self.own_tensors(state.get("outer_buffer"))
-        self.messages.load_state(state.get("compression"))
 
     def __repr__(self) -> str:
         groups = f", group_size={self.group_size}, global_period={self.global_period}" if self.group_size else ""

@@ -8,8 +8,8 @@ layers, as in the paper, that may begin or end inside a tensor, and each sync ca
 model. With H the period (inner steps between two syncs of one fragment), h = H / P and tau the delay
 (0 <= tau < h), after the inner step t = 1, 2, ...:
 - fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
-  Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; quantized and error-fed with
-  `compression`), and keeps training;
+  Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; encoded and error-fed, one
+  stream per fragment, on a compressing communicator), and keeps training;
 - fragment p completes it tau steps later, t = (p + 1) h (mod H), with the mean Delta_p:
       u_p <- beta u_p + Delta_p;   x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p)   (DiLoCo's Nesterov)
       x_p <- alpha x_p(t) + (1 - alpha) x_anchor,p   (alpha: how much of the tau local steps it keeps)
@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from dpsgd.comm import Communicator
-from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -45,7 +44,6 @@ class StreamingDiLoCo(DistributedOptimizer):
         alpha: float = 0.5,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
-        compression: str | dict | None = None,
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
@@ -72,7 +70,6 @@ class StreamingDiLoCo(DistributedOptimizer):
             )
         self.period, self.n_fragments, self.delay = period, fragments, delay
         self.alpha, self.outer_lr, self.outer_momentum = float(alpha), float(outer_lr), float(outer_momentum)
-        self.messages = compressions.quantized(comm, compression, "StreamingDiLoCo")
         cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
         self.ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]  # fragment -> [start, end) entries
         self._same_start = broadcast_initial
@@ -102,7 +99,7 @@ class StreamingDiLoCo(DistributedOptimizer):
         loss = self._closure_loss(closure)
         params = self.params()
         if self._anchor is None:  # the peers' mean model: their common start with broadcast_initial
-            self._anchor = self.comm.flatten(params if self._same_start else self.comm.allreduce_mean(params))
+            self._anchor = self.comm.flatten(params if self._same_start else self.comm.exact.allreduce_mean(params))
             self._outer_buffer = torch.zeros_like(self._anchor)
         self.base.step()
         t = self.step_count + 1
@@ -110,7 +107,7 @@ class StreamingDiLoCo(DistributedOptimizer):
         if started is not None:
             part = self.fragment(started)
             delta = self._anchor[..., part] - self.comm.flatten(params)[..., part]
-            self._in_flight[started] = self.messages.start_allreduce_mean([delta], f"fragment{started}")
+            self._in_flight[started] = self.comm.start_allreduce_mean([delta], stream=f"fragment{started}")
         done = self.completing(t)
         if done is not None:
             self._outer_step(done, self._arrived(done)[0])
@@ -147,7 +144,6 @@ class StreamingDiLoCo(DistributedOptimizer):
             "anchor": copy(self._anchor),
             "outer_buffer": copy(self._outer_buffer),
             "arrived": {p: [t.clone() for t in v] for p, v in self._in_flight.items()},  # type: ignore[attr-defined]
-            "compression": self.messages.state(),
         }
 
     def load_algorithm_state(self, state) -> None:
@@ -159,11 +155,10 @@ class StreamingDiLoCo(DistributedOptimizer):
 
         self._anchor, self._outer_buffer = own(state.get("anchor")), own(state.get("outer_buffer"))
         self._in_flight = {int(k): [own(t) for t in v] for k, v in (state.get("arrived") or {}).items()}
-        self.messages.load_state(state.get("compression"))
 
     def __repr__(self) -> str:
         return (
             f"StreamingDiLoCo({self.base!r}, period={self.period}, fragments={self.n_fragments}, "
             f"delay={self.delay}, alpha={self.alpha}, outer_lr={self.outer_lr}, "
-            f"outer_momentum={self.outer_momentum}, {self.messages!r})"
+            f"outer_momentum={self.outer_momentum})"
         )
