@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -651,85 +651,69 @@ class Compressed(Communicator):
         return self.inner.unflatten(final.reshape(1, -1)[:, :d].expand(n, d).contiguous(), tensors)
 
     # --- mixes ----------------------------------------------------------------------------------
+    def _start_encoded_mix(self, x: torch.Tensor, weights: Callable[[int], Neighbors], tag: int, what: str):
+        """Start sending q_i = Q(x_i) (key (i, tag)) to weights(i).send; the returned function gives
+        (q, sum_j w_ij q_j, self included). On a fleet every peer's messages are encoded and summed now."""
+        codec = self.elementwise(what)
+        if not self.peer_shape:
+            nb, key = weights(self.rank), (self.rank, tag)
+            msg, recv_from = codec.encode(x, key), sorted(nb.recv)
+            handle = self.inner.start_neighbor_exchange(msg, sorted(nb.send), recv_from)
+
+            def finish():
+                q = codec.decode(msg, x.numel(), x.dtype, key)
+                mixed = q * nb.self_weight
+                for peer, buf in zip(recv_from, handle.wait()):  # rank order: the same sum on every backend
+                    mixed.add_(codec.decode(buf, x.numel(), x.dtype, (peer, tag)), alpha=nb.recv[peer])
+                return q, mixed
+
+            return finish
+        started, n = time.perf_counter(), x.shape[0]
+        q = torch.stack([codec.compress(x[i], (i, tag)) for i in range(n)])
+        mixed = torch.empty_like(q)
+        counts = torch.zeros(2, n, dtype=torch.float64)
+        for i in range(n):
+            nb = weights(i)
+            mixed[i] = q[i] * nb.self_weight
+            for j in sorted(nb.recv):
+                mixed[i].add_(q[j], alpha=nb.recv[j])
+            counts[0, i], counts[1, i] = len(nb.send), len(nb.recv)
+        sent, received = counts * codec.nbytes(x.shape[1], x.dtype)
+        self._count_fleet(sent, received, started)
+        return lambda: (q, mixed)
+
+    def _start_mix(self, tensors: Sequence[torch.Tensor], weights: Callable[[int], Neighbors]) -> Handle:
+        """x_i + sum_j w_ij (q_j - q_i), self weight included (see the module)."""
+        x = self.flatten(tensors)
+        finish = self._start_encoded_mix(x, weights, self._call(), "a mix")
+
+        def result():
+            q, mixed = finish()
+            return self.unflatten(x - q + mixed, tensors)
+
+        return self._done("neighbor_average", result)
+
     def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
-        """x_i + sum_j w_j (q_j - q_i) with q = Q(x), self weight included (see the module)."""
-        codec, call = self.elementwise("a mix"), self._call()
-        x = flatten(tensors)
-        msg = codec.encode(x, (self.rank, call))
-        recv_from = sorted(weights.recv)
-        handle = self.inner.start_neighbor_exchange(msg, sorted(weights.send), recv_from)
-
-        def finish():
-            q = codec.decode(msg, x.numel(), x.dtype, (self.rank, call))
-            out = x.sub_(q).add_(q, alpha=weights.self_weight)
-            for peer, buf in zip(recv_from, handle.wait()):  # rank order: the same sum on every backend
-                out.add_(codec.decode(buf, x.numel(), x.dtype, (peer, call)), alpha=weights.recv[peer])
-            return unflatten(out, tensors)
-
-        return self._done("neighbor_average", finish)
+        return self._start_mix(tensors, lambda i: weights)
 
     def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
-        if not self.peer_shape:
-            return super().start_mix(tensors, topology, step, lazy)
-        return self._fleet_mix(tensors, lambda i: mixing_neighbors(topology, i, step, lazy))
+        return self._start_mix(tensors, lambda i: mixing_neighbors(topology, i, step, lazy))
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
-        if not self.peer_shape or group_size == 1:
-            return super().group_mean(tensors, group_size)
+        if group_size == 1:
+            return list(tensors)
 
         def weights(i: int) -> Neighbors:
             first = i // group_size * group_size
             others = {m: 1.0 / group_size for m in range(first, first + group_size) if m != i}
             return Neighbors(others, dict(others), 1.0 / group_size)
 
-        return self._fleet_mix(tensors, weights).wait()
-
-    def _fleet_mix(self, tensors: Sequence[torch.Tensor], neighbors) -> Handle:
-        """`start_neighbor_average` of every peer of a fleet, peer i with the weights `neighbors(i)`."""
-        started, codec, call = time.perf_counter(), self.elementwise("a mix"), self._call()
-        x = self.inner.flatten(tensors)  # (n, D), a copy
-        n = x.shape[0]
-        q = torch.stack([codec.compress(x[i], (i, call)) for i in range(n)])
-        out = x.sub_(q)
-        counts = torch.zeros(2, n, dtype=torch.float64)
-        for i in range(n):
-            nb = neighbors(i)
-            out[i].add_(q[i], alpha=nb.self_weight)
-            for j in sorted(nb.recv):
-                out[i].add_(q[j], alpha=nb.recv[j])
-            counts[0, i], counts[1, i] = len(nb.send), len(nb.recv)
-        counts *= codec.nbytes(x.shape[1], x.dtype)
-        self._count_fleet(counts[0], counts[1], started)
-        return self._done("neighbor_average", self.inner.unflatten(out, tensors))
+        return self._start_mix(tensors, weights).wait()
 
     def gossip(self, x: torch.Tensor, topology: Topology, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Choco's exchange: send Q(x) to this peer's out-neighbours of W(step); return (Q(x), sum_j W[i,j]
-        Q(x_j)), self included, decoded (on a fleet, x and both results have the peer axis). Keys (sender, step)."""
-        codec = self.elementwise("Choco's gossip")
-        if self.peer_shape:
-            started = time.perf_counter()
-            n = x.shape[0]
-            q = torch.stack([codec.compress(x[i], (i, step)) for i in range(n)])
-            mixed = torch.empty_like(q)
-            counts = torch.zeros(2, n, dtype=torch.float64)
-            for i in range(n):
-                nb = topology.neighbors(i, step)
-                mixed[i] = q[i] * nb.self_weight
-                for j in sorted(nb.recv):
-                    mixed[i].add_(q[j], alpha=nb.recv[j])
-                counts[0, i], counts[1, i] = len(nb.send), len(nb.recv)
-            counts *= codec.nbytes(x.shape[1], x.dtype)
-            self._count_fleet(counts[0], counts[1], started)
-            return q, mixed
-        nb = topology.neighbors(self.rank, step)
-        msg = codec.encode(x, (self.rank, step))
-        recv_from = sorted(nb.recv)
-        received = self.inner.neighbor_exchange(msg, sorted(nb.send), recv_from)
-        q = codec.decode(msg, x.numel(), x.dtype, (self.rank, step))
-        mixed = q * nb.self_weight
-        for peer, buf in zip(recv_from, received):  # rank order: the same sum on every backend
-            mixed.add_(codec.decode(buf, x.numel(), x.dtype, (peer, step)), alpha=nb.recv[peer])
-        return q, mixed
+        Q(x_j)), self included, decoded (on a fleet, with the peer axis). Keys (sender, step)."""
+        return self._start_encoded_mix(x, lambda i: topology.neighbors(i, step), step, "Choco's gossip")()
 
     # --- state: saved with the optimizer (dpsgd.optim's state_dict) -----------------------------------
     def memory(self) -> dict:

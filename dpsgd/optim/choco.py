@@ -45,13 +45,6 @@ def _codec(name: str | codecs.Codec | None, **options) -> codecs.Codec | codecs.
         )
     if not isinstance(name, str):
         return name
-    ratio = options["ratio"]
-    if name in ("top_k", "random_k") and not (
-        isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1
-    ):
-        raise ValueError(
-            f"Choco with compressor={name} needs ratio, the fraction of entries sent, in (0, 1]; got {ratio!r}"
-        )
     return codecs.make(name, **{k: v for k, v in options.items() if k in codecs.OPTIONS.get(name, ())})
 
 
