@@ -104,7 +104,8 @@ def test_make_and_bad_options_are_refused():
             codecs.make("random_k", ratio=bad)
     with pytest.raises(ValueError, match="levels"):
         QSGD(0)
-    assert isinstance(codecs.make("fp16"), codecs.Cast) and isinstance(codecs.make("int8"), codecs.Int8)
+    assert codecs.make("fp16").dtype == torch.float16 and codecs.make("bf16").dtype == torch.bfloat16
+    assert isinstance(codecs.make("int8"), codecs.Int8)
     with pytest.raises(ValueError, match="valid: top_k"):
         codecs.make("int4")
 
@@ -114,3 +115,11 @@ def test_pack_bits_round_trip():
     packed = codecs.pack_bits(codes, 6)
     assert packed.numel() == math.ceil(101 * 6 / 8)
     assert torch.equal(codecs.unpack_bits(packed, 101, 6), codes)
+
+
+def test_fp16_and_bf16_keep_what_their_formats_keep():
+    """fp16: 10 fraction bits, largest finite 65504; bf16: 7 fraction bits, float32's range."""
+    v = torch.tensor([1 + 2**-10, 1 + 2**-7, 1e5], dtype=torch.float64)
+    fp16, bf16 = codecs.make("fp16").compress(v), codecs.make("bf16").compress(v)
+    assert fp16[0] == 1 + 2**-10 and fp16[1] == 1 + 2**-7 and fp16[2] == float("inf")
+    assert bf16[0] == 1 and bf16[1] == 1 + 2**-7 and bf16[2] == 99840  # 1e5 to 8 significant bits
