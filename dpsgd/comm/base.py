@@ -224,14 +224,6 @@ class Communicator(ABC):
         """This communicator with exact messages: itself, or the one a compressing wrapper wears."""
         return self
 
-    def memory(self) -> dict:
-        """What this communicator remembers between operations (a compressing wrapper's error memories),
-        saved with the optimizer's state so a resumed run continues bit for bit; {} for exact ones."""
-        return {}
-
-    def load_memory(self, state: dict | None) -> None:  # noqa: B027 - exact communicators remember nothing
-        """Restore `memory()`."""
-
     def attach_network(self, network: NetworkEmulator) -> None:
         """Emulate `network` (a `dpsgd.netem.NetworkEmulator`) in every counted operation: messages carry
         their emulated arrival time and waits advance (or, in sleep mode, really wait for) the clock."""

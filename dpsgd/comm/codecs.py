@@ -717,6 +717,8 @@ class Compressed(Communicator):
 
     # --- state: saved with the optimizer (dpsgd.optim's state_dict) -----------------------------------
     def memory(self) -> dict:
+        """The streams' error memories and the count of calls (random codecs' keys)."""
+
         def saved(stream: dict) -> dict:
             return {k: v.clone() if torch.is_tensor(v) else v for k, v in stream.items() if k != "rng"}
 
@@ -740,15 +742,8 @@ class Compressed(Communicator):
     def barrier(self) -> None:
         self.inner.barrier()
 
-    def close(self) -> None:
-        self.inner.close()
-
     def duplicate(self) -> Communicator:
         return self.inner.duplicate()
-
-    def attach_network(self, network) -> None:
-        self.inner.attach_network(network)
-        self.network = network
 
     def start_neighbor_exchange(self, buf, send_to, recv_from) -> Handle:
         return self.inner.start_neighbor_exchange(buf, send_to, recv_from)

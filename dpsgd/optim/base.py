@@ -135,12 +135,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self) -> dict[str, Any]:
         """The algorithm's own state beyond the base optimizer's; subclasses extend it."""
-        memory = self.comm.memory()  # a compressing communicator's error memories
-        return {"step_count": self.step_count, **({"compression": memory} if memory else {})}
+        state: dict[str, Any] = {"step_count": self.step_count}
+        if isinstance(self.comm, Compressed):  # its error memories: a resumed run continues bit for bit
+            state["compression"] = self.comm.memory()
+        return state
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
         self.step_count = int(state["step_count"])
-        self.comm.load_memory(state.get("compression"))
+        if isinstance(self.comm, Compressed):
+            self.comm.load_memory(state.get("compression"))
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.base.state_dict()
