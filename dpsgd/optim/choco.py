@@ -37,17 +37,6 @@ from topologies import Topology
 from .base import DistributedOptimizer
 
 
-def _codec(name: str | codecs.Codec | None, **options) -> codecs.Codec | codecs.PowerSGD:
-    if name is None:
-        raise ValueError(
-            "Choco needs a compressor (compressor=top_k, random_k, sign, qsgd, fp16, bf16 or int8); "
-            "without compression use algorithm=dpsgd"
-        )
-    if not isinstance(name, str):
-        return name
-    return codecs.make(name, **{k: v for k, v in options.items() if k in codecs.OPTIONS.get(name, ())})
-
-
 class Choco(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
@@ -67,21 +56,24 @@ class Choco(DistributedOptimizer):
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology()
+        codec: codecs.Codec | codecs.PowerSGD | str | None = compressor
         if isinstance(comm, codecs.Compressed):  # compression= names the codec
             if compressor is not None:
                 raise ValueError(
                     f"Choco encodes its gossip with compressor={compressor}, and the communicator is compressed "
                     f"too ({comm.codec!r}): name the codec once (compression=none, or algorithm.compressor=null)"
                 )
-            codec: codecs.Codec | codecs.PowerSGD = comm.codec
-        else:
-            codec = _codec(compressor, ratio=ratio, levels=levels, seed=seed, rescale=rescale)
+            codec = comm.codec
+        elif isinstance(compressor, str):
+            given = {"ratio": ratio, "levels": levels, "seed": seed, "rescale": rescale}
+            codec = codecs.make(
+                compressor, **{k: v for k, v in given.items() if k in codecs.OPTIONS.get(compressor, ())}
+            )
         if not isinstance(codec, codecs.Codec):
             raise ValueError(
-                f"Choco encodes each model difference with a codec of one message ("
-                f"{', '.join(c for c in codecs.CODECS if c != 'powersgd')}); got {codec!r}"
+                f"Choco needs a compressor, a codec of one message ({', '.join(c for c in codecs.CODECS if c != 'powersgd')}), got "
+                f"{compressor!r}; without compression use algorithm=dpsgd"
             )
-        compressor = codec
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
             raise ValueError(f"Choco gamma (the consensus step size) must be in (0, 1], got {gamma!r}")
         if topology.period != 1:
@@ -91,7 +83,7 @@ class Choco(DistributedOptimizer):
                 f"static topology"
             )
         self.require_topology("doubly", why=" (the consensus step must keep the average model)")
-        self.compressor, self.gamma = compressor, float(gamma)
+        self.compressor, self.gamma = codec, float(gamma)
         self.x_hat: torch.Tensor | None = None  # public copy of this peer's model (flat)
         self.s: torch.Tensor | None = None  # sum_j W[i,j] x_hat_j (flat)
 
