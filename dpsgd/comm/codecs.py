@@ -61,23 +61,6 @@ from topologies import Neighbors, Topology
 
 from .base import Communicator, Exchange, Handle, Pending, Request, _Done, flatten, mixing_neighbors, unflatten
 
-__all__ = [
-    "CODECS",
-    "QSGD",
-    "Cast",
-    "Codec",
-    "Compressed",
-    "Int8",
-    "PowerSGD",
-    "RandomK",
-    "ScaledSign",
-    "TopK",
-    "make",
-    "pack_bits",
-    "unpack_bits",
-    "wrap",
-]
-
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
 
 
