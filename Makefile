@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests
 
-.PHONY: setup run test test-fast lint typecheck clean soak bench reproductions gpu-wheels gpu-check chaos
+.PHONY: setup run test test-fast lint typecheck docs clean soak bench reproductions gpu-wheels gpu-check chaos
 
 setup: $(STAMP)
 
@@ -41,8 +41,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# the documentation site (mkdocs.yml; guides, results and the API reference from the docstrings) into site/;
+# --strict: a broken link or an API page naming something that does not exist fails the build. Offline.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun site
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
@@ -58,7 +63,7 @@ bench: $(STAMP)
 reproductions: $(STAMP)
 	set -e; for r in $$($(PY) -m experiments.reproduce --list | cut -d' ' -f1); do $(PY) -m experiments.reproduce $$r --docs; done
 
-# --- GPU machines (README "GPU peers") ---------------------------------------------------------------------------
+# --- GPU machines (docs/guide/clusters.md) ----------------------------------------------------------------------
 # gpu-wheels (here, with internet): the pure-Python dependencies a CUDA machine's image may lack, plus the MPI
 # runtime and mpi4py, as wheels for Python $(GPU_PY) on x86-64 in .whl/ (about 20 MB). gpu-check (there, offline):
 # installs them beside that machine's own torch (never the venv: its torch is this machine's CPU build) and runs
@@ -92,6 +97,6 @@ gpu-check:
 		GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(PYTHON) -m experiments.bench.gpu_check
 
 # issue 18's chaos run: 8 peers as torchrun elastic nodes, D-PSGD and LocalSGD, 3 killed at seeded random steps and
-# 2 added back, against the undisturbed run of the same seed (experiments/bench/chaos.py; README "Reliability")
+# 2 added back, against the undisturbed run of the same seed (experiments/bench/chaos.py; docs/guide/reliability.md)
 chaos: $(STAMP)
 	$(PY) -m experiments.bench.chaos $(ARGS)

@@ -1,8 +1,9 @@
-"""One peer's parts, built from a resolved experiment config (a plain dict): data split and share,
-batches, model, topology, base and distributed optimizer, loss, straggler emulation.
+"""A run's plan and one peer's parts, built from a resolved experiment config (a plain dict): the plan
+(`plan`: data split, each peer's share, steps per epoch, the budget of steps and samples), then batches,
+model, topology, base and distributed optimizer, loss, straggler emulation.
 
-Real peers, the fleet, the event simulator and the config validator build through here, so a config
-means the same thing everywhere. A model, algorithm or topology config may name its own class or
+Real peers, the fleet, the event simulator, elastic runs and the config validator build through here, so
+a config means the same thing everywhere. A model, algorithm or topology config may name its own class or
 function with Hydra's `_target_` (e.g. `model._target_=mypkg.MyNet`): it is imported and called with
 the config's other keys (a model with no positional arguments; a distributed optimizer with the base
 optimizer, `topology=` and `comm=`; a topology with the number of peers).
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 import topologies
-from dpsgd import data, faults, metrics, models, netem, placement, supervisor
-from dpsgd.comm import codecs
+from dpsgd import data, faults, metrics, models, placement, supervisor
+from dpsgd.comm import codecs, netem
 from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.seeds import batch_seed
 
@@ -151,12 +152,53 @@ def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
     return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **options)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What every kind of run of a config trains on: the data split, each peer's share of the training set,
+    and the budget. Every peer takes `steps_per_epoch` steps of `batch_size` per epoch; the budget is `epochs`
+    passes of the configured `peers` (an elastic world of another size spends the same samples)."""
+
+    split: data.Split
+    shares: list  # each peer's training sample indices
+    peers: int  # the world's size
+    batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    samples_per_epoch: int
+    total_samples: int
+
+    def epoch(self, samples: float) -> float:
+        """The epochs `samples` training samples (by all peers together) make."""
+        return samples / self.samples_per_epoch
+
+    def class_histograms(self) -> list:
+        """Each peer's number of training samples per class."""
+        return [data.class_histogram(self.split.y_train[s], self.split.num_classes) for s in self.shares]
+
+
+def plan(cfg: dict, peers: int | None = None) -> Plan:
+    """The plan of the run `cfg` in a world of `peers` (default: the configured peers)."""
+    n = int(cfg["peers"]) if peers is None else int(peers)
+    split, bs = load_data(cfg), int(cfg["batch_size"])
+    planned = int(cfg["peers"]) if cfg.get("elastic") else n
+    samples_per_epoch = max(1, len(split.x_train) // (planned * bs)) * planned * bs
+    return Plan(
+        split=split,
+        shares=partition(cfg, split, n),
+        peers=n,
+        batch_size=bs,
+        steps_per_epoch=max(1, len(split.x_train) // (n * bs)),
+        total_steps=-(-int(cfg["epochs"]) * samples_per_epoch // (n * bs)),  # ceil
+        samples_per_epoch=samples_per_epoch,
+        total_samples=int(cfg["epochs"]) * samples_per_epoch,
+    )
+
+
 @dataclass
 class Peer:
     """Everything one peer trains with."""
 
-    split: data.Split
-    shares: list
+    plan: Plan
     batches: data.Batches
     x_test: torch.Tensor
     y_test: torch.Tensor
@@ -165,13 +207,8 @@ class Peer:
     optimizer: DistributedOptimizer
     loss_fn: Callable[..., torch.Tensor]
     network: netem.NetworkEmulator  # attached to the communicator: link costs, clock, compute slowdown
-    steps_per_epoch: int  # every peer takes the same steps; an epoch is one pass over the training set
-    total_steps: int
     faults: faults.FaultInjector
     seed: int
-    # the run's budget: `epochs` passes of the configured `peers` (an elastic world's size may differ)
-    samples_per_epoch: int
-    total_samples: int
 
     def before_step(self, step: int) -> None:
         """Step `step` begins: tell the driver that started this process (if one did), then inject
@@ -196,10 +233,6 @@ class Peer:
     def describe(self, cfg: dict, comm) -> dict:
         return describe(cfg, self.topology, comm)
 
-    def class_histograms(self) -> list:
-        """Each peer's number of training samples per class."""
-        return class_histograms(self.split, self.shares)
-
 
 def describe(cfg: dict, topology, comm) -> dict:
     """What the run was: the first keys of every summary.json."""
@@ -217,45 +250,31 @@ def describe(cfg: dict, topology, comm) -> dict:
     }
 
 
-def class_histograms(split: data.Split, shares: list) -> list:
-    return [data.class_histogram(split.y_train[s], split.num_classes) for s in shares]
-
-
 def build_peer(comm, cfg: dict) -> Peer:
     seed = int(cfg["seed"])
     network = netem.NetworkEmulator.from_config(cfg.get("network"), comm.rank, comm.size, seed)
     comm.attach_network(network)  # before the optimizer: some exchange at construction
     device = placement.place(cfg, comm.rank, comm.size, in_process=comm.in_process)
-    split = load_data(cfg)
-    shares = partition(cfg, split, comm.size)
-    share = shares[comm.rank]
+    run = plan(cfg, comm.size)
+    split, share = run.split, run.shares[comm.rank]
     batches = data.Batches(
         split.x_train[share].to(device),
         split.y_train[share].to(device),
-        int(cfg["batch_size"]),
+        run.batch_size,
         seed=batch_seed(seed, comm.rank),
     )
     model = build_model(cfg, split).to(device)
     topology = build_topology(cfg, comm.size)
-    optimizer = build_optimizer(cfg, model.parameters(), topology, comm)
-    steps_per_epoch = max(1, len(split.x_train) // (comm.size * batches.batch_size))
-    planned = int(cfg["peers"]) if cfg.get("elastic") else comm.size
-    samples_per_epoch = max(1, len(split.x_train) // (planned * batches.batch_size)) * planned * batches.batch_size
     return Peer(
-        split=split,
-        shares=shares,
+        plan=run,
         batches=batches,
         x_test=split.x_test.to(device),
         y_test=split.y_test.to(device),
         model=model,
         topology=topology,
-        optimizer=optimizer,
+        optimizer=build_optimizer(cfg, model.parameters(), topology, comm),
         loss_fn=metrics.loss_function(split.y_train),
         network=network,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=-(-int(cfg["epochs"]) * samples_per_epoch // (comm.size * batches.batch_size)),  # ceil
         faults=faults.FaultInjector.from_config(cfg, comm),
         seed=seed,
-        samples_per_epoch=samples_per_epoch,
-        total_samples=int(cfg["epochs"]) * samples_per_epoch,
     )

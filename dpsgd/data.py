@@ -38,6 +38,9 @@ PARTITIONS = ("iid", "dirichlet", "shards", "blocks")
 
 @dataclass(frozen=True)
 class Split:
+    """A dataset split into training and test tensors (the test split may be a validation split carved from
+    the training data), with its number of classes (0 for regression) and, where known, the optimum."""
+
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
@@ -359,6 +362,7 @@ def partition(
 
 
 def class_histogram(labels: torch.Tensor, num_classes: int) -> list[int]:
+    """How many of `labels` fall in each class 0 .. num_classes - 1 (regression: [number of samples])."""
     return torch.bincount(labels.reshape(-1), minlength=num_classes).tolist() if num_classes else [len(labels)]
 
 

@@ -19,7 +19,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dpsgd import backends
+from dpsgd.comm import transport
+from dpsgd.comm.transport import Transport
 from dpsgd.seeds import message_loss_seed
 
 KILL_MODES = ("exit", "hang")
@@ -42,8 +43,9 @@ class FaultPlan:
     drop_messages: float = 0.0
 
     @classmethod
-    def from_config(cls, section: dict | None, peers: int, backend: str) -> FaultPlan:
-        """The plan of a config's `faults:` block; ValueError (one line: what, and how to fix) if invalid."""
+    def from_config(cls, section: dict | None, peers: int, backend: Transport) -> FaultPlan:
+        """The plan of a config's `faults:` block for peers of `backend` (its record: dpsgd.backends.get or
+        dpsgd.comm.transport.get); ValueError (one line: what, and how to fix) if invalid."""
         section = dict(section or {})
         unknown = sorted(set(section) - set(cls.__dataclass_fields__))
         if unknown:
@@ -62,15 +64,15 @@ class FaultPlan:
         if not _is_number(plan.drop_messages) or not 0 <= plan.drop_messages <= 1:
             raise ValueError(f"faults.drop_messages must be a fraction in [0, 1], got {plan.drop_messages!r}")
         if plan.kill_peer is not None or plan.delay_peer is not None or plan.drop_messages:
-            record = backends.get(backend)
-            if not record.real_peers:
+            if not backend.real_peers:
                 raise ValueError(
-                    f"faults need real peers and backend={backend} simulates them; use backend={_having('real_peers')}"
+                    f"faults need real peers and backend={backend.name} simulates them; "
+                    f"use backend={_having('real_peers')}"
                 )
-            if plan.drop_messages and not record.threads:
+            if plan.drop_messages and not backend.threads:
                 raise ValueError(
                     f"faults.drop_messages works on backend={_having('threads')} only (got "
-                    f"backend={backend}); on processes, kill or hang a peer instead (faults.kill_peer)"
+                    f"backend={backend.name}); on processes, kill or hang a peer instead (faults.kill_peer)"
                 )
         return plan
 
@@ -86,7 +88,7 @@ class FaultInjector:
 
     @classmethod
     def from_config(cls, cfg: dict, comm) -> FaultInjector:
-        plan = FaultPlan.from_config(cfg.get("faults"), comm.size, comm.backend)
+        plan = FaultPlan.from_config(cfg.get("faults"), comm.size, transport.get(comm.backend))
         return cls(plan, comm, int(cfg.get("seed", 0)))
 
     def before_step(self, step: int) -> None:
@@ -103,7 +105,7 @@ class FaultInjector:
         return self.step >= self.plan.at_step and self._rng.random() < self.plan.drop_messages
 
     def _kill(self, step: int) -> None:
-        rank, thread = self.comm.rank, backends.get(self.comm.backend).threads  # a thread cannot be killed
+        rank, thread = self.comm.rank, transport.get(self.comm.backend).threads  # a thread cannot be killed
         what = "exited" if self.plan.kill_mode == "exit" else "hung"
         message = (
             f"peer {rank} {what} at step {step} (injected by faults.kill_peer={rank}, "
@@ -130,6 +132,6 @@ def _is_number(value) -> bool:
 
 
 def _having(capability: str) -> str:
-    """'local, mpi or torch': the backends whose record has `capability`."""
-    choices = [n for n in backends.names() if getattr(backends.get(n), capability)]
+    """'local, mpi or torch': the backends whose transport has `capability`."""
+    choices = transport.having(capability)
     return " or ".join(filter(None, (", ".join(choices[:-1]), choices[-1])))

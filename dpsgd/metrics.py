@@ -5,26 +5,17 @@ perplexity of a language model and the distances to a known optimum. Their own c
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from typing import TypedDict
 
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, vmap
 
 from dpsgd.comm import Communicator
 from dpsgd.comm.base import flatten
-
-SNAPSHOT_KEYS = (
-    "test_loss",
-    "test_accuracy",
-    "peer_test_accuracy_mean",
-    "peer_test_accuracy_min",
-    "peer_test_accuracy_max",
-    "peer_test_loss_mean",
-    "consensus_distance",
-    "train_loss",
-)
 
 
 def loss_function(y: torch.Tensor):
@@ -66,6 +57,15 @@ def gather_scalars(comm: Communicator, values: list[float]) -> torch.Tensor:
     slots[comm.rank] = torch.tensor(values, dtype=torch.float64)
     with comm.uncounted():
         return comm.allreduce_mean([slots])[0] * comm.size
+
+
+def gather_objects(comm: Communicator, value) -> list:
+    """Every peer's `value` (anything JSON writes exactly: numbers, strings, lists, dicts), rank order, on every
+    peer: its JSON text gathered as byte values."""
+    text = json.dumps(value).encode()
+    lengths = [round(float(v)) for v in gather_scalars(comm, [float(len(text))])[:, 0]]
+    table = gather_scalars(comm, [float(b) for b in text] + [0.0] * (max(lengths) - len(text)))
+    return [json.loads(bytes(round(float(v)) for v in table[r, : lengths[r]])) for r in range(comm.size)]
 
 
 def language_metrics(test_loss: float, y: torch.Tensor) -> dict:
@@ -115,76 +115,183 @@ def own_optimum_distances(model: nn.Module, optimum: torch.Tensor | None) -> dic
     return optimum_distances(own, squared_optimum_distances(own, optimum), optimum)
 
 
+class _WorkloadKeys(TypedDict, total=False):
+    test_perplexity: float  # a language model's (token sequences) only
+    optimum_distance: float | None  # where the data's minimizer x* is known (optimum_distances)
+    peer_optimum_distance: float | None
+
+
+class Record(_WorkloadKeys):
+    """One record of metrics.jsonl, the same keys for every kind of run (real peers, the fleet, the event
+    simulator), None where a run cannot know a value, and the keys of its workload (_WorkloadKeys); the run's
+    last record heads summary.json. A new key is one line here and its figure in `measure` (per peer, a
+    column of COLUMNS in `peer_row` and `stacked_columns`): this file only."""
+
+    step: int
+    epoch: float
+    samples: int
+    wall_time_s: float
+    emulated_time_s: float | None  # the latest peer's emulated (or the simulator's virtual) clock
+    test_loss: float | None  # of the averaged model
+    test_accuracy: float | None
+    peer_test_accuracy_mean: float | None  # of each peer's own model
+    peer_test_accuracy_min: float | None
+    peer_test_accuracy_max: float | None
+    peer_test_loss_mean: float | None
+    consensus_distance: float | None  # (1/n) sum_i |x_i - x_bar|^2
+    train_loss: float | None
+    mb_sent_per_peer: float | None
+    mb_received_per_peer: float | None
+    comm_time_s: float | None  # blocked in communication, mean over peers
+    comm_overlap_s: float | None  # non-blocking exchanges behind computation, mean over peers
+    emulated_wait_s: float | None  # emulated time spent waiting for modelled messages, mean over peers
+    peak_mb_sent_per_step: float | None  # the busiest peer's busiest step (None: no global step)
+    scope: str  # "all peers", or "rank 0": an asynchronous run's own view while its peers train
+
+
+def record(**values) -> dict:
+    """A `Record` of `values`: every required key (None where not given), then the workload's keys given."""
+    unknown = set(values) - set(Record.__annotations__)
+    if unknown:
+        raise KeyError(f"{sorted(unknown)} are not keys of dpsgd.metrics.Record; add them there")
+    required = [k for k in Record.__annotations__ if k in Record.__required_keys__]
+    return {
+        **{k: values.get(k) for k in required},
+        **{k: values[k] for k in Record.__annotations__ if k in values and k not in required},
+    }
+
+
+# every peer's figures behind a record, one column each (real peers gather their rows, the fleet stacks them)
+COLUMNS = (
+    "own_loss own_accuracy avg_loss avg_correct avg_count sq_consensus train_loss sq_optimum "
+    "bytes_sent bytes_received comm_time_s overlap_s clock_s emulated_wait_s peak_step_bytes"
+).split()
+
+
 @torch.no_grad()
-def snapshot_metrics(
-    comm: Communicator,
-    model: nn.Module,
-    x_test: torch.Tensor,
-    y_test: torch.Tensor,
-    train_loss: float,
-    optimum: torch.Tensor | None = None,
-) -> dict:
-    """Test metrics of the averaged model and of each peer's own, consensus distance, mean train loss;
-    with `optimum`, the distances to it (`optimum_distances`); for a language model, its perplexity."""
+def peer_row(
+    comm: Communicator, model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor, train_loss: float, optimum
+) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """One real peer's figures (COLUMNS) and the averaged model (collectives, uncounted): the averaged model is
+    scored on this peer's slice of the test set, its own model on all of it."""
     names = [n for n, _ in model.named_parameters()]
     local = [p.detach() for p in model.parameters()]
     with comm.uncounted():
         avg = comm.allreduce_mean(local)
-    sq_dist = sum(float((x.double() - a.double()).pow(2).sum()) for x, a in zip(local, avg))
-    sq_optimum = squared_optimum_distances(local, optimum)
-
-    # the averaged model: each peer scores its slice of the test set, and the counts are summed
     lo, hi = comm.rank * len(x_test) // comm.size, (comm.rank + 1) * len(x_test) // comm.size
     avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test[lo:hi], y_test[lo:hi])
     own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x_test, y_test)
-    table = gather_scalars(
-        comm,
-        [avg_loss, avg_correct, count, own_correct / own_count, own_loss / own_count, sq_dist, train_loss]
-        + [float(sq_optimum[0]) if sq_optimum is not None else 0.0],
-    )
-    total = table.sum(0)
-    peer_acc = table[:, 3]
-    test_loss = float(total[0] / total[2])
+    sq_optimum = squared_optimum_distances(local, optimum)
+    s, net = comm.stats, comm.network
+    row = {
+        "own_loss": own_loss / own_count,
+        "own_accuracy": own_correct / own_count,
+        "avg_loss": avg_loss,
+        "avg_correct": avg_correct,
+        "avg_count": count,
+        "sq_consensus": sum(float((x.double() - a.double()).pow(2).sum()) for x, a in zip(local, avg)),
+        "train_loss": train_loss,
+        "sq_optimum": float(sq_optimum[0]) if sq_optimum is not None else 0.0,
+        "bytes_sent": s.bytes_sent,
+        "bytes_received": s.bytes_received,
+        "comm_time_s": s.comm_time_s,
+        "overlap_s": s.overlap_s,
+        "clock_s": net.clock.elapsed() if net is not None and net.active else 0.0,
+        "emulated_wait_s": s.emulated_wait_s,
+        "peak_step_bytes": s.peak_step_bytes,
+    }
+    return row, avg
+
+
+def gather_columns(comm: Communicator, row: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Every peer's `row` as (n,) columns, on every peer."""
+    table = gather_scalars(comm, [float(row[k]) for k in COLUMNS])
+    return {k: table[:, i] for i, k in enumerate(COLUMNS)}
+
+
+@torch.no_grad()
+def stacked_columns(
+    model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum, traffic: dict
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """COLUMNS of n peers whose parameters carry a leading peer axis (the fleet, the event simulator), and the
+    averaged model; `traffic`: each traffic column ((n,) or a number for every peer)."""
+    n = params[0].shape[0]
+    avg = [p.mean(0) for p in params]
+    avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test, y_test)
+    own_loss, own_correct, own_count = evaluate_peers(model, names, params, x_test, y_test)
+    sq_optimum = squared_optimum_distances(params, optimum, peer_axis=True)
+    first = torch.zeros(n, dtype=torch.float64)
+    first[0] = 1.0  # the averaged model is scored once: its sums in row 0
+    columns = {
+        "own_loss": own_loss / own_count,
+        "own_accuracy": own_correct / own_count,
+        "avg_loss": first * avg_loss,
+        "avg_correct": first * avg_correct,
+        "avg_count": first * count,
+        "sq_consensus": torch.stack(
+            [((p.double() - a.double()) ** 2).reshape(n, -1).sum(1) for p, a in zip(params, avg)]
+        ).sum(0),
+        "train_loss": torch.full((n,), float(train_loss), dtype=torch.float64),
+        "sq_optimum": sq_optimum if sq_optimum is not None else torch.zeros(n, dtype=torch.float64),
+    }
+    for k in COLUMNS[8:]:
+        columns[k] = torch.as_tensor(traffic.get(k, 0.0), dtype=torch.float64).expand(n)
+    return columns, avg
+
+
+def measure(
+    c: dict[str, torch.Tensor], average: Sequence[torch.Tensor], y_test: torch.Tensor, optimum, emulated: bool
+) -> dict:
+    """The measured keys of a record from every peer's figures `c` (COLUMNS) and the averaged model: its test
+    metrics, each peer's own, consensus distance, mean train loss, traffic, and where the workload allows, its
+    perplexity and the distances to the optimum."""
+    count = float(c["avg_count"].sum())
+    test_loss = float(c["avg_loss"].sum()) / count
     return {
         "test_loss": test_loss,
-        "test_accuracy": float(total[1] / total[2]),
-        "peer_test_accuracy_mean": float(peer_acc.mean()),
-        "peer_test_accuracy_min": float(peer_acc.min()),
-        "peer_test_accuracy_max": float(peer_acc.max()),
-        "peer_test_loss_mean": float(table[:, 4].mean()),
-        "consensus_distance": float(table[:, 5].mean()),
-        "train_loss": float(table[:, 6].mean()),
+        "test_accuracy": float(c["avg_correct"].sum()) / count,
+        "peer_test_accuracy_mean": float(c["own_accuracy"].mean()),
+        "peer_test_accuracy_min": float(c["own_accuracy"].min()),
+        "peer_test_accuracy_max": float(c["own_accuracy"].max()),
+        "peer_test_loss_mean": float(c["own_loss"].mean()),
+        "consensus_distance": float(c["sq_consensus"].mean()),
+        "train_loss": float(c["train_loss"].mean()),
         **language_metrics(test_loss, y_test),
-        **optimum_distances(avg, table[:, 7] if sq_optimum is not None else None, optimum),
+        **optimum_distances(average, c["sq_optimum"], optimum),
+        "emulated_time_s": float(c["clock_s"].max()) if emulated else None,
+        "emulated_wait_s": float(c["emulated_wait_s"].mean()) if emulated else None,
+        "mb_sent_per_peer": float(c["bytes_sent"].mean()) / 1e6,
+        "mb_received_per_peer": float(c["bytes_received"].mean()) / 1e6,
+        "comm_time_s": float(c["comm_time_s"].mean()),
+        "comm_overlap_s": float(c["overlap_s"].mean()),
+        "peak_mb_sent_per_step": float(c["peak_step_bytes"].max()) / 1e6,
     }
 
 
-def traffic(comm: Communicator) -> dict:
-    """Mean over peers of the algorithm's bytes sent (and the most one peer sent in one step), time
-    blocked in communication, and time its non-blocking exchanges ran behind computation (e.g. D-PSGD
-    with overlap); with an emulated network (dpsgd.netem), the emulated time (the latest peer's clock)
-    and the emulated time spent waiting."""
-    s, net = comm.stats, comm.network
-    clock = net.clock if net is not None and net.active else None
-    emulating = clock is not None
-    table = gather_scalars(
-        comm,
-        [
-            s.bytes_sent,
-            s.bytes_received,
-            s.comm_time_s,
-            s.overlap_s,
-            clock.elapsed() if clock is not None else 0.0,
-            s.emulated_wait_s,
-            s.peak_step_bytes,
-        ],
-    )
-    return {
-        "emulated_time_s": float(table[:, 4].max()) if emulating else None,
-        "emulated_wait_s": float(table[:, 5].mean()) if emulating else None,
-        "mb_sent_per_peer": float(table[:, 0].mean()) / 1e6,
-        "mb_received_per_peer": float(table[:, 1].mean()) / 1e6,
-        "comm_time_s": float(table[:, 2].mean()),
-        "comm_overlap_s": float(table[:, 3].mean()),
-        "peak_mb_sent_per_step": float(table[:, 6].max()) / 1e6,  # the busiest peer's busiest step
-    }
+def measure_peers(comm: Communicator, model, x_test, y_test, train_loss: float, optimum=None) -> dict:
+    """`measure` on real peers: every peer's row gathered (collectives: every peer calls it)."""
+    row, avg = peer_row(comm, model, x_test, y_test, train_loss, optimum)
+    emulated = comm.network is not None and comm.network.active
+    return measure(gather_columns(comm, row), avg, y_test, optimum, emulated)
+
+
+PEER_CHUNK = 64  # peers evaluated in one vectorized call
+
+
+@torch.no_grad()
+def evaluate_peers(
+    model, names: list[str], params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(n,) sums of losses, (n,) numbers correct and the count, of every peer's own model on (x, y) (a leading
+    peer axis on `params`), as `evaluate` scores one model."""
+    n = params[0].shape[0]
+    loss = torch.zeros(n, dtype=torch.float64)
+    correct = torch.zeros(n, dtype=torch.float64)
+    batched = vmap(lambda ps, xb, yb: score(model, dict(zip(names, ps)), xb, yb), in_dims=(0, None, None))
+    for a in range(0, n, PEER_CHUNK):
+        chunk = tuple(p[a : a + PEER_CHUNK] for p in params)
+        for i in range(0, len(x), batch_size):
+            part_loss, c = batched(chunk, x[i : i + batch_size], y[i : i + batch_size])
+            loss[a : a + PEER_CHUNK] += part_loss.double().cpu()
+            correct[a : a + PEER_CHUNK] += c.double().cpu()
+    return loss, correct, y.numel()

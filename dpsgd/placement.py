@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import torch
 
+from dpsgd.comm import transport
+
 # (local rank, processes on the node), most specific launcher first
 LAUNCHER_VARS = (
     ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, the app's torch spawner
@@ -93,13 +95,10 @@ def _refuse_sharing(cfg: Mapping, on_node: int | None, gpus: int, nccl: bool, wh
 
 
 def uses_nccl(cfg: Mapping) -> bool:
-    """The run's peers talk over nccl: backend=torch with dist_backend nccl, or unset on a GPU device."""
-    backend = cfg.get("backend") or {}
-    if backend.get("name") != "torch":
-        return False
-    return (
-        backend.get("dist_backend") or ("nccl" if kind(str(cfg.get("device", "cpu"))) == "cuda" else "gloo")
-    ) == "nccl"
+    """The run's peers talk over nccl, as their transport says (dpsgd.comm.transport); never for a backend
+    with no transport of its own (the fleet)."""
+    name = (cfg.get("backend") or {}).get("name")
+    return name in transport.names() and transport.get(name).uses_nccl(cfg)
 
 
 def single_device(cfg: Mapping) -> torch.device:

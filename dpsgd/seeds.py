@@ -20,7 +20,7 @@ def partner_seed(seed: int, rank: int) -> int:
 
 
 def link_jitter_seed(seed: int, rank: int) -> int:
-    """The emulated network's jitter on peer `rank`'s messages (dpsgd.netem)."""
+    """The emulated network's jitter on peer `rank`'s messages (dpsgd.comm.netem)."""
     return seed * 7919 + rank
 
 

@@ -39,7 +39,7 @@ class Supervisor(contextlib.AbstractContextManager):
         self.steps: dict[int, int] = {}  # rank -> the last step it began
         self.ended: dict[int, float] = {}  # rank -> time.time() its connection closed without `finished`
         self.finished: set[int] = set()
-        self.last_progress: float | None = None  # time.monotonic() of the newest step heard (dpsgd.watchdog)
+        self.last_progress: float | None = None  # time.monotonic() of the newest step heard (dpsgd.backends.watchdog)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="dpsgd-supervisor", daemon=True)
         self._thread.start()

@@ -27,8 +27,6 @@ from dpsgd.comm import Communicator
 from dpsgd.optim import AsynchronousOptimizer
 from dpsgd.seeds import reshuffle_seed
 
-HISTOGRAM_BINS = 16  # AD-PSGD's staleness 0..15, the last bin holding 15 and more
-
 
 class Run(Protocol):
     """What the loop asks of a kind of run. `step_count` counts the steps that `log_every` and
@@ -194,7 +192,7 @@ class SynchronousRun:
 
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
         self.peer, self.comm, self.writer = peer, comm, writer
-        self.step_count, self.total_steps = 0, peer.total_steps
+        self.step_count, self.total_steps = 0, peer.plan.total_steps
         self.samples = 0  # by all peers: a step takes batch_size from each peer of the world of that time
 
     def describe(self, cfg: dict) -> dict:
@@ -212,7 +210,7 @@ class SynchronousRun:
                 peer.batches.reshuffle(reshuffle_seed(peer.seed, self.comm.rank, self.step_count))
             self.samples = state.get("samples", self.step_count * peer.batches.batch_size * self.comm.size)
             if "elastic_from" in state:  # the steps left to the run's budget of samples, at this world's size
-                left = max(0, peer.total_samples - self.samples)
+                left = max(0, peer.plan.total_samples - self.samples)
                 self.total_steps = self.step_count + math.ceil(left / (peer.batches.batch_size * self.comm.size))
             for key, value in state["comm_stats"].items():
                 setattr(self.comm.stats, key, value)
@@ -235,21 +233,23 @@ class SynchronousRun:
 
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
-        peer, step = self.peer, self.step_count
-        return {
-            "step": step,
-            "epoch": self.samples / peer.samples_per_epoch,
-            "samples": self.samples,
-            "wall_time_s": wall_s,
-            **metrics.snapshot_metrics(self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.split.optimum),
-            **metrics.traffic(self.comm),
-        }
+        peer = self.peer
+        return metrics.record(
+            step=self.step_count,
+            epoch=peer.plan.epoch(self.samples),
+            samples=self.samples,
+            wall_time_s=wall_s,
+            scope="all peers",
+            **metrics.measure_peers(
+                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
+            ),
+        )
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         return last
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        return {"class_histograms": self.peer.class_histograms()}
+        return {"class_histograms": self.peer.plan.class_histograms()}
 
     def state(self, extra: dict) -> dict | None:
         peer = self.peer
@@ -273,10 +273,10 @@ class AsynchronousRun(SynchronousRun):
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
         super().__init__(peer, comm, writer)
         self.opt = cast(AsynchronousOptimizer, peer.optimizer)
-        self.per_peer: dict[str, list] = {}
+        self.rows: list[dict] = []  # every peer's measurements, once finished
         self.opt.set_budget(
-            steps=peer.total_steps,
-            samples=peer.total_steps * peer.batches.batch_size * comm.size,
+            steps=peer.plan.total_steps,
+            samples=peer.plan.total_steps * peer.batches.batch_size * comm.size,
             samples_per_step=peer.batches.batch_size,
         )
 
@@ -310,19 +310,20 @@ class AsynchronousRun(SynchronousRun):
         loss, correct, count = metrics.evaluate(
             peer.model, dict(peer.model.named_parameters()), peer.x_test, peer.y_test
         )
-        own = {"test_loss": loss / count, "test_accuracy": correct / count, "train_loss": train_loss}
-        return {
-            "step": step,
-            "epoch": step / peer.steps_per_epoch,
-            "samples": step * peer.batches.batch_size * self.comm.size,  # estimated: peers run at their own pace
-            "wall_time_s": wall_s,
-            "emulated_time_s": peer.network.clock.elapsed() if peer.network.active else None,
-            **{k: own.get(k) for k in metrics.SNAPSHOT_KEYS},  # rank 0's own model: the average needs collectives
-            **metrics.language_metrics(own["test_loss"], peer.y_test),
-            **metrics.own_optimum_distances(peer.model, peer.split.optimum),
-            **{k: None for k in ("mb_sent_per_peer", "mb_received_per_peer", "comm_time_s", "peak_mb_sent_per_step")},
-            "scope": "rank 0",
-        }
+        samples = step * peer.batches.batch_size * self.comm.size  # estimated: peers run at their own pace
+        return metrics.record(  # rank 0's own model: the average needs collectives
+            step=step,
+            epoch=peer.plan.epoch(samples),
+            samples=samples,
+            wall_time_s=wall_s,
+            emulated_time_s=peer.network.clock.elapsed() if peer.network.active else None,
+            test_loss=loss / count,
+            test_accuracy=correct / count,
+            train_loss=train_loss,
+            **metrics.language_metrics(loss / count, peer.y_test),
+            **metrics.own_optimum_distances(peer.model, peer.plan.split.optimum),
+            scope="rank 0",
+        )
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         finishing = time.perf_counter()
@@ -333,30 +334,25 @@ class AsynchronousRun(SynchronousRun):
             raise
         wall_own = wall_s + time.perf_counter() - finishing
         self.comm.context = "final metrics"
-        comm, peer, mine = self.comm, self.peer, self.opt.measurements()
-        own = [mine[k] for k in MEASURED] + [wall_own, peer.network.slowdown.slept_s, ROLES.index(mine["role"])]
-        table = metrics.gather_scalars(comm, own + binned(mine["staleness_histogram"]))
-        columns = [[float(v) for v in column] for column in table.T]
-        self.per_peer = {f"{k}_per_peer": columns[i] for i, k in enumerate(MEASURED)}
-        self.per_peer.update(
-            slowdown_s_per_peer=columns[9],
-            roles=[ROLES[int(r)] for r in columns[10]],
-            staleness_histogram_per_peer=[list(row) for row in zip(*columns[11:])],
+        comm, peer = self.comm, self.peer
+        mine = {**self.opt.measurements(), "slowdown_s": peer.network.slowdown.slept_s, "wall_s": wall_own}
+        self.rows = metrics.gather_objects(comm, mine)
+        steps, samples = [r["steps"] for r in self.rows], [r["samples"] for r in self.rows]
+        measured = metrics.measure_peers(
+            comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
         )
-        steps, samples = columns[0], columns[1]
-        return {
-            "step": round(sum(steps) / comm.size),
-            "epoch": sum(samples) / len(peer.split.x_train),
-            "samples": int(sum(samples)),
-            "wall_time_s": max(columns[8]),  # until its last peer stopped
-            **metrics.snapshot_metrics(comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.split.optimum),
-            **metrics.traffic(comm),
-            "peak_mb_sent_per_step": None,  # no global step to count it in
-            "scope": "all peers",
-        }
+        return metrics.record(
+            step=round(sum(steps) / comm.size),
+            epoch=peer.plan.epoch(sum(samples)),
+            samples=int(sum(samples)),
+            wall_time_s=max(r["wall_s"] for r in self.rows),  # until its last peer stopped
+            **{**measured, "peak_mb_sent_per_step": None},  # no global step to count it in
+            scope="all peers",
+        )
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        return {"adpsgd": adpsgd_summary(self.opt.budget, self.per_peer), **super().summary(final, wall_s)}
+        block = self.opt.summary([{k: v for k, v in r.items() if k != "wall_s"} for r in self.rows])
+        return {self.opt.summary_key: block, **super().summary(final, wall_s)}
 
     def state(self, extra: dict) -> dict | None:
         """With a steps budget every peer reaches each checkpoint step (experiments.validate refuses the
@@ -368,39 +364,6 @@ class AsynchronousRun(SynchronousRun):
         self.comm.context = f"checkpoint at step {self.step_count}"
         self.comm.barrier()
         return super().state(extra)
-
-
-ROLES = ("alone", "active", "passive")
-# an asynchronous optimizer's measurements() gathered from every peer; those in COUNTS are whole numbers
-MEASURED = (
-    "steps samples averagings_initiated averagings_served staleness_mean staleness_max wait_s samples_per_s".split()
-)
-COUNTS = {f"{k}_per_peer" for k in "steps samples averagings_initiated averagings_served staleness_max".split()}
-
-
-def binned(histogram: list[int]) -> list[int]:
-    """A staleness histogram in HISTOGRAM_BINS bins, the last one holding every larger staleness."""
-    head = list(histogram[: HISTOGRAM_BINS - 1])
-    return head + [0] * (HISTOGRAM_BINS - 1 - len(head)) + [sum(histogram[HISTOGRAM_BINS - 1 :])]
-
-
-def adpsgd_summary(budget: str, per_peer: dict) -> dict:
-    """The `adpsgd` block of summary.json from every peer's figures (`*_per_peer` lists and `roles`, the
-    staleness histograms `binned`), on real peers and in the event simulator alike."""
-    histograms = [[int(v) for v in h] for h in per_peer["staleness_histogram_per_peer"]]
-    total = [sum(col) for col in zip(*histograms)]
-    count = sum(total)
-    per_peer = {k: [int(v) for v in values] if k in COUNTS else list(values) for k, values in per_peer.items()}
-    return {
-        "budget": budget,
-        "averagings": sum(per_peer["averagings_initiated_per_peer"]),
-        "staleness_mean": sum(k * c for k, c in enumerate(total)) / count if count else 0.0,
-        "staleness_max": max(per_peer["staleness_max_per_peer"]),
-        "staleness_histogram": total,  # over all steps of all peers; last bin: >= HISTOGRAM_BINS - 1
-        "wait_s_mean": sum(per_peer["wait_s_per_peer"]) / len(histograms),
-        **per_peer,
-        "staleness_histogram_per_peer": histograms,
-    }
 
 
 def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:

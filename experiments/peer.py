@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from dpsgd import backends, supervisor
 from dpsgd.backends import error_line
-from dpsgd.launch import ERROR_FILE
+from dpsgd.backends.launch import ERROR_FILE
 from dpsgd.training import train
 
 

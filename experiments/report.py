@@ -146,7 +146,7 @@ def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
         ),
         "vs_emulated_time": (
             "emulated_time_s",
-            "emulated time (s, dpsgd.netem)",
+            "emulated time (s, dpsgd.comm.netem)",
             [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
         ),
     }

@@ -18,7 +18,7 @@ COLUMNS = [  # (header, summary key, format)
     ("consensus dist", "consensus_distance", "{:.3e}"),
     ("MB sent/peer", "mb_sent_per_peer", "{:.2f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
-    ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.netem)
+    ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.comm.netem)
 ]
 # columns left out when no row has them
 OPTIONAL = {"emulated_time_s", "seeds", "test_perplexity", "optimum_distance", "peer_optimum_distance"}

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpsgd import backends
 from dpsgd.backends import Backend
-from dpsgd.interrupt import Interrupted, exit_on_signals, stop_on_signals
+from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signals
 from experiments.table import format_table
 from experiments.validate import ConfigError, check_group_overrides, check_same_run, validate
 
@@ -88,13 +88,9 @@ def check_elastic_launcher(launcher: Backend, argv: list[str]) -> None:
             "elastic=true under a launcher needs a fixed run folder, which every re-formed world continues: "
             "pass hydra.run.dir=DIR"
         )
-    if launcher.name == "torch" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torch 2.13's agents keep the first round's worker store address: after a node is lost the
-        # re-formed world's ranks connect to stale addresses and fail (measured)
-        fail(
-            "elastic=true under torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
-            "(a new worker store each time the world re-forms); set it and start torchrun again"
-        )
+    problem = launcher.elastic_problem()
+    if problem:
+        fail(problem)
 
 
 def _fit_batch_size(cfg: dict) -> str | None:
@@ -148,7 +144,7 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
             return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, PEER_ARGV + [str(run_dir)])
     except backends.RunFailed as exc:
         fail(str(exc), code=1)
-    except Interrupted as exc:  # every peer is stopped by now (dpsgd.launch) or dies with this process (local)
+    except Interrupted as exc:  # every peer is stopped by now (dpsgd.backends.launch) or dies with this process (local)
         line = resume_line(cfg, run_dir, launcher).format(signal=signal_name(exc.signum))
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -31,9 +31,9 @@ from experiments.sweeps import finished, run_sweep
 # the algorithm's own main setting, searched beside the learning rate (the "period, gamma, outer lr")
 KNOBS = {
     "local_sgd": ("period", [2, 4, 8, 16]),
-    "bmuf": ("outer_lr", [0.5, 1.0, 1.5, 2.0]),
-    "slowmo": ("outer_lr", [0.5, 1.0, 1.5, 2.0]),
-    "diloco": ("outer_lr", [0.3, 0.5, 0.7, 1.0]),
+    "bmuf": ("outer.lr", [0.5, 1.0, 1.5, 2.0]),
+    "slowmo": ("outer.lr", [0.5, 1.0, 1.5, 2.0]),
+    "diloco": ("outer.lr", [0.3, 0.5, 0.7, 1.0]),
     "choco": ("gamma", [0.1, 0.25, 0.5, 1.0]),
 }
 LR_FACTORS = [0.1, 0.3, 1.0, 3.0, 10.0]  # times the config's lr: a log grid of two decades around it
@@ -191,7 +191,7 @@ def chosen_table(tuned: dict) -> str:
     lines = ["| algorithm | chosen | validation accuracy | trials |", "|---|---|---|---|"]
     for name, c in tuned["algorithms"].items():
         chosen = ", ".join(
-            f"{k.split('.')[-1]} {v:g}" if isinstance(v, float) else f"{k.split('.')[-1]} {v}"
+            f"{k.removeprefix('algorithm.')} {v:g}" if isinstance(v, float) else f"{k.removeprefix('algorithm.')} {v}"
             for k, v in c["chosen"].items()
         )
         lines.append(f"| {name} | {chosen} | {c['validation_accuracy']:.4f} | {c['trials']} |")

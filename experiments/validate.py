@@ -35,11 +35,11 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a
     user's launcher, in every rank before it joins the others)."""
     from dpsgd import backends, data, loggers, models, placement
+    from dpsgd.backends.hosts import placement as host_placement
     from dpsgd.build import build_model, build_peer, build_topology, check_algorithm, load_data
     from dpsgd.comm import LocalCommunicator, LocalWorld
     from dpsgd.comm.staging import check_mode
     from dpsgd.faults import FaultPlan
-    from dpsgd.hosts import placement as host_placement
     from dpsgd.optim import BASE_OPTIMIZERS
 
     peers = cfg.get("peers")
@@ -75,13 +75,10 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     backend = cfg["backend"].get("name")
     _check_choice("backend", backend, backends.names())
     record = backends.get(backend)
-    if record.name == "fleet":
-        from dpsgd.backends.fleet import threads
-
-        try:
-            threads(cfg["backend"])
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    try:  # the backend reads its own options (e.g. the fleet's threads)
+        record.options(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not record.checkpoints and ((cfg.get("checkpoint") or {}).get("every") or cfg.get("resume")):
         keeping = ", ".join(n for n in backends.names() if backends.get(n).checkpoints)
         raise ConfigError(
@@ -136,13 +133,11 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     if not _is_number(timeout) or timeout <= 0:
         raise ConfigError(f"comm.timeout_s must be a number of seconds > 0, got {timeout!r}")
     try:
-        FaultPlan.from_config(cfg.get("faults"), peers, backend)
+        FaultPlan.from_config(cfg.get("faults"), peers, record)
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
     try:
-        topology = build_topology(cfg, peers)
-        if getattr(algorithm, "asynchronous", False) and peers > 1:
-            topology.bipartite()  # AD-PSGD pairs active with passive peers: every edge must cross
+        build_topology(cfg, peers)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {cfg['topology'].get('name')!r} with peers={peers}: {exc}") from None
     _check_choice("data.partition", cfg["data"].get("partition", "iid"), data.PARTITIONS)

@@ -43,7 +43,7 @@ _CALLED = re.compile(r"\b([A-Za-z_]\w*)\(")
 
 class App:
     """`[LAUNCHER...] python -m experiments.train ARGS [hydra.run.dir=RUN_DIR]` from the repository root,
-    with the environment the toolkit gives its peers (dpsgd.launch.peer_env)."""
+    with the environment the toolkit gives its peers (dpsgd.backends.launch.peer_env)."""
 
     root = ROOT
 
@@ -54,7 +54,7 @@ class App:
 
     @staticmethod
     def env() -> dict:
-        from dpsgd.launch import peer_env
+        from dpsgd.backends.launch import peer_env
 
         return peer_env()
 

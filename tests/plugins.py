@@ -1,9 +1,10 @@
-"""A user's own classes, named by `_target_`: a model (test_build.py) and an algorithm (test_contract.py)."""
+"""A user's own classes, named by `_target_`: a model (test_build.py), an algorithm (test_contract.py) and an
+asynchronous algorithm (test_async_plugin.py)."""
 
 import torch
 from torch import nn
 
-from dpsgd.optim import DistributedOptimizer
+from dpsgd.optim import ADPSGD, DistributedOptimizer
 
 
 class TinyNet(nn.Module):
@@ -47,3 +48,21 @@ def line_of_peers(n: int, self_weight: float = 0.5):
     import topologies
 
     return topologies.from_networkx(networkx.path_graph(n), self_weight=self_weight, name="line")
+
+
+class PartialGossip(ADPSGD):
+    """A user's own asynchronous algorithm: AD-PSGD's protocol (roles, partner draws, locks, budgets) with
+    a partial averaging: each side moves `weight` of the way to the other's model, x_i <- x_i + w (x_j - x_i)
+    (w = 1/2 is AD-PSGD's), so the sum of the models is still conserved. Its figures go to summary.json's
+    block `partial_gossip`."""
+
+    summary_key = "partial_gossip"
+
+    def __init__(self, base, *, weight: float = 0.25, **options):
+        if not 0 < weight <= 0.5:
+            raise ValueError(f"PartialGossip's weight must be in (0, 0.5], got {weight}")
+        super().__init__(base, **options)
+        self.weight = weight
+
+    def mix(self, own, other):
+        own.lerp_(other, self.weight)

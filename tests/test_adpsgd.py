@@ -18,9 +18,9 @@ from peers import adpsgd_peer as ap
 
 import topologies
 from dpsgd.backends import spawn
+from dpsgd.backends.launch import peer_env
 from dpsgd.comm import PeerTimeoutError, run_local
-from dpsgd.launch import peer_env
-from dpsgd.netem import ComputeSlowdown, NetworkEmulator
+from dpsgd.comm.netem import ComputeSlowdown, NetworkEmulator
 from dpsgd.optim import ADPSGD
 
 ROOT = Path(__file__).resolve().parent.parent

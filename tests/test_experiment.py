@@ -12,7 +12,7 @@ import time
 import pytest
 from runs import assert_same_numbers, summary
 
-from dpsgd.launch import mpiexec
+from dpsgd.backends.mpi import mpiexec
 
 SHORT = ["epochs=3", "log_every=5"]
 

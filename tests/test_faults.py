@@ -16,9 +16,9 @@ import torch
 from runs import assert_same_numbers
 
 from dpsgd import checkpoint
-from dpsgd.comm import PeerTimeoutError, run_local
+from dpsgd.backends.launch import failure_cause
+from dpsgd.comm import PeerTimeoutError, run_local, transport
 from dpsgd.faults import FaultInjector, FaultPlan, InjectedFault
-from dpsgd.launch import failure_cause
 from dpsgd.supervisor import Supervisor
 from dpsgd.training import train
 
@@ -63,13 +63,13 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 )
 def test_fault_plan_refuses_bad_options(section, words):
     with pytest.raises(ValueError) as info:
-        FaultPlan.from_config(section, peers=4, backend="local")
+        FaultPlan.from_config(section, peers=4, backend=transport.get("local"))
     assert words in str(info.value)
 
 
 def test_lost_messages_only_on_local():
     with pytest.raises(ValueError, match="backend=local only"):
-        FaultPlan.from_config({"drop_messages": 0.1}, peers=4, backend="mpi")
+        FaultPlan.from_config({"drop_messages": 0.1}, peers=4, backend=transport.get("mpi"))
 
 
 def test_no_fault_configured_changes_nothing(config):

@@ -124,7 +124,7 @@ def test_mpiexec_two_hosts(hosts, app, tmp_path, local_reference):
     """MPICH's hydra starts its proxy on host 2 through tools/netns_exec.sh where it would use ssh;
     UCX over tcp on eth0 only: shared memory (the single-host default UCX_TLS=self,sm) reaches across
     namespaces of one machine, so with it the traffic would bypass the hosts' links."""
-    from dpsgd.launch import mpiexec
+    from dpsgd.backends.mpi import mpiexec
 
     run_dir = tmp_path / "run"
     launcher = [

@@ -113,7 +113,7 @@ def test_peers_die_with_a_killed_driver(app, tmp_path):
 
 
 def _torchrun() -> list[str]:
-    from dpsgd.launch import free_port
+    from dpsgd.backends.launch import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"] + [
         "--master-port",
@@ -126,7 +126,7 @@ def _torchrun() -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGTERM), ("mpiexec", signal.SIGINT)])
 def test_user_launcher_forwards_the_signal_and_rank_0_says_how_to_resume(app, tmp_path, launcher, sig):
-    from dpsgd.launch import mpiexec
+    from dpsgd.backends.mpi import mpiexec
 
     run_dir = tmp_path / "run"
     backend = "torch" if launcher == "torchrun" else "mpi"

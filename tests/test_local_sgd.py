@@ -4,6 +4,7 @@ trips, period 1 == AllReduce, and the errors for options that make no sense."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sys
@@ -24,7 +25,8 @@ from dpsgd.optim import ALGORITHMS, BMUF, AllReduce, DiLoCo, LocalSGD, SlowMo, b
 N = 4
 PEER_SCRIPT = str(Path(__file__).parent / "peers" / "local_sgd_peer.py")
 CONF = Path(__file__).parent.parent / "conf" / "algorithm"
-# the defaults each registered name gives (the papers' ones: SlowMo as fairscale, DiLoCo's paper)
+# the defaults each registered name gives (the papers' ones: SlowMo as fairscale, DiLoCo's paper), as the
+# reference's rules: average (no outer optimizer), momentum (SlowMo's, scaled by the base lr), nesterov
 DEFAULTS = {
     "local_sgd": dict(period=4, outer="average", outer_lr=1.0, outer_momentum=0.0),
     "slowmo": dict(period=4, outer="momentum", outer_lr=1.0, outer_momentum=0.5),
@@ -45,17 +47,34 @@ def adamw_increment(x, g, st, lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-
     return decayed - step - x, (t, m, v)
 
 
-def reference(case, A, b, x0, steps):
-    """Trajectory (steps, n, d) of the update equations in dpsgd/optim/local_sgd.py's docstring."""
+def outer_rule(name, opts):
+    """A case's outer rule as the reference reads it: (rule, lr, momentum), or ("adam", lr, betas)."""
+    defaults, outer = DEFAULTS[name], opts.get("outer")
+    if outer is None:
+        return defaults["outer"], defaults["outer_lr"], defaults["outer_momentum"]
+    if isinstance(outer, functools.partial):  # the library's form
+        target, options = outer.func.__name__, outer.keywords
+    else:  # a config's
+        target, options = outer["_target_"].rpartition(".")[2], outer
+    if target == "Adam":
+        return "adam", options["lr"], options.get("betas", (0.9, 0.999))
+    return ("nesterov" if options.get("nesterov") else defaults["outer"]), options["lr"], options.get("momentum", 0)
+
+
+def reference(case, A, b, x0, steps, lr_at=None):
+    """Trajectory (steps, n, d) of the update equations in dpsgd/optim/local_sgd.py's docstring;
+    lr_at(t) is the base lr of step t (the case's own by default)."""
     name, kind, base, opts = case
     o = {**DEFAULTS[name], "warmup_steps": 0, "inner_state": "keep", "group_size": None, "global_period": None, **opts}
+    o["outer"], o["outer_lr"], o["outer_momentum"] = outer_rule(name, opts)
     n = len(x0)
-    lr, mom = base["lr"], base.get("momentum", 0.0)
+    mom = base.get("momentum", 0.0)
     every = np.full((n, n), 1.0 / n)
     g_size = o["group_size"] or n
     groups = np.kron(np.eye(n // g_size), np.full((g_size, g_size), 1.0 / g_size))
-    x, st, anchor, u, out = x0.copy(), None, None, 0.0, []
+    x, st, anchor, u, outer_state, out = x0.copy(), None, None, 0.0, None, []
     for t in range(1, steps + 1):
+        lr = lr_at(t) if lr_at else base["lr"]
         g = grads(A, b, x)
         if t <= o["warmup_steps"]:
             g = np.broadcast_to(g.mean(0), g.shape)
@@ -83,6 +102,9 @@ def reference(case, A, b, x0, steps):
                 if o["outer"] == "momentum":
                     u = beta * u + G / lr
                     anchor = anchor - alpha * lr * u
+                elif o["outer"] == "adam":  # torch.optim.Adam on the anchor, beta its betas
+                    d, outer_state = adamw_increment(anchor[None], G[None], outer_state, alpha, 0.0, beta)
+                    anchor = anchor + d[0]
                 else:
                     u = beta * u + G
                     anchor = anchor - alpha * (G + beta * u)
@@ -159,8 +181,8 @@ def test_group_averaging_conserves_group_mass():
 
 @pytest.mark.parametrize(
     "case",
-    [peer.CASES[5], peer.CASES[9], peer.CASES[12], peer.CASES[4]],
-    ids=["slowmo", "diloco-adamw-reset", "hierarchical-slowmo", "average-state"],
+    [peer.CASES[5], peer.CASES[9], peer.CASES[12], peer.CASES[4], peer.CASES[14], peer.CASES[15]],
+    ids=["slowmo", "diloco-adamw-reset", "hierarchical-slowmo", "average-state", "adam-outer", "diloco-adam-outer"],
 )
 def test_state_dict_round_trip_resumes_identically(case):
     """10 steps in one go == 5 steps, save, load into a fresh optimizer (and model), 5 more."""
@@ -230,25 +252,79 @@ def test_averaging_traffic_is_one_model_per_period():
 
 
 # --- registry, configs, errors ----------------------------------------------------------------
+def test_slowmo_scales_by_the_base_lr_of_each_averaging():
+    """SlowMo's u <- beta u + G / gamma, x <- x_anchor - alpha gamma u with gamma changed mid-run (at a
+    constant gamma plain SGD on G gives the same numbers; here it would not)."""
+    case = ("slowmo", "sgd", {"lr": 0.05}, {"period": 3})
+    lr_at = lambda t: 0.05 if t <= 4 else 0.02  # noqa: E731
+
+    def fn(comm):
+        params, loss = peer.model(comm)
+        opt = build("slowmo", torch.optim.SGD(params, lr=0.05), comm=comm, broadcast_initial=False, period=3)
+        out = []
+        for t in range(1, 10):
+            opt.param_groups[0]["lr"] = lr_at(t)
+            out += peer.take_steps(opt, params, loss, 1)
+        return out
+
+    got = np.stack([np.array(r) for r in run_local(N, fn)], axis=1)
+    A, b, x0 = q.problem(N)
+    np.testing.assert_allclose(got, reference(case, A, b, x0, 9, lr_at), rtol=0, atol=1e-10)
+    unscaled = reference(
+        ("diloco", "sgd", {"lr": 0.05}, {"period": 3, "outer": {**peer.SGD, "lr": 1.0, "momentum": 0.5}}),
+        A,
+        b,
+        x0,
+        9,
+        lr_at,
+    )
+    assert np.abs(got - unscaled).max() > 1e-4  # the check above tells the two apart
+
+
+def _outer_options(opt) -> dict:
+    """What a LocalSGD's outer optimizer is: its class, lr, momentum, nesterov, and SlowMo's scaling."""
+    outer = opt.outer_optimizer
+    if outer is None:
+        return {"period": opt.period, "outer": None}
+    keys = ("lr", "momentum", "nesterov")
+    return {
+        "period": opt.period,
+        "outer": (type(outer), *(outer.defaults[k] for k in keys)),
+        "scaled": opt.scale_by_base_lr,
+    }
+
+
 def test_registered_names_have_their_papers_defaults():
     assert ALGORITHMS["local_sgd"] is LocalSGD and ALGORITHMS["slowmo"] is SlowMo
     assert ALGORITHMS["diloco"] is DiLoCo and ALGORITHMS["bmuf"] is BMUF
     w = torch.nn.Parameter(torch.zeros(2))
-    for name, want in DEFAULTS.items():
+    for name, o in DEFAULTS.items():
         opt = run_local(N, lambda comm, name=name: build(name, torch.optim.SGD([w], lr=0.1), comm=comm))[0]
-        assert {k: getattr(opt, k) for k in want} == want
+        want = {"period": o["period"], "outer": None}
+        if o["outer"] != "average":
+            sgd = (torch.optim.SGD, o["outer_lr"], o["outer_momentum"], o["outer"] == "nesterov")
+            want = {**want, "outer": sgd, "scaled": o["outer"] == "momentum"}
+        assert _outer_options(opt) == want, name
 
 
 @pytest.mark.parametrize("name", ["local_sgd", "slowmo", "diloco", "bmuf"])
 def test_config_options_are_accepted(name):
+    """conf/algorithm/NAME.yaml builds the registered class with its papers' defaults (outer included)."""
     cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
     assert cfg["name"] == name
     options = {
         k: v for k, v in cfg.items() if k not in ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov")
     }
     w = torch.nn.Parameter(torch.zeros(2))
-    opt = run_local(8, lambda comm: build(name, torch.optim.SGD([w], lr=0.1), comm=comm, **options))[0]
-    assert isinstance(opt, LocalSGD)
+    opt, default = run_local(
+        8,
+        lambda comm: [
+            build(name, torch.optim.SGD([w], lr=0.1), comm=comm, **options),
+            build(name, torch.optim.SGD([w], lr=0.1), comm=comm),
+        ],
+    )[0]
+    assert isinstance(opt, ALGORITHMS[name])
+    assert _outer_options(opt) == _outer_options(default)
 
 
 @pytest.mark.parametrize(
@@ -257,11 +333,16 @@ def test_config_options_are_accepted(name):
         ({"period": 0}, "period must be an integer >= 1"),
         ({"period": 2.5}, "period must be an integer"),
         ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
-        ({"outer": "adam"}, "outer must be one of"),
+        ({"outer": "nesterov"}, "outer must be a torch optimizer factory"),
+        ({"outer": {"lr": 0.7}}, "is not \\(KeyError: '_target_'\\)"),
+        ({"outer": {"_target_": "torch.optim.Nesterov"}}, "has no attribute 'Nesterov'"),
+        (
+            {"outer": {"_target_": "torch.optim.SGD", "lr": -1}},
+            "cannot build its outer optimizer: Invalid learning rate",
+        ),
+        ({"outer": {"_target_": "torch.optim.SGD", "lr": 0.7, "beta": 0.9}}, "unexpected keyword argument 'beta'"),
+        ({"scale_by_base_lr": True}, "scale_by_base_lr scales an outer optimizer, and outer is None"),
         ({"inner_state": "sum"}, "inner_state must be one of"),
-        ({"outer_momentum": 1.0}, "outer_momentum must be in"),
-        ({"outer_lr": 0}, "outer_lr must be > 0"),
-        ({"outer_lr": 0.5}, "outer='average' takes no outer_lr"),
         ({"group_size": 3, "global_period": 4}, "group_size 3 does not divide the 4 peers"),
         ({"group_size": 2}, "needs both group_size and global_period"),
         ({"period": 3, "group_size": 2, "global_period": 4}, "global_period 4 must be a multiple of period 3"),

@@ -11,7 +11,7 @@ import torch
 
 import topologies
 from dpsgd.comm import run_local
-from dpsgd.netem import ComputeSlowdown, Link, NetworkEmulator
+from dpsgd.comm.netem import ComputeSlowdown, Link, NetworkEmulator
 from dpsgd.optim import ADPSGD, DPSGD, AllReduce
 
 ALPHA, BETA = 1e-3, 1e7  # 1 ms per message, 10 MB/s

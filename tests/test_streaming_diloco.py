@@ -4,6 +4,9 @@ its peak traffic (one fragment per step), quantized messages, and its errors."""
 
 from __future__ import annotations
 
+import functools
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -49,13 +52,14 @@ def run_peers(make_optimizer, steps=STEPS):
     return run_local(N, peer)
 
 
-def reference(period, fragments, delay, alpha, lr=0.1, outer_lr=0.7, beta=0.9, steps=STEPS):
-    """The module's equations in numpy: trajectory (steps, n, d)."""
+def reference(period, fragments, delay, alpha, lr=0.1, outer_lr=0.7, beta=0.9, steps=STEPS, adam=None):
+    """The module's equations in numpy: trajectory (steps, n, d); adam=(beta1, beta2): torch.optim.Adam as
+    the outer optimizer instead of DiLoCo's Nesterov SGD, its state (t, m, v) per fragment."""
     A, b, x = problem()
     bounds = {1: [0, 15], 2: [0, 8, 15], 3: [0, 5, 10, 15], 4: [0, 4, 8, 12, 15]}[fragments]  # of 15 entries
     masks = [(np.arange(15) >= a) & (np.arange(15) < b) for a, b in zip(bounds[:-1], bounds[1:])]
     h = period // fragments
-    anchor, u, sent_at, out = x.mean(0), np.zeros(x.shape[1]), {}, []
+    anchor, u, sent_at, adam_state, out = x.mean(0), np.zeros(x.shape[1]), {}, {}, []
     for t in range(1, steps + 1):
         g = np.einsum("nmd,nm->nd", A, np.einsum("nmd,nd->nm", A, x) - b) / A.shape[1]
         x = x - lr * g
@@ -64,8 +68,18 @@ def reference(period, fragments, delay, alpha, lr=0.1, outer_lr=0.7, beta=0.9, s
                 sent_at[p] = (anchor - x).mean(0)  # the mean outer gradient, known `delay` steps later
             if t >= delay + 1 and (t - delay) % period == ((p + 1) * h - delay) % period:
                 delta = sent_at.pop(p)
-                u[m] = beta * u[m] + delta[m]
-                anchor[m] = anchor[m] - outer_lr * (delta[m] + beta * u[m])
+                if adam is None:
+                    u[m] = beta * u[m] + delta[m]
+                    anchor[m] = anchor[m] - outer_lr * (delta[m] + beta * u[m])
+                else:
+                    k, mean, var = adam_state.get(p, (0, 0.0, 0.0))
+                    k, mean, var = (
+                        k + 1,
+                        adam[0] * mean + (1 - adam[0]) * delta[m],
+                        adam[1] * var + (1 - adam[1]) * delta[m] ** 2,
+                    )
+                    step = outer_lr / (1 - adam[0] ** k) * mean / (np.sqrt(var) / np.sqrt(1 - adam[1] ** k) + 1e-8)
+                    anchor[m], adam_state[p] = anchor[m] - step, (k, mean, var)
                 x[:, m] = alpha * x[:, m] + (1 - alpha) * anchor[m]
         out.append(x.copy())
     return np.array(out)
@@ -103,6 +117,70 @@ def test_update_matches_the_numpy_reference(period, fragments, delay, alpha):
 
     got = np.stack([xs for xs, _ in run_peers(make)], axis=1)
     np.testing.assert_allclose(got, reference(period, fragments, delay, alpha), rtol=0, atol=1e-12)
+
+
+def test_a_users_torch_optimizer_as_outer_matches_the_reference():
+    """torch.optim.Adam as the outer optimizer: each fragment of the anchor has its own Adam state and step
+    count, as with torchft's one outer optimizer per fragment."""
+    outer = functools.partial(torch.optim.Adam, lr=0.05, betas=(0.8, 0.9))
+
+    def make(params, comm):
+        return StreamingDiLoCo(
+            torch.optim.SGD(params, lr=0.1),
+            comm=comm,
+            broadcast_initial=False,
+            period=6,
+            fragments=3,
+            alpha=0.3,
+            outer=outer,
+        )
+
+    got = np.stack([xs for xs, _ in run_peers(make)], axis=1)
+    want = reference(6, 3, 1, 0.3, outer_lr=0.05, adam=(0.8, 0.9))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    assert np.abs(want - reference(6, 3, 1, 0.3, outer_lr=0.05)).max() > 1e-3  # Nesterov SGD would not pass
+
+
+@pytest.mark.parametrize("outer", [None, {"_target_": "torch.optim.Adam", "lr": 0.05}], ids=["nesterov", "adam"])
+def test_state_dict_round_trip_resumes_identically(outer):
+    """17 steps in one go == 7 steps (a sync in flight), save, load into a fresh optimizer, 10 more."""
+    options = dict(broadcast_initial=False, period=6, fragments=3, delay=1, alpha=0.3)
+    if outer is not None:
+        options["outer"] = outer
+    A, b, x0 = problem()
+
+    def peer(comm):
+        def fresh():
+            params = [torch.nn.Parameter(torch.tensor(x0[comm.rank]))]
+            return params, StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, **options)
+
+        a, y = torch.tensor(A[comm.rank]), torch.tensor(b[comm.rank])
+
+        def steps(params, opt, k):
+            out = []
+            for _ in range(k):
+                opt.zero_grad()
+                (0.5 / a.shape[0] * ((a @ params[0] - y) ** 2).sum()).backward()
+                opt.step()
+                out.append(params[0].detach().clone())
+            return out
+
+        straight = steps(*fresh(), 17)
+        params, opt = fresh()
+        first = steps(params, opt, 7)
+        buf = io.BytesIO()
+        torch.save({"opt": opt.state_dict(), "params": params[0].detach().clone()}, buf)
+        steps(params, opt, 3)  # the old optimizer moves on: the saved state must not move with it
+        buf.seek(0)
+        saved = torch.load(buf)
+        params2, opt2 = fresh()
+        with torch.no_grad():
+            params2[0].copy_(saved["params"])
+        opt2.load_state_dict(saved["opt"])
+        return torch.stack(straight), torch.stack(first + steps(params2, opt2, 10))
+
+    for straight, resumed in run_local(N, peer):
+        assert torch.equal(straight, resumed)  # the same floats, not merely close
 
 
 def test_one_fragment_without_delay_is_diloco_and_fragments_cut_the_peak():
@@ -147,5 +225,11 @@ def test_options_that_cannot_work_are_refused():
             StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, period=7, fragments=3, delay=0)
         with pytest.raises(ValueError, match="fragments=8 but the model has 6 parameters"):
             StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, period=8, fragments=8, delay=0)
+        with pytest.raises(ValueError, match="needs an outer optimizer"):
+            StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, outer=None)
+        with pytest.raises(ValueError, match="cannot build its outer optimizer: Invalid learning rate"):
+            StreamingDiLoCo(
+                torch.optim.SGD(params, lr=0.1), comm=comm, outer={"_target_": "torch.optim.Adam", "lr": -1}
+            )
 
     run_local(1, peer)

@@ -76,6 +76,67 @@ def test_exponential_links_i_plus_minus_powers_of_two():
     np.testing.assert_allclose(topo.mixing_matrix(), topo.mixing_matrix().T)
 
 
+@pytest.mark.parametrize("n", [2, 5, 9])
+def test_star_closed_form(n):
+    """Metropolis-Hastings on the star: hub 0 (degree n - 1) and each leaf (degree 1) share 1 / n; a leaf
+    keeps 1 - 1 / n, the hub 1 / n. max_degree: 1 / n on each link too, the same matrix."""
+    want = np.zeros((n, n))
+    want[0, :] = want[:, 0] = 1 / n
+    want[np.arange(1, n), np.arange(1, n)] = 1 - 1 / n
+    np.testing.assert_allclose(topologies.make("star", n).mixing_matrix(), want, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(topologies.make("star", n, weights="max_degree").mixing_matrix(), want, atol=1e-15)
+
+
+def test_hierarchical_links_peer_r_of_each_group_to_peer_r_of_the_next_groups():
+    # 8 peers in 4 groups of 2, a ring over the groups: peer 0 (group 0, slot 0) links to its group mate 1 and
+    # to slot 0 of groups 1 and 3 (peers 2 and 6); peer 3 (group 1, slot 1) to 2 and to peers 1 and 5;
+    # every peer has degree 3, so each weight is 1 / 4
+    topo = topologies.make("hierarchical", 8, group_size=2, across="ring")
+    assert topo.neighbors(0).recv == {1: 0.25, 2: 0.25, 6: 0.25} and topo.neighbors(0).self_weight == 0.25
+    assert topo.neighbors(3).recv == {1: 0.25, 2: 0.25, 5: 0.25}
+
+
+@pytest.mark.parametrize(
+    ("n", "group_size", "across", "group_hops"),
+    [
+        (12, 3, "ring", {1, 3}),
+        (24, 3, "exponential", {1, 2, 4, 6, 7}),
+        (12, 2, "exponential", {1, 2, 4, 5}),
+        (8, 4, "ring", {1}),
+    ],
+)
+def test_hierarchical_closed_form(n, group_size, across, group_hops):
+    """W from the definition: i ~ j when they share a group, or hold the same slot in groups whose
+    distance (mod the group count) is a hop of `across`; the graph is regular (degree d), so
+    Metropolis-Hastings gives 1 / (d + 1) on every link and on the diagonal."""
+    groups = n // group_size
+    group, slot = np.divmod(np.arange(n), group_size)
+    same_group = group[:, None] == group[None, :]
+    linked_groups = np.isin((group[:, None] - group[None, :]) % groups, list(group_hops))
+    links = (same_group | (linked_groups & (slot[:, None] == slot[None, :]))) & ~np.eye(n, dtype=bool)
+    d = group_size - 1 + len(group_hops)
+    assert (links.sum(axis=1) == d).all()
+    want = np.where(links, 1 / (d + 1), 0.0) + np.eye(n) / (d + 1)
+    topo = topologies.make("hierarchical", n, group_size=group_size, across=across)
+    np.testing.assert_allclose(topo.mixing_matrix(), want, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize(("n", "self_weight"), [(6, 0.5), (8, 0.3), (5, 0.7)])
+def test_one_peer_directed_exponential_closed_form(n, self_weight):
+    """At step t, peer j keeps s and sends 1 - s to j + 2^(t mod tau), tau = ceil(log2 n):
+    W(t)[j, j] = s, W(t)[(j + 2^(t mod tau)) mod n, j] = 1 - s, every other entry 0."""
+    topo = topologies.make("one_peer_directed_exponential", n, self_weight=self_weight)
+    tau = math.ceil(math.log2(n))
+    assert topo.period == tau and topo.directed
+    j = np.arange(n)
+    for t in range(2 * tau + 1):
+        want = self_weight * np.eye(n)
+        want[(j + 2 ** (t % tau)) % n, j] += 1 - self_weight
+        np.testing.assert_allclose(topo.mixing_matrix(t), want, rtol=0, atol=1e-15, err_msg=f"step {t}")
+    nb = topologies.make("one_peer_directed_exponential", 8).neighbors(3, 1)  # hop 2: 3 sends to 5, hears from 1
+    assert nb.send == {5: 0.5} and nb.recv == {1: 0.5} and nb.self_weight == 0.5
+
+
 # --- time-varying --------------------------------------------------------------------------------
 
 

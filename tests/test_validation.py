@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import dpsgd.backends.mpi as mpi_backend
-from dpsgd import launch
+import dpsgd.backends.mpi as mpi_driver
+import dpsgd.comm.mpi as mpi_transport
+from dpsgd.backends import launch
 from experiments.validate import ConfigError, check_same_run, validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
         ),
         (["algorithm=choco", "algorithm.ratio=1.5"], "must be in (0, 1], got 1.5"),
         (["algorithm=choco", "algorithm.compressor=zip"], "unknown codec 'zip'; valid: top_k"),
-        (["algorithm=local_sgd", "algorithm.outer_momentum=2"], "outer_momentum must be in [0, 1), got 2"),
+        (["algorithm=diloco", "algorithm.outer.momentum=-1"], "cannot build its outer optimizer: Invalid momentum"),
         (["epochs=0"], "epochs must be an integer >= 1, got 0"),
         (["checkpoint.every=-5"], "checkpoint.every must be an integer >= 0"),
         (["comm.timeout_s=0"], "comm.timeout_s must be a number of seconds > 0, got 0"),
@@ -81,7 +82,7 @@ def test_world_size_must_agree_with_the_launcher(hydra_config):
 
 def test_mpi_not_installed_says_how_to_install(hydra_config, monkeypatch):
     monkeypatch.setattr(
-        mpi_backend,
+        mpi_transport,
         "mpi_import_error",
         lambda: "`from mpi4py import MPI` fails (ModuleNotFoundError: No module named 'mpi4py')",
     )
@@ -93,24 +94,24 @@ def test_mpi_not_installed_says_how_to_install(hydra_config, monkeypatch):
 
 @pytest.mark.processes
 def test_mpi_runtime_missing_is_detected_in_a_child_process(monkeypatch):
-    assert mpi_backend.mpi_import_error() is None  # the MPICH wheel is installed here
+    assert mpi_transport.mpi_import_error() is None  # the MPICH wheel is installed here
     # a child that cannot import mpi4py stands for a machine without it
     monkeypatch.setattr(
-        mpi_backend.subprocess,
+        mpi_transport.subprocess,
         "run",
         lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Traceback...\nRuntimeError: cannot load MPI library\n"),
     )
     expected = "`from mpi4py import MPI` fails (RuntimeError: cannot load MPI library)"
-    assert mpi_backend.mpi_import_error() == expected
+    assert mpi_transport.mpi_import_error() == expected
 
 
 def test_mpiexec_missing_says_how_to_install(hydra_config, monkeypatch):
-    monkeypatch.setattr(mpi_backend, "mpi_import_error", lambda: None)
+    monkeypatch.setattr(mpi_transport, "mpi_import_error", lambda: None)
 
     def no_mpiexec():
         raise RuntimeError("no mpiexec found: install an MPI runtime wheel (`pip install mpich`) or use backend=torch")
 
-    monkeypatch.setattr(launch, "mpiexec", no_mpiexec)
+    monkeypatch.setattr(mpi_driver, "mpiexec", no_mpiexec)
     with pytest.raises(ConfigError, match="pip install mpich"):
         validate(hydra_config("backend=mpi"))
 

@@ -9,8 +9,8 @@ import time
 import pytest
 from test_interrupt import processes_of
 
+from dpsgd.backends.watchdog import MARGIN_S, Watchdog
 from dpsgd.comm import CommError, LocalWorld, run_local
-from dpsgd.watchdog import MARGIN_S, Watchdog
 
 TIMEOUT_S = 1
 

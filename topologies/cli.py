@@ -189,6 +189,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m topologies list | show NAME | compare NAMES --n N...`; returns the exit code."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "show":

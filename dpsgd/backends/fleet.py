@@ -1,16 +1,21 @@
-"""The `fleet` backend: every peer simulated in the driver's process (dpsgd.sim), on every core by default."""
+"""The `fleet` backend: every peer simulated in the driver's process (dpsgd.sim), on every core by default.
+Its communicator (dpsgd.sim.fleet) serves all peers at once, so it has no transport to give one peer."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
-from . import Backend, register
+from .driver import Backend
 
 
 class FleetBackend(Backend):
     name = "fleet"
     checkpoints = False  # a fleet run is minutes
+
+    def options(self, cfg: Mapping) -> dict:
+        return {"threads": threads(cfg["backend"])}
 
     def connect(self, timeout_s: float, **options):
         raise ValueError(
@@ -24,8 +29,11 @@ class FleetBackend(Backend):
 
         from dpsgd.sim import train_fleet
 
-        torch.set_num_threads(threads(cfg["backend"]))
+        torch.set_num_threads(self.options(cfg)["threads"])
         return train_fleet(cfg, run_dir)
+
+    def check(self, cfg: dict) -> None:
+        threads(cfg["backend"])
 
 
 def threads(backend: dict) -> int:
@@ -37,6 +45,3 @@ def threads(backend: dict) -> int:
     if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
         raise ValueError(f"backend.threads must be a whole number >= 1, or null for every core; got {wanted!r}")
     return wanted
-
-
-register(FleetBackend())

@@ -1,4 +1,4 @@
-"""The `local` backend: peers as threads of this process (dpsgd.comm.local), no launcher."""
+"""The `local` backend's driver: the peers as threads of the driver's process (dpsgd.comm.local), no launcher."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import traceback
 from pathlib import Path
 
 from dpsgd import supervisor
-from dpsgd.comm import DEFAULT_TIMEOUT_S, CommError, LocalCommunicator, LocalWorld, run_local
-from dpsgd.comm.local import current_peer
-from dpsgd.watchdog import Watchdog
+from dpsgd.comm import CommError, LocalWorld, run_local
+from dpsgd.comm.local import LocalTransport
 
-from . import Backend, RunFailed, error_line, register
+from .driver import Backend, RunFailed, error_line
+from .watchdog import Watchdog
 
 
 class _PeerError(RuntimeError):
@@ -27,14 +27,7 @@ def _peer(comm, cfg: dict, run_dir: Path) -> dict:
         raise _PeerError(error_line(comm.rank, exc)) from exc
 
 
-class LocalBackend(Backend):
-    name = "local"
-    threads = True
-
-    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options):
-        """Inside `run_local`, this thread's peer; elsewhere a world of one peer."""
-        return current_peer() or LocalCommunicator(LocalWorld(1), 0, timeout_s)
-
+class LocalBackend(LocalTransport, Backend):
     def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         start = time.monotonic()
         world = LocalWorld(cfg["peers"] if peers is None else peers)
@@ -56,6 +49,3 @@ class LocalBackend(Backend):
             raise RunFailed(
                 f"{exc}; all peers stopped after {time.monotonic() - start:.1f} s (traceback: {logs / 'traceback.log'})"
             ) from None
-
-
-register(LocalBackend())

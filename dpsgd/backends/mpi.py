@@ -1,82 +1,55 @@
-"""The `mpi` backend: mpi4py (dpsgd.comm.mpi). The driver starts `mpiexec -n peers` from the MPI wheel;
-under a user's mpiexec or srun every rank joins that world."""
+"""The `mpi` backend's driver: it starts `mpiexec -n peers` from the MPI wheel (here, or on `launcher.hosts`);
+under a user's mpiexec or srun every rank joins that world (dpsgd.comm.mpi)."""
 
 from __future__ import annotations
 
 import os
 import shlex
-import subprocess
+import shutil
 import sys
-import time
 from pathlib import Path
 
-from dpsgd import hosts, launch, netif
-from dpsgd.comm import DEFAULT_TIMEOUT_S
+from dpsgd import netif
+from dpsgd.comm.mpi import MPITransport
 
-from . import Backend, register
-
-
-def mpi_import_error() -> str | None:
-    """Why mpi4py cannot load an MPI library here, or None. Tried in a child process: loading MPI
-    into the driver would initialize it there."""
-    probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI"
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    if proc.returncode == 0:
-        return None
-    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-    return f"`from mpi4py import MPI` fails ({lines[-1] if lines else f'exit code {proc.returncode}'})"
+from . import hosts, launch
+from .driver import Backend
 
 
-class MPIBackend(Backend):
-    name = "mpi"
-    processes = True
+def mpiexec() -> str:
+    """The mpiexec named by DPSGD_MPIEXEC, else the one beside this Python (the MPI wheel's), else the one on
+    PATH. (DPSGD_MPIEXEC: where the MPI wheel lives elsewhere, as in `make gpu-check`'s offline install.)"""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = os.environ.get("DPSGD_MPIEXEC") or (str(here) if here.exists() else shutil.which("mpiexec"))
+    if not found:
+        raise RuntimeError("no mpiexec found: install an MPI runtime wheel (`pip install mpich`) or use backend=torch")
+    return found
 
-    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options):
-        """This rank of the MPI world (start the processes with mpiexec/srun)."""
-        from dpsgd.comm.mpi import MPICommunicator
 
-        return MPICommunicator(timeout_s=timeout_s, **options)
-
-    def options(self, cfg: dict) -> dict:
-        return {"staging": cfg["backend"].get("staging", "auto")}
-
-    def world(self) -> tuple[int, int] | None:
-        sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")  # set by mpiexec/srun
-        if all(int(os.environ.get(var, "1") or 1) <= 1 for var in sizes):
-            return None
-        from dpsgd.comm.mpi import load_mpi
-
-        world = load_mpi().COMM_WORLD
-        return world.Get_rank(), world.Get_size()
-
-    def share(self, data: bytes, timeout_s: float) -> bytes:
-        """As fixed-size bytes (nothing received is unpickled), waiting by polling: PeerTimeoutError
-        when a rank never arrives."""
-        from mpi4py import MPI
-
-        from dpsgd.comm.base import poll_until
-
-        buf = bytearray(data)
-        request = MPI.COMM_WORLD.Ibcast(buf, root=0)
-        poll_until(request.Test, time.monotonic() + timeout_s)
-        return bytes(buf)
-
+class MPIBackend(MPITransport, Backend):
     def missing(self) -> str | None:
-        problem = mpi_import_error()
+        problem = super().missing()
         if problem:
-            return (
-                f"backend=mpi needs mpi4py and an MPI runtime, but {problem}; install both with "
-                f"`pip install mpi4py mpich` (or load your cluster's MPI and `pip install mpi4py`), "
-                f"or choose backend=local or backend=torch"
-            )
+            return problem
         try:
-            launch.mpiexec()
+            mpiexec()
         except RuntimeError as exc:
             return str(exc)
         return None
 
-    def spawn(self, n: int, argv: list[str], *args, codes_out: list | None = None, **kwargs) -> int:
-        return launch.spawn_mpi(n, argv, *args, **kwargs)  # one mpiexec process: no exit code per rank
+    def spawn(self, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+        """One mpiexec process (no exit code per rank); with `log_dir`, rank r's stderr goes to
+        log_dir/rank{r}.log and mpiexec's own output (and the ranks' stdout) to log_dir/launcher.log."""
+        launcher = mpiexec()
+        cmd = [launcher, "-n", str(n)]
+        if log_dir is not None:
+            cmd += ["-errfile-pattern", str(Path(log_dir) / "rank%r.log")]
+        if "SLURM_JOB_ID" in os.environ and (Path(launcher).parent / "hydra_pmi_proxy").exists():
+            # MPICH's mpiexec would start its proxy with srun, which waits forever for CPUs the
+            # running job step already holds: start the ranks on this node directly
+            cmd += ["-launcher", "fork"]
+        log = Path(log_dir) / "launcher.log" if log_dir is not None else None
+        return launch.run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
 
     def spawn_on_hosts(self, launcher, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
         """mpiexec from here, its proxies started on the hosts by the runner instead of plain ssh; UCX over
@@ -91,7 +64,7 @@ class MPIBackend(Backend):
             )
         runner = hosts.runner(launcher)
         counts = {h: where.count(h) for h in dict.fromkeys(where)}
-        cmd = [launch.mpiexec(), "-launcher", "ssh"]
+        cmd = [mpiexec(), "-launcher", "ssh"]
         if runner != ["ssh"]:
             cmd += ["-launcher-exec", shlex.join(runner)]
         cmd += ["-iface", iface, "-hosts", ",".join(f"{h}:{k}" for h, k in counts.items()), "-n", str(n)]
@@ -104,6 +77,3 @@ class MPIBackend(Backend):
         local = {**(env or {}), "UCX_TLS": None, "UCX_NET_DEVICES": None}
         log = Path(log_dir) / "launcher.log" if log_dir is not None else None
         return launch.run_processes([([*cmd, sys.executable, *argv], local, log)], timeout_s, stdout_to_log=True)
-
-
-register(MPIBackend())

@@ -1,54 +1,20 @@
-"""The `torch` backend: torch.distributed (dpsgd.comm.torch_dist), gloo on CPU, nccl on GPU. The driver
-spawns `peers` processes; under torchrun (RANK, WORLD_SIZE) every rank joins that world."""
+"""The `torch` backend's driver: it spawns `peers` torch.distributed processes (here, or on `launcher.hosts`);
+under torchrun (RANK, WORLD_SIZE) every rank joins that world (dpsgd.comm.torch_dist)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
-from dpsgd import hosts, launch, netif, placement
-from dpsgd.comm import DEFAULT_TIMEOUT_S
+from dpsgd import netif
+from dpsgd.comm.torch_dist import TorchTransport
 
-from . import Backend, register
+from . import hosts, launch
+from .driver import Backend
 
 
-class TorchBackend(Backend):
-    name = "torch"
-    processes = True
-
-    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options):
-        """This rank of torch.distributed (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); options
-        `dist_backend` ('gloo' or 'nccl'; default nccl when CUDA is present) and `init_method`."""
-        from dpsgd.comm.torch_dist import TorchCommunicator
-
-        return TorchCommunicator(timeout_s=timeout_s, **options)
-
-    def options(self, cfg: dict) -> dict:
-        return {
-            "dist_backend": "nccl" if placement.uses_nccl(cfg) else "gloo",
-            "staging": cfg["backend"].get("staging", "auto"),
-        }
-
-    def world(self) -> tuple[int, int] | None:
-        size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        return (int(os.environ["RANK"]), size) if size > 1 and "RANK" in os.environ else None
-
-    def share(self, data: bytes, timeout_s: float) -> bytes:
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            if "MASTER_ADDR" in os.environ:  # the interface on the route to the master; `lo` on one host
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
-            dist.init_process_group(
-                "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
-            )
-        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
-        dist.broadcast(t, src=0)
-        return bytes(t.tolist())
-
+class TorchBackend(TorchTransport, Backend):
     def exit(self) -> None:
         # results written, group down: skip the interpreter's teardown, where gloo's threads can abort
         # the process ("terminate called without an active exception"), as in experiments.peer
@@ -56,13 +22,13 @@ class TorchBackend(Backend):
         sys.stderr.flush()
         os._exit(0)
 
-    def missing(self) -> str | None:
-        import torch.distributed as dist
-
-        if not dist.is_available():
+    def elastic_problem(self) -> str | None:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torch 2.13's agents keep the first round's worker store address: after a node is lost the
+            # re-formed world's ranks connect to stale addresses and fail (measured)
             return (
-                "backend=torch needs torch.distributed, which this torch build lacks; install a torch "
-                "wheel from pytorch.org, or choose backend=local or backend=mpi"
+                "elastic=true under torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+                "(a new worker store each time the world re-forms); set it and start torchrun again"
             )
         return None
 
@@ -103,6 +69,3 @@ def _rank_envs(master: str, port: int, where: list[str]) -> list[dict]:
 
 def _logs(log_dir, n: int) -> list[Path | None]:
     return [None if log_dir is None else Path(log_dir) / f"rank{r}.log" for r in range(n)]
-
-
-register(TorchBackend())

@@ -3,19 +3,12 @@ the `Communicator` protocol, so they run unchanged on every backend."""
 
 from __future__ import annotations
 
-from .base import (
-    DEFAULT_TIMEOUT_S,
-    CommError,
-    CommStats,
-    Communicator,
-    Handle,
-    PeerFailedError,
-    PeerTimeoutError,
-)
+from . import local, mpi, torch_dist, transport  # noqa: F401 - each communicator module registers its transport
+from .base import DEFAULT_TIMEOUT_S, CommStats, Communicator, Handle
 from .local import LocalCommunicator, LocalWorld, run_local
+from .pending import CommError, PeerFailedError, PeerTimeoutError
 
 __all__ = [
-    "BACKENDS",
     "DEFAULT_TIMEOUT_S",
     "CommError",
     "CommStats",
@@ -31,21 +24,11 @@ __all__ = [
 
 
 def init(backend: str = "local", timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> Communicator:
-    """A communicator for this process, from the backend's record (dpsgd.backends).
+    """A communicator for this process, from the backend's transport (dpsgd.comm.transport).
 
     - `local`: inside `run_local`, this thread's peer; elsewhere a world of one peer.
     - `mpi`: this rank of the MPI world (start the processes with mpiexec/srun).
     - `torch`: this rank of torch.distributed (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT);
       options `dist_backend` ('gloo' or 'nccl'; default nccl when CUDA is present) and `init_method`.
     """
-    from dpsgd import backends
-
-    return backends.get(backend).connect(timeout_s, **options)
-
-
-def __getattr__(name: str):
-    if name == "BACKENDS":  # the registered backends' names (dpsgd.backends, which imports this package)
-        from dpsgd import backends
-
-        return tuple(backends.names())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return transport.get(backend).connect(timeout_s, **options)

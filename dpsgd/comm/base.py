@@ -9,12 +9,9 @@ deadlines and error messages are therefore the same on every backend.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import sys
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,30 +19,13 @@ import torch
 
 from topologies import Neighbors, Topology
 
-if TYPE_CHECKING:
-    from dpsgd.netem import NetworkEmulator
+from .netem import NetworkEmulator, ring_allreduce_bytes
+from .pending import Exchange, PeerTimeoutError, Pending, Request
 
+if TYPE_CHECKING:
     from .staging import HostStaging
 
 DEFAULT_TIMEOUT_S = 120.0
-
-
-def ring_allreduce_bytes(nbytes: float, n: int) -> float:
-    """What each peer sends (and receives) in a bandwidth-optimal ring all-reduce of `nbytes`:
-    2 (n - 1) / n of it. Traffic counts and the network emulator's cost model both use it."""
-    return 2 * (n - 1) / n * nbytes
-
-
-class CommError(RuntimeError):
-    """A collective or point-to-point operation could not complete."""
-
-
-class PeerTimeoutError(CommError):
-    """A peer did not answer before the deadline."""
-
-
-class PeerFailedError(CommError):
-    """Another peer of the same world failed, so this operation can never complete."""
 
 
 @dataclass
@@ -62,7 +42,7 @@ class CommStats:
     # time between starting a non-blocking operation and waiting for it: the computation that
     # communication could hide behind (an upper bound of the communication time hidden)
     overlap_s: float = 0.0
-    # with an emulated network (dpsgd.netem): emulated time spent waiting for modelled messages
+    # with an emulated network (dpsgd.comm.netem): emulated time spent waiting for modelled messages
     emulated_wait_s: float = 0.0
     # the most bytes sent in one training step (the training loop keeps it): the peak a link must carry
     peak_step_bytes: int = 0
@@ -70,43 +50,6 @@ class CommStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-class Pending(ABC):
-    """A backend's in-flight operation."""
-
-    @abstractmethod
-    def wait(self, deadline: float) -> None:
-        """Block until done; raise PeerTimeoutError past `deadline` (time.monotonic)."""
-
-    def peers_outstanding(self) -> list[int]:
-        """Peers whose part has not completed yet (for error messages)."""
-        return []
-
-    def progress(self) -> None:  # noqa: B027 - most backends progress on their own
-        """Let the operation advance without waiting for it (MPI's non-blocking collectives move only
-        while a rank tests them; other backends progress in their own threads)."""
-
-
-class Exchange(Pending):
-    """A point-to-point exchange: after `wait`, `received[peer]` holds each peer's buffer."""
-
-    received: dict[int, torch.Tensor]
-
-
-class Request(Pending):
-    """One started message of an asynchronous protocol (`start_send` / `start_recv`): unlike the
-    symmetric operations above, it can be tested without blocking, and a receive may accept any
-    sender (`source` then tells who sent it, once complete)."""
-
-    source: int | None = None
-
-    @abstractmethod
-    def test(self) -> bool:
-        """True once the message has been sent (the buffer may be reused) or received."""
-
-    def wait(self, deadline: float) -> None:
-        poll_until(self.test, deadline, self.peers_outstanding)
 
 
 MAX_TAG = 32767  # the smallest MPI_TAG_UB the standard allows
@@ -183,6 +126,7 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like the tensors of `like`, in order (the inverse of `flatten`)."""
     out, offset = [], 0
     for t in like:
         n = t.numel()
@@ -225,7 +169,7 @@ class Communicator(ABC):
         return self
 
     def attach_network(self, network: NetworkEmulator) -> None:
-        """Emulate `network` (a `dpsgd.netem.NetworkEmulator`) in every counted operation: messages carry
+        """Emulate `network` (a `dpsgd.comm.netem.NetworkEmulator`) in every counted operation: messages carry
         their emulated arrival time and waits advance (or, in sleep mode, really wait for) the clock."""
         self.network = network
 
@@ -242,7 +186,8 @@ class Communicator(ABC):
         """Sum `buf` over all peers, in place, without blocking."""
 
     @abstractmethod
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every peer has called `barrier()` (within the deadline)."""
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release backend resources; the communicator cannot be used afterwards."""
@@ -269,6 +214,7 @@ class Communicator(ABC):
         return self._start_allreduce(tensors, "allreduce_mean", mean=True)
 
     def allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> list[torch.Tensor]:
+        """The mean of `tensors` over all peers, (1/n) sum_j x_j, as new tensors (a ring all-reduce's bytes)."""
         return self.start_allreduce_mean(tensors, stream).wait()
 
     def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
@@ -276,6 +222,7 @@ class Communicator(ABC):
         return self._start_allreduce(tensors, "allreduce_sum", mean=False)
 
     def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The sum of `tensors` over all peers, sum_j x_j, as new tensors."""
         return self.start_allreduce_sum(tensors).wait()
 
     def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
@@ -340,6 +287,8 @@ class Communicator(ABC):
         return Handle(self, "neighbor_average", ex, finish, recv_from, arrival, buf.device)
 
     def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> list[torch.Tensor]:
+        """Send `tensors` to the peers of `weights.send`, receive from those of `weights.recv`, and return
+        self_weight x_i + sum_j recv[j] x_j: row i of a mixing matrix applied to the peers' tensors."""
         return self.start_neighbor_average(tensors, weights).wait()
 
     def start_neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]) -> Handle:
@@ -363,6 +312,7 @@ class Communicator(ABC):
     def neighbor_exchange(
         self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]
     ) -> list[torch.Tensor]:
+        """The blocking form of `start_neighbor_exchange`: the buffers received, in the order of `recv_from`."""
         return self.start_neighbor_exchange(buf, send_to, recv_from).wait()
 
     def start_exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
@@ -375,6 +325,7 @@ class Communicator(ABC):
         return Handle(self, "exchange", ex, lambda: unflatten(received(peer), tensors), [peer], arrival, buf.device)
 
     def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
+        """Pairwise exchange (AD-PSGD's primitive): send `tensors` to `peer`, return its tensors, shaped like ours."""
         return self.start_exchange(tensors, peer).wait()
 
     # --- the operations update rules are made of (dpsgd.optim) ----------------------------
@@ -389,6 +340,7 @@ class Communicator(ABC):
     def mix(
         self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False
     ) -> list[torch.Tensor]:
+        """sum_j W(step)[i, j] x_j with the topology's mixing matrix (`lazy`: with (I + W) / 2): one gossip step."""
         return self.start_mix(tensors, topology, step, lazy).wait()
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
@@ -423,6 +375,7 @@ class Communicator(ABC):
         return flatten(tensors)
 
     def unflatten(self, flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of `flatten`: views of `flat` shaped like `like`."""
         return unflatten(flat, like)
 
     def start_send(self, buf: torch.Tensor, peer: int, tag: int) -> Request:
@@ -584,46 +537,3 @@ class _All(Pending):
     def progress(self) -> None:
         for part in self._parts:
             part.progress()
-
-
-def poll_until(test, deadline: float, outstanding=list, abort: Callable[[], bool] | None = None) -> bool:
-    """Wait for `test()` to be true without spinning a core: sleep between polls for 1/20 of the
-    time waited so far, from 20 us up to 1 ms (waiting ranks that spin halve the speed of
-    computing ones on small machines). A wait thus notices completion at most about 5% late, and a
-    long wait costs about a hundred quick polls, then one per millisecond. Quick polls matter for
-    MPI's non-blocking collectives: their rounds progress only while each rank polls, so 1 ms
-    sleeps from the start made a 1 MiB all-reduce on 4 ranks 4x slower than a blocking one.
-    True once `test()` is; False if `abort()` becomes true first (it is asked before the deadline)."""
-    _fine_timer_slack()
-    start = time.monotonic()
-    while not test():
-        if abort is not None and abort():
-            return False
-        now = time.monotonic()
-        if now > deadline:
-            raise PeerTimeoutError(f"peers {outstanding()} did not answer")
-        time.sleep(min(_POLL_MAX_S, max(_POLL_MIN_S, (now - start) / 20)))
-    return True
-
-
-_POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
-
-
-_slack = threading.local()
-
-
-def _fine_timer_slack() -> None:
-    """Let this thread's short sleeps end on time: Linux lets a sleep overshoot by the thread's timer
-    slack, 50 us by default, which made a 20 us poll last 70-140 us and added most of the toolkit's
-    latency on small messages. Set once per thread, to 1 us (PR_SET_TIMERSLACK; elsewhere nothing)."""
-    if getattr(_slack, "set", False):
-        return
-    _slack.set = True
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-
-_PR_SET_TIMERSLACK = 29

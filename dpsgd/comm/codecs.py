@@ -59,7 +59,8 @@ import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Exchange, Handle, Pending, Request, _Done, flatten, mixing_neighbors, unflatten
+from .base import Communicator, Handle, _Done, flatten, mixing_neighbors, unflatten
+from .pending import Exchange, Pending, Request
 
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
 

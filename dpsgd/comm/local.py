@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, CommError, Communicator, Exchange, PeerFailedError, PeerTimeoutError, Request
+from .base import DEFAULT_TIMEOUT_S, Communicator
+from .pending import CommError, Exchange, PeerFailedError, PeerTimeoutError, Request
+from .transport import Transport, register
 
 _POLL_S = 0.05  # how often a blocked receive looks whether another peer failed
 
@@ -147,6 +149,9 @@ class _LocalRecv(Request):
 
 
 class LocalCommunicator(Communicator):
+    """One peer of a `LocalWorld`: peers as threads of one process, messages as tensors handed over in memory
+    (`run_local` makes them). Counts bytes as a network would carry them."""
+
     backend = "local"
     in_process = True
 
@@ -251,3 +256,17 @@ def run_local(
     if world.failed_rank is not None:
         raise errors[world.failed_rank] or CommError(f"peer {world.failed_rank} failed")
     return results
+
+
+class LocalTransport(Transport):
+    """Peers as threads of this process (`run_local`), no launcher."""
+
+    name = "local"
+    threads = True
+
+    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> Communicator:
+        """Inside `run_local`, this thread's peer; elsewhere a world of one peer."""
+        return current_peer() or LocalCommunicator(LocalWorld(1), 0, timeout_s)
+
+
+register(LocalTransport())

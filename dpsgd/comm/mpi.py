@@ -10,11 +10,18 @@ and halve the speed of the peers still computing on a small machine.
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerFailedError, Pending, Request, poll_until
+from .base import DEFAULT_TIMEOUT_S, Communicator
+from .pending import Exchange, PeerFailedError, Pending, Request, poll_until
 from .staging import HostStaging, check_mode
+from .transport import Transport, register
 
 
 def load_mpi():
@@ -107,6 +114,9 @@ class _MPIRequest(Request):
 
 
 class MPICommunicator(Communicator):
+    """One rank of an MPI world (mpi4py): CPU tensors travel as zero-copy buffers, CUDA tensors directly on a
+    CUDA-aware MPI or through page-locked host buffers otherwise. Start the ranks with mpiexec or srun."""
+
     backend = "mpi"
 
     def __init__(self, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S, staging: str = "auto"):
@@ -171,3 +181,56 @@ class MPICommunicator(Communicator):
     def abort(self, code: int = 1) -> None:
         """End every rank of the world (a failed peer must not leave the others waiting)."""
         self._MPI.COMM_WORLD.Abort(code)
+
+
+def mpi_import_error() -> str | None:
+    """Why mpi4py cannot load an MPI library here, or None. Tried in a child process: loading MPI
+    into this one would initialize it here."""
+    probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    if proc.returncode == 0:
+        return None
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    return f"`from mpi4py import MPI` fails ({lines[-1] if lines else f'exit code {proc.returncode}'})"
+
+
+class MPITransport(Transport):
+    """This rank of the MPI world that mpiexec or srun started."""
+
+    name = "mpi"
+    processes = True
+    host_staging = True
+
+    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> Communicator:
+        return MPICommunicator(timeout_s=timeout_s, **options)
+
+    def options(self, cfg: Mapping) -> dict:
+        return {"staging": cfg["backend"].get("staging", "auto")}
+
+    def world(self) -> tuple[int, int] | None:
+        sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")  # set by mpiexec/srun
+        if all(int(os.environ.get(var, "1") or 1) <= 1 for var in sizes):
+            return None
+        world = load_mpi().COMM_WORLD
+        return world.Get_rank(), world.Get_size()
+
+    def share(self, data: bytes, timeout_s: float) -> bytes:
+        """As fixed-size bytes (nothing received is unpickled), waiting by polling: PeerTimeoutError
+        when a rank never arrives."""
+        buf = bytearray(data)
+        request = load_mpi().COMM_WORLD.Ibcast(buf, root=0)
+        poll_until(request.Test, time.monotonic() + timeout_s)
+        return bytes(buf)
+
+    def missing(self) -> str | None:
+        problem = mpi_import_error()
+        if problem:
+            return (
+                f"backend=mpi needs mpi4py and an MPI runtime, but {problem}; install both with "
+                f"`pip install mpi4py mpich` (or load your cluster's MPI and `pip install mpi4py`), "
+                f"or choose backend=local or backend=torch"
+            )
+        return None
+
+
+register(MPITransport())

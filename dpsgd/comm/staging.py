@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import Exchange, Pending, Request
+from .pending import Exchange, Pending, Request
 
 MODES = ("auto", "always", "never")
 _KEPT_PER_SHAPE = 8
 
 
 def check_mode(mode: str) -> str:
+    """`mode` if it is one of MODES (auto, always, never); a ValueError naming them otherwise."""
     if mode not in MODES:
         raise ValueError(f"backend.staging must be one of {', '.join(MODES)}, got {mode!r}")
     return mode

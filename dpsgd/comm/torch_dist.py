@@ -11,6 +11,7 @@ import atexit
 import os
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -18,8 +19,10 @@ import torch.distributed as dist
 
 from dpsgd import netif
 
-from .base import DEFAULT_TIMEOUT_S, Communicator, Exchange, PeerTimeoutError, Pending, Request
+from .base import DEFAULT_TIMEOUT_S, Communicator
+from .pending import Exchange, PeerTimeoutError, Pending, Request
 from .staging import HostStaging, check_mode
+from .transport import Transport, register
 
 
 class _Works(Exchange):
@@ -91,6 +94,9 @@ class _TorchRequest(Request):
 
 
 class TorchCommunicator(Communicator):
+    """One rank of torch.distributed: gloo on CPU (CUDA tensors through page-locked host buffers), nccl on
+    GPU. Start the ranks with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
+
     backend = "torch"
 
     def __init__(
@@ -167,3 +173,54 @@ class TorchCommunicator(Communicator):
             self._group = None
         elif dist.is_initialized():
             dist.destroy_process_group()
+
+
+class TorchTransport(Transport):
+    """This rank of torch.distributed (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); options
+    `dist_backend` ('gloo' or 'nccl'; default nccl when CUDA is present) and `init_method`."""
+
+    name = "torch"
+    processes = True
+    host_staging = True
+
+    def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> Communicator:
+        return TorchCommunicator(timeout_s=timeout_s, **options)
+
+    def options(self, cfg: Mapping) -> dict:
+        return {"dist_backend": self.dist_backend(cfg), "staging": cfg["backend"].get("staging", "auto")}
+
+    @staticmethod
+    def dist_backend(cfg: Mapping) -> str:
+        """`backend.dist_backend`, else nccl for peers on GPUs and gloo for peers on CPUs."""
+        device = str(cfg.get("device", "cpu"))
+        on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        return (cfg.get("backend") or {}).get("dist_backend") or ("nccl" if on_gpu else "gloo")
+
+    def uses_nccl(self, cfg: Mapping) -> bool:
+        return self.dist_backend(cfg) == "nccl"
+
+    def world(self) -> tuple[int, int] | None:
+        size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        return (int(os.environ["RANK"]), size) if size > 1 and "RANK" in os.environ else None
+
+    def share(self, data: bytes, timeout_s: float) -> bytes:
+        if not dist.is_initialized():
+            if "MASTER_ADDR" in os.environ:  # the interface on the route to the master; `lo` on one host
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
+            )
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+        dist.broadcast(t, src=0)
+        return bytes(t.tolist())
+
+    def missing(self) -> str | None:
+        if not dist.is_available():
+            return (
+                "backend=torch needs torch.distributed, which this torch build lacks; install a torch "
+                "wheel from pytorch.org, or choose backend=local or backend=mpi"
+            )
+        return None
+
+
+register(TorchTransport())

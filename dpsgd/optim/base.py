@@ -26,7 +26,20 @@ STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Base class: subclasses implement `step()` with `self.base.step()` and communication."""
+    """The contract every distributed optimizer keeps: it wraps a local torch optimizer and behaves like one.
+
+    Constructed as `Algorithm(base, topology=..., comm=..., broadcast_initial=True, **options)`: `base` is
+    any `torch.optim.Optimizer` (its `param_groups` and `state` are this optimizer's own, so LR schedulers
+    and gradient clipping act on what really steps); `topology` (`topologies.Topology`, n = `comm.size`)
+    where the rule mixes; `comm` any `dpsgd.comm.Communicator`; `broadcast_initial=True` gives every peer
+    rank 0's parameters at construction, as DDP does. `step()` fires torch's step hooks; `state_dict()`
+    holds the base's state and the algorithm's own (`algorithm_state()`), so a run resumes bit for bit.
+
+    A subclass implements `step()` with `self.base.step()` and the communicator's operations
+    (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...), checks
+    its topology needs in its constructor (`require_topology("doubly" | "column")`), and extends
+    `algorithm_state()` / `load_algorithm_state()` with its own state.
+    """
 
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
     # True: its per-peer state has a rule for a world that re-forms with another peer count (dpsgd.elastic)
@@ -75,6 +88,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.base.state
 
     def params(self) -> list[torch.Tensor]:
+        """Every parameter of every group, in order (the tensors the rule updates)."""
         return [p for group in self.param_groups for p in group["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -141,16 +155,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Restore what `algorithm_state()` returned; subclasses extend it."""
         self.step_count = int(state["step_count"])
         if isinstance(self.comm, Compressed):
             self.comm.load_memory(state.get("compression"))
 
     def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state dict with the algorithm's own state under one more key."""
         sd = self.base.state_dict()
         sd[STATE_KEY] = self.algorithm_state()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a `state_dict()` of this algorithm (a plain torch optimizer's is refused, saying so)."""
         if STATE_KEY not in state_dict:
             raise ValueError(
                 f"this state_dict has no '{STATE_KEY}' entry: it was saved from a plain torch optimizer, "
@@ -164,15 +181,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}({self.base!r}, comm={self.comm!r})"
 
 
+class PairwiseExchanges(Protocol):
+    """One peer's side of an asynchronous algorithm's pairwise exchanges, in three parts that its own thread
+    calls on real peers and the event simulator calls in virtual time: the active side's `request` (locks
+    x_i, None when no neighbour now) and `complete`, the passive side's atomic `serve`."""
+
+    lock: Any  # held from request to complete: a step waits for it
+    partners: frozenset[int]
+    message_numel: int  # entries of a request (a closing DONE has as many)
+
+    def request(self) -> tuple[int, torch.Tensor] | None: ...
+    def serve(self, request: torch.Tensor) -> torch.Tensor: ...
+    def complete(self, partner: int, reply: torch.Tensor) -> None: ...
+
+
 @runtime_checkable
 class AsynchronousOptimizer(Protocol):
-    """What the training loop asks of an optimizer with no global step (`asynchronous = True`): each
-    peer steps at its own pace until its budget is spent, then `finish()` ends its part so that
-    collectives may run again; `measurements()` are its per-peer figures for the summary."""
+    """What the training loop and the event simulator ask of an optimizer with no global step
+    (`asynchronous = True`): each peer steps at its own pace until its budget is spent, then `finish()`
+    ends its part so that collectives may run again. It checks its own topology needs in its constructor
+    (a ValueError saying what to use). It describes its own measurements: `measurements()` are one
+    peer's figures (JSON values, with at least `steps` and `samples`), and `summary(rows)`, from every
+    peer's figures in rank order (each with the loop's `slowdown_s`), is summary.json's block `summary_key`.
+    The event simulator (dpsgd.sim.events) runs it with `start(threads=False)` and performs its pairwise
+    exchanges with `averaging.request`, `serve` and `complete`, in virtual time (`comm.clock`)."""
 
     asynchronous: ClassVar[bool]
+    summary_key: ClassVar[str]
     step_count: int
     budget: str  # what ends a peer's run: "steps", "samples" or "seconds"
+    role: str  # "active" (starts exchanges), "passive" (serves them) or "alone"
+    averaging: PairwiseExchanges
+    live: torch.Tensor  # x_i, flat
+    staleness: int  # exchanges applied to x_i since the snapshot the next gradient is taken at
+    wait_s: float  # time its steps waited for x_i (locked by an exchange in flight)
 
     def set_budget(
         self,
@@ -181,11 +223,13 @@ class AsynchronousOptimizer(Protocol):
         seconds: float | None = None,
         samples_per_step: int | None = None,
     ) -> None: ...
-    def start(self) -> None: ...
+    def step(self, closure=None) -> Any: ...  # its own rule: the simulator calls it too
+    def start(self, threads: bool = True) -> None: ...
     def should_stop(self) -> bool: ...
     def finish(self) -> None: ...
     def abort(self) -> None: ...
     def measurements(self) -> dict: ...
+    def summary(self, rows: list[dict]) -> dict: ...
     def settle(self) -> None: ...  # before a checkpoint: no exchange of this peer in flight
 
 
@@ -202,4 +246,5 @@ _ADVICE = {
 
 @torch.no_grad()
 def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of `params` (a point to come back to, or to take a gradient at)."""
     return [p.detach().clone() for p in params]

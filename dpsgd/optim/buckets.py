@@ -53,7 +53,7 @@ class GradientBuckets:
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._arrived = [0] * len(self.buckets)
         self._handles: list[Handle | None] = [None] * len(self.buckets)
-        in_place = comm.backend != "fleet"  # the fleet's stacked tensors: the list path
+        in_place = not comm.peer_shape  # stacked tensors (the fleet's): the list path
         self._flat = [
             torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             if in_place

@@ -38,6 +38,22 @@ from .base import DistributedOptimizer
 
 
 class Choco(DistributedOptimizer):
+    """CHOCO-SGD (Koloskova et al. 2019): gossip on compressed differences to public copies.
+
+    Peer i keeps x_i, its public copy x_hat_i (what its neighbours know of x_i) and
+    s_i = sum_j W[i,j] x_hat_j; with Q the compressor, gamma the consensus step and W static doubly
+    stochastic, each step:
+
+        x_i^{+} = x_i + d_i                              (the base step)
+        q_i     = Q(x_i^{+} - x_hat_i)                   (sent to every neighbour as its encoded bytes)
+        x_hat_i += q_i;   s_i += sum_j W[i,j] q_j
+        x_i     = x_i^{+} + gamma (s_i - x_hat_i)
+
+    The consensus step never moves the average model. Options: the compressor Q (top-k or random-k with
+    the fraction of entries sent, scaled sign, QSGD with its levels), the consensus step `gamma` in (0, 1]
+    (too large a gamma for Q's contraction diverges), and a `seed` for random compressors.
+    """
+
     topology: Topology  # required: gossip needs its mixing matrices
 
     def __init__(

@@ -38,10 +38,23 @@ LAZY_CHOICES = (False, True, "auto")
 
 
 def lambda_min(w: np.ndarray) -> float:
+    """The smallest eigenvalue of W's symmetric part, (W + W^T) / 2 (D2 needs it > -1/3)."""
     return float(np.linalg.eigvalsh((w + w.T) / 2).min())
 
 
 class D2(DistributedOptimizer):
+    """D^2 (Tang et al. 2018): D-PSGD corrected so that the peers' data heterogeneity leaves no bias.
+
+    With d^k = base(x^k, g^k) - x^k each peer's increment and W = W(k) symmetric doubly stochastic:
+
+        x^1     = W (x^0 + d^0)                                  (the first step is D-PSGD's atc)
+        x^{k+1} = W (2 x^k - x^{k-1} + d^k - d^{k-1})            (k >= 1)
+
+    The paper needs lambda_min(W) > -1/3; a matrix that breaks it is refused in one line unless
+    `lazy_mixing` is True (mix with (I + W) / 2) or "auto" (only where needed). One model per neighbour
+    per step, as D-PSGD.
+    """
+
     topology: Topology  # required: gossip needs its mixing matrices
 
     def __init__(

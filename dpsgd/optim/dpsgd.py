@@ -36,6 +36,21 @@ ORDERS = ("cta", "atc")
 
 
 class DPSGD(DistributedOptimizer):
+    """D-PSGD (Lian et al. 2017): a base step and one gossip average with the topology's W(k) per step.
+
+    Peer i at step k, d_i = base(x_i, g_i) - x_i its local increment, g_i taken at x_i^k:
+
+    - `order="cta"` (combine then adapt, the paper's): x_i <- sum_j W[i,j] x_j^k + d_i. Since x^k is
+      known before the backward pass, `overlap=True` sends it from `start_communication()` (called by the
+      training loop before the forward pass) and `step()` only waits for it.
+    - `order="atc"` (adapt then combine): x_i <- sum_j W[i,j] (x_j^k + d_j).
+
+    W(k) must be doubly stochastic (refused otherwise), so the average model moves only by the average
+    increment. `qgm=True` adds quasi-global momentum (see `QGM`). Options: `order`, `overlap`, `qgm`,
+    `qgm_beta`, `qgm_mu`, and the keywords every optimizer takes (`topology`, `comm`, `broadcast_initial`).
+    Bytes per step: the model to each neighbour of W(k).
+    """
+
     topology: Topology  # required: gossip needs its mixing matrices
     elastic = True  # an added peer starts from the survivors' average, its momentum zero
 
@@ -141,7 +156,14 @@ class DPSGD(DistributedOptimizer):
 
 
 class QGM(DPSGD):
-    """DPSGD(qgm=True) under its own name, so configs and reports tell it apart from D-PSGD."""
+    """D-PSGD with quasi-global momentum (Lin et al. 2021), registered as `qgm`: `DPSGD(qgm=True)`.
+
+    With beta = `beta`, mu = `mu` (beta by default), m_hat_i = 0 at start and lr the current learning rate:
+    m_i = g_i + beta m_hat_i is handed to the base SGD as its gradient, the order's gossip update follows
+    (`atc` by default, as in the paper), then m_hat_i <- mu m_hat_i + (1 - mu) (x_i^k - x_i^{k+1}) / lr:
+    the momentum follows the model's own displacement, gossip included, not the local gradient. The base
+    must be `torch.optim.SGD` with momentum 0 (QGM is its momentum).
+    """
 
     elastic = False  # its momentum buffer is each peer's own estimate of the global direction: no rule for a new peer
 

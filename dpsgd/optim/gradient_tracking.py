@@ -30,6 +30,19 @@ from .base import DistributedOptimizer
 
 
 class GradientTracking(DistributedOptimizer):
+    """Gradient tracking (DIGing; Pu & Nedic 2021): each peer steps along a tracker y_i of the average gradient.
+
+    With g_i^k taken at x_i^k and W(k) doubly stochastic:
+
+        y_i^0     = g_i^0
+        y_i^k     = sum_j W(k-1)[i,j] y_j^{k-1} + g_i^k - g_i^{k-1}
+        x_i^{k+1} = sum_j W(k)[i,j] base(x_j^k, y_j^k)
+
+    The base optimizer takes y_i as its gradient (momentum acts on the tracked direction). The mean of the
+    trackers equals the mean gradient, so heterogeneous data leave no bias in the fixed point. Two vectors
+    (x and y) per neighbour per step.
+    """
+
     topology: Topology  # required: gossip needs its mixing matrices
 
     def __init__(

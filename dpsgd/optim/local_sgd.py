@@ -12,20 +12,19 @@ x_anchor the model at the last global averaging (all peers hold the same anchor)
 1. Warm-up, t <= warmup_steps (post-local SGD, Lin et al. 2020): g_i <- mean_j g_j, then the base
    step: exactly `AllReduce`.
 2. Local phase, s = t - warmup_steps >= 1: x_i <- base(x_i, g_i); then
-   - if s % period == 0 (and no groups), a global averaging: x_avg = mean_j x_j and
-       outer="average"  (plain model averaging):        x_i <- x_avg
-       outer="momentum" (SlowMo, Wang et al. 2020, Alg. 1, slow momentum beta, slow lr alpha):
-                        u <- beta u + (x_anchor - x_avg) / gamma
-                        x_i <- x_anchor <- x_anchor - alpha gamma u
+   - if s % period == 0 (and no groups), a global averaging: x_avg = mean_j x_j; then, with no outer
+     optimizer (outer=None, plain model averaging), x_i <- x_avg; with one (dpsgd/optim/outer.py: any torch
+     optimizer over the anchor), it steps with the outer gradient G = x_anchor - x_avg as the anchor's
+     gradient and x_i <- x_anchor. The presets:
+       SlowMo (Wang et al. 2020, Alg. 1, slow momentum beta, slow lr alpha): SGD(lr=alpha, momentum=beta)
+                        with scale_by_base_lr, the base lr gamma read at the averaging step:
+                        u <- beta u + G / gamma;   x_i <- x_anchor <- x_anchor - alpha gamma u
          With a constant gamma this is BMUF's block momentum (Chen & Huo 2016) with block lr
          alpha: v <- beta v + alpha (x_avg - x_anchor), x <- x_anchor + v (v = -alpha gamma u).
          beta = 0, alpha = 1 is plain averaging.
-       outer="nesterov" (DiLoCo, Douillard et al. 2023: outer SGD with Nesterov momentum on the
-                        outer gradient, as torch.optim.SGD(nesterov=True) computes it):
-                        G = x_anchor - x_avg
-                        u <- beta u + G
-                        x_i <- x_anchor <- x_anchor - alpha (G + beta u)
-     u starts at 0; the anchor starts as the mean of the peers' models when the local phase starts
+       DiLoCo (Douillard et al. 2023): SGD(lr=alpha, momentum=beta, nesterov=True):
+                        u <- beta u + G;   x_i <- x_anchor <- x_anchor - alpha (G + beta u)
+     The anchor starts as the mean of the peers' models when the local phase starts
      (one all-reduce of the model, so peers that start apart still share one anchor; none with
      broadcast_initial, where every peer holds the same model then).
    - Hierarchical (group_size g, global_period P): peers form groups of g consecutive ranks
@@ -51,7 +50,7 @@ averaging, group or global:
 
 With a compressing communicator (`compression=`, dpsgd.comm.codecs) global averagings send the outer
 deltas x_anchor - x_i, far smaller than the models, as encoded, error-fed messages, and
-x_avg = x_anchor - mean_i delta_i; the anchor is then kept for every outer (plain averaging included).
+x_avg = x_anchor - mean_i delta_i; the anchor is then kept with or without an outer optimizer.
 Group averagings, the first anchor and averaged inner states stay exact (`comm.exact`; error feedback
 could turn Adam's second moments negative).
 
@@ -62,15 +61,18 @@ when t - warmup_steps is, i.e. after `period` local steps, as in the local SGD p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
+from .outer import DILOCO, OuterOptimizer, factory
 
-OUTERS = ("average", "momentum", "nesterov")
 INNER_STATES = ("keep", "reset", "average")
+SLOWMO = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.5)  # fairscale's slow lr and momentum
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -80,9 +82,22 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 class LocalSGD(DistributedOptimizer):
-    """Local steps, exact averaging every `period` steps, and an outer optimizer (see the module)."""
+    """Local SGD / model averaging: base steps locally, and every H = `period` steps an exact average.
 
-    elastic = True  # the anchor and outer momentum are the same on every peer: an added peer takes rank 0's
+    Every H steps the peers all-reduce their models, x_avg = mean_j x_j, and an outer step moves from the
+    anchor x_a (the model after the previous averaging) along the outer gradient G = x_a - x_avg:
+    plain averaging sets x = x_avg; SlowMo's and BMUF's block momentum and DiLoCo's Nesterov step are
+    torch optimizers stepping on G (see `SlowMo`, `BMUF`, `DiLoCo` and the module). `warmup_steps` all-reduce
+    the gradients first (post-local SGD, Lin et al. 2020); `group_size` with `global_period` averages within
+    groups every H steps and across all peers every `global_period` steps; `inner_state` keeps, resets or
+    averages the base optimizer's state at each averaging. The topology is accepted and ignored.
+
+    outer: None (plain model averaging), a factory params -> torch.optim.Optimizer such as
+    functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), or a config dict with
+    `_target_`; scale_by_base_lr: SlowMo's scaling of its gradient and lr by the base lr.
+    `outer_optimizer` is the torch optimizer that moves the anchor (None without one)."""
+
+    elastic = True  # the anchor and outer state are the same on every peer: an added peer takes rank 0's
 
     def __init__(
         self,
@@ -93,30 +108,22 @@ class LocalSGD(DistributedOptimizer):
         broadcast_initial: bool = True,
         period: int = 4,
         warmup_steps: int = 0,
-        outer: str = "average",
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
+        outer=None,
+        scale_by_base_lr: bool = False,
         inner_state: str = "keep",
         group_size: int | None = None,
         global_period: int | None = None,
     ):
         # the topology is accepted, and ignored: averaging is exact
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        name = type(self).__name__
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
-        if outer not in OUTERS:
-            raise ValueError(f"LocalSGD outer must be one of {OUTERS}, got {outer!r}")
         if inner_state not in INNER_STATES:
             raise ValueError(f"LocalSGD inner_state must be one of {INNER_STATES}, got {inner_state!r}")
-        if not outer_lr > 0:
-            raise ValueError(f"LocalSGD outer_lr must be > 0, got {outer_lr}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"LocalSGD outer_momentum must be in [0, 1), got {outer_momentum}")
-        if outer == "average" and (outer_lr != 1 or outer_momentum != 0):
-            raise ValueError(
-                f"LocalSGD outer='average' takes no outer_lr ({outer_lr}) or outer_momentum "
-                f"({outer_momentum}); use outer='momentum' or 'nesterov' for an outer optimizer"
-            )
+        self._make = factory(outer, name)
+        if scale_by_base_lr and self._make is None:
+            raise ValueError(f"{name} scale_by_base_lr scales an outer optimizer, and outer is None; give outer=...")
         if (group_size is None) != (global_period is None):
             raise ValueError(
                 "LocalSGD hierarchical averaging needs both group_size and global_period "
@@ -129,11 +136,21 @@ class LocalSGD(DistributedOptimizer):
                 raise ValueError(f"LocalSGD group_size {group_size} does not divide the {comm.size} peers")
             if global_period % self.period:
                 raise ValueError(f"LocalSGD global_period {global_period} must be a multiple of period {self.period}")
-        self.outer, self.outer_lr, self.outer_momentum = outer, float(outer_lr), float(outer_momentum)
+        self.scale_by_base_lr = bool(scale_by_base_lr)
         self.inner_state, self.group_size, self.global_period = inner_state, group_size, global_period
         self._same_start = broadcast_initial  # every peer starts from rank 0's parameters
-        self._anchor: list[torch.Tensor] | None = None  # model at the last global averaging
-        self._outer_buffer: list[torch.Tensor] | None = None  # u, the outer momentum
+        self._anchored = False  # the anchor is taken when the local phase begins
+        # the model at the last global averaging (and the outer optimizer moving it), kept when needed
+        needed = self._make is not None or comm.exact is not comm
+        self._outer = self._new_outer() if needed else None
+
+    def _new_outer(self) -> OuterOptimizer:
+        groups = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
+        return OuterOptimizer(self._make, groups, type(self).__name__)
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self._outer is None else self._outer.optimizer
 
     # --- the step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -147,8 +164,8 @@ class LocalSGD(DistributedOptimizer):
                     g.copy_(avg)
             self.base.step()
         else:
-            if (self.outer != "average" or self.comm.exact is not self.comm) and self._anchor is None:
-                self._anchor = self._common_start()
+            if self._outer is not None and not self._anchored:
+                self._take_anchor()
             self.base.step()
             s = t - self.warmup_steps
             if self.global_period is not None and s % self.global_period == 0:
@@ -158,12 +175,15 @@ class LocalSGD(DistributedOptimizer):
         self.step_count = t
         return loss
 
-    def _common_start(self) -> list[torch.Tensor]:
+    def _take_anchor(self) -> None:
         """The peers' mean model, the first anchor: without a message when they started from rank 0's
         parameters (broadcast_initial), since exact averaging and all-reduce warm-up keep them equal."""
-        if self._same_start:
-            return [p.detach().clone() for p in self.params()]
-        return [a.clone() for a in self.comm.exact.allreduce_mean(self.params())]
+        assert self._outer is not None  # kept whenever an anchor is
+        params = self.params()
+        if len(self._outer.anchors) != len(params):  # a parameter group was added since the construction
+            self._outer = self._new_outer()
+        self._outer.set_anchors(params if self._same_start else self.comm.exact.allreduce_mean(params))
+        self._anchored = True
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The base state averaged by inner_state='average', in parameter order (same on every peer)."""
@@ -182,10 +202,11 @@ class LocalSGD(DistributedOptimizer):
         state = self._state_tensors() if self.inner_state == "average" else []
         tensors = params + state
         if not group and self.comm.exact is not self.comm:
-            assert self._anchor is not None  # kept whenever deltas are compressed
-            deltas = [a - p for a, p in zip(self._anchor, params)]
+            assert self._outer is not None  # the anchor is kept whenever deltas are compressed
+            anchors = self._outer.anchors
+            deltas = [a - p for a, p in zip(anchors, params)]
             mean_delta = self.comm.allreduce_mean(deltas, stream="outer")
-            averaged = [a - m for a, m in zip(self._anchor, mean_delta)]
+            averaged = [a - m for a, m in zip(anchors, mean_delta)]
             averaged += self.comm.exact.allreduce_mean(state) if state else []
         elif not group:
             averaged = self.comm.allreduce_mean(tensors)
@@ -195,107 +216,74 @@ class LocalSGD(DistributedOptimizer):
         for s, a in zip(state, averaged[len(params) :]):
             s.copy_(a)
         x_avg = averaged[: len(params)]
-        if group or self.outer == "average":
+        if not group and self._outer is not None and self._outer.optimizer is not None:
+            self._outer_step(x_avg)
+        else:
             for p, a in zip(params, x_avg):
                 p.copy_(a)
-            if not group and self._anchor is not None:
-                for anchor, a in zip(self._anchor, x_avg):
-                    anchor.copy_(a)
-        else:
-            self._outer_step(x_avg)
+            if not group and self._outer is not None:
+                self._outer.set_anchors(x_avg)
         if self.inner_state == "reset":
             self.base.state.clear()
 
     def _outer_step(self, x_avg: list[torch.Tensor]) -> None:
-        assert self._anchor is not None  # taken when the local phase began
-        if self._outer_buffer is None:
-            self._outer_buffer = [torch.zeros_like(a) for a in self._anchor]
-        beta, alpha, i = self.outer_momentum, self.outer_lr, 0
-        for group in self.param_groups:
-            gamma = float(group["lr"])
-            if self.outer == "momentum" and not gamma > 0:
-                raise ValueError(f"LocalSGD outer='momentum' divides by the base lr, which is {gamma}")
-            for p in group["params"]:
-                anchor, u = self._anchor[i], self._outer_buffer[i]
-                outer_grad = anchor - x_avg[i]
-                if self.outer == "momentum":
-                    u.mul_(beta).add_(outer_grad, alpha=1.0 / gamma)
-                    anchor.add_(u, alpha=-alpha * gamma)
-                else:  # nesterov
-                    u.mul_(beta).add_(outer_grad)
-                    anchor.add_(outer_grad.add_(u, alpha=beta), alpha=-alpha)
-                p.copy_(anchor)
-                i += 1
+        assert self._outer is not None  # an outer optimizer steps
+        anchors = self._outer.anchors
+        base_lrs = None
+        if self.scale_by_base_lr:
+            base_lrs = [float(group["lr"]) for group in self.param_groups]
+            if not all(gamma > 0 for gamma in base_lrs):
+                raise ValueError(f"{type(self).__name__} scale_by_base_lr divides by the base lr, which is {base_lrs}")
+        self._outer.step([anchor - x for anchor, x in zip(anchors, x_avg)], base_lrs)
+        for p, anchor in zip(self.params(), anchors):
+            p.copy_(anchor)
 
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self):
-        def copy(tensors):
-            return None if tensors is None else [t.clone() for t in tensors]
-
         return {
             **super().algorithm_state(),
-            "anchor": copy(self._anchor),
-            "outer_buffer": copy(self._outer_buffer),
+            "outer": None if self._outer is None or not self._anchored else self._outer.state_dict(),
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        self._anchor = self.own_tensors(state.get("anchor"))
-        self._outer_buffer = self.own_tensors(state.get("outer_buffer"))
+        saved = state.get("outer")
+        self._anchored = saved is not None
+        if saved is not None:
+            if self._outer is None:
+                raise ValueError(
+                    f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer"
+                )
+            self._outer.load_state_dict(saved)
 
     def __repr__(self) -> str:
         groups = f", group_size={self.group_size}, global_period={self.global_period}" if self.group_size else ""
+        outer = repr(self.outer_optimizer).replace("\n", " ")
         return (
             f"{type(self).__name__}({self.base!r}, period={self.period}, warmup_steps={self.warmup_steps}, "
-            f"outer={self.outer!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
-            f"inner_state={self.inner_state!r}{groups})"
+            f"outer={outer}, scale_by_base_lr={self.scale_by_base_lr}, inner_state={self.inner_state!r}{groups})"
         )
 
 
 class SlowMo(LocalSGD):
-    """SlowMo (Wang et al. 2020) over local SGD: outer='momentum' with slow momentum beta = 0.5 and
-    slow lr alpha = 1 (fairscale's SlowMoDistributedDataParallel defaults)."""
+    """SlowMo (Wang et al. 2020) over local SGD: outer SGD with slow momentum beta = 0.5 and slow lr alpha = 1
+    (fairscale's SlowMoDistributedDataParallel defaults), scaled by the base lr as in the paper."""
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        comm: Communicator,
-        period: int = 4,
-        outer: str = "momentum",
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.5,
-        **options,
-    ):
-        super().__init__(
-            base, comm=comm, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, **options
-        )
+    __init__ = functools.partialmethod(LocalSGD.__init__, outer=SLOWMO, scale_by_base_lr=True)
 
 
 class DiLoCo(LocalSGD):
     """DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 and lr 0.7 on the outer
-    gradient x_anchor - x_avg; the paper's inner optimizer is AdamW (pass it as `base`)."""
+    gradient x_anchor - x_avg, every 8 steps; the paper's inner optimizer is AdamW (pass it as `base`)."""
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        comm: Communicator,
-        period: int = 8,
-        outer: str = "nesterov",
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        **options,
-    ):
-        super().__init__(
-            base, comm=comm, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, **options
-        )
+    __init__ = functools.partialmethod(LocalSGD.__init__, period=8, outer=DILOCO)
 
 
 class BMUF(LocalSGD):
-    """Blockwise model-update filtering (Chen & Huo 2016): outer='momentum', which at a constant base lr
-    is BMUF's block momentum (see the module), with block lr outer_lr (1) and block momentum
-    outer_momentum, by default the paper's 1 - 1/n for n peers."""
+    """Blockwise model-update filtering (Chen & Huo 2016): block momentum as outer SGD (lr = the block lr,
+    1; momentum = the block momentum, by default the paper's 1 - 1/n for n peers; a config's
+    `outer.momentum: null` means the same), scaled by the base lr, which at a constant base lr is BMUF's
+    block momentum exactly (see the module; scale_by_base_lr=False gives it under any lr schedule)."""
 
     def __init__(
         self,
@@ -303,13 +291,13 @@ class BMUF(LocalSGD):
         *,
         comm: Communicator,
         period: int = 4,
-        outer: str = "momentum",
-        outer_lr: float = 1.0,
-        outer_momentum: float | None = None,
+        outer=None,
+        scale_by_base_lr: bool = True,
         **options,
     ):
-        if outer_momentum is None:
-            outer_momentum = 1.0 - 1.0 / comm.size
-        super().__init__(
-            base, comm=comm, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, **options
-        )
+        block_momentum = 1.0 - 1.0 / comm.size
+        if outer is None:
+            outer = functools.partial(torch.optim.SGD, lr=1.0, momentum=block_momentum)
+        elif isinstance(outer, dict) and "momentum" in outer and outer["momentum"] is None:
+            outer = {**outer, "momentum": block_momentum}
+        super().__init__(base, comm=comm, period=period, outer=outer, scale_by_base_lr=scale_by_base_lr, **options)

@@ -30,6 +30,19 @@ from .base import DistributedOptimizer
 
 
 class SGP(DistributedOptimizer):
+    """Stochastic Gradient Push (Assran et al. 2019): push-sum gossip over column stochastic W(k).
+
+    Peer i keeps a numerator x_i and a weight w_i (x_i^0 the initial model, w_i^0 = 1); its model's
+    parameters hold the de-biased z_i = x_i / w_i, where its gradient is taken. Each step:
+
+        x_i^{k+1} = sum_j W[i,j] (x_j^k + d_j)      with d_j = base(z_j, g_j) - z_j
+        w_i^{k+1} = sum_j W[i,j] w_j^k
+        z_i^{k+1} = x_i^{k+1} / w_i^{k+1}
+
+    Only column stochasticity is needed (directed and time-varying graphs such as
+    `one_peer_directed_exponential`); x and w travel in one message and are this optimizer's state.
+    """
+
     topology: Topology  # required: gossip needs its mixing matrices
 
     def __init__(

@@ -6,12 +6,14 @@ The parameters, flattened in order (layer by layer), form P fragments: consecuti
 of equal size (numpy.array_split: the first d mod P one entry longer), so a fragment is a block of
 layers, as in the paper, that may begin or end inside a tensor, and each sync carries 1/P of the
 model. With H the period (inner steps between two syncs of one fragment), h = H / P and tau the delay
-(0 <= tau < h), after the inner step t = 1, 2, ...:
+(0 <= tau < h), and an outer optimizer (dpsgd/optim/outer.py; by default DiLoCo's Nesterov SGD, lr 0.7,
+momentum 0.9) over the anchor's fragments, after the inner step t = 1, 2, ...:
 - fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
   Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; encoded and error-fed, one
   stream per fragment, on a compressing communicator), and keeps training;
-- fragment p completes it tau steps later, t = (p + 1) h (mod H), with the mean Delta_p:
-      u_p <- beta u_p + Delta_p;   x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p)   (DiLoCo's Nesterov)
+- fragment p completes it tau steps later, t = (p + 1) h (mod H): the outer optimizer steps fragment p of
+  the anchor with the mean Delta_p as its gradient (DiLoCo's: u_p <- beta u_p + Delta_p,
+  x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p)), then
       x_p <- alpha x_p(t) + (1 - alpha) x_anchor,p   (alpha: how much of the tau local steps it keeps)
 So every h steps one fragment syncs; P = 1, tau = 0, alpha = 0 is DiLoCo with period H (torchft's
 DiLoCo with fragment_sync_delay = tau and fragment_update_alpha = alpha follows the same schedule).
@@ -28,9 +30,25 @@ from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
+from .outer import DILOCO, OuterOptimizer, factory
 
 
 class StreamingDiLoCo(DistributedOptimizer):
+    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo whose model syncs in fragments, staggered and overlapped.
+
+    The parameters, flattened in layer order, form P = `fragments` equal blocks. With H = `period`,
+    h = H / P and tau = `delay` (0 <= tau < h), after inner step t fragment p:
+
+    - starts a sync when t = (p + 1) h - tau (mod H): the mean over peers of its outer gradient
+      Delta_p = x_anchor,p - x_p, while training goes on;
+    - completes it tau steps later, with DiLoCo's outer step (Nesterov momentum `outer_momentum`,
+      lr `outer_lr`): u_p <- beta u_p + Delta_p, x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p),
+      then x_p <- alpha x_p + (1 - alpha) x_anchor,p (alpha = `alpha`: the share of the tau local steps kept).
+
+    One fragment syncs every h steps, so a peer's peak traffic is 1/P of the model. P = 1, tau = 0,
+    alpha = 0 is `DiLoCo` with period H. The topology is accepted and ignored (averaging is exact).
+    """
+
     def __init__(
         self,
         base: torch.optim.Optimizer,
@@ -42,14 +60,14 @@ class StreamingDiLoCo(DistributedOptimizer):
         fragments: int = 3,
         delay: int = 1,
         alpha: float = 0.5,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer=DILOCO,
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"StreamingDiLoCo {name} must be an integer >= {low}, got {value!r}")
-        numel = comm.flatten(self.params()).shape[-1]  # one peer's (a fleet's tensors lead with a peer axis)
+        flat = comm.flatten(self.params())
+        numel = flat.shape[-1]  # one peer's (a fleet's tensors lead with a peer axis)
         if fragments > numel:
             raise ValueError(f"StreamingDiLoCo fragments={fragments} but the model has {numel} parameters")
         if period % fragments:
@@ -64,17 +82,18 @@ class StreamingDiLoCo(DistributedOptimizer):
             )
         if not 0 <= alpha <= 1:
             raise ValueError(f"StreamingDiLoCo alpha (the share of local progress kept) must be in [0, 1], got {alpha}")
-        if not outer_lr > 0 or not 0 <= outer_momentum < 1:
-            raise ValueError(
-                f"StreamingDiLoCo needs outer_lr > 0 and outer_momentum in [0, 1), got {outer_lr}, {outer_momentum}"
-            )
-        self.period, self.n_fragments, self.delay = period, fragments, delay
-        self.alpha, self.outer_lr, self.outer_momentum = float(alpha), float(outer_lr), float(outer_momentum)
+        make = factory(outer, "StreamingDiLoCo")
+        if make is None:
+            raise ValueError("StreamingDiLoCo needs an outer optimizer (its default is DiLoCo's); got outer=None")
+        self.period, self.n_fragments, self.delay, self.alpha = period, fragments, delay, float(alpha)
         cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
         self.ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]  # fragment -> [start, end) entries
         self._same_start = broadcast_initial
-        self._anchor: torch.Tensor | None = None  # flat, like the parameters flattened in order
-        self._outer_buffer: torch.Tensor | None = None
+        self._anchored = False  # the anchor is the peers' mean model at the first step
+        # the anchor, one tensor per fragment of the parameters flattened in order, and the optimizer moving it
+        anchors = [flat[..., self.fragment(p)].clone() for p in range(fragments)]
+        self._outer = OuterOptimizer(make, [anchors], "StreamingDiLoCo")
+        self.outer_optimizer = self._outer.optimizer
         self._in_flight: dict[int, object] = {}  # fragment -> started all-reduce (or its arrived mean)
 
     def fragment(self, p: int) -> slice:
@@ -91,22 +110,22 @@ class StreamingDiLoCo(DistributedOptimizer):
 
     def completing(self, t: int) -> int | None:
         """The fragment whose sync completes after inner step t, if any (none before its first start)."""
-        p = self.starting(t - self.delay) if t - self.delay >= 1 else None
-        return p
+        return self.starting(t - self.delay) if t - self.delay >= 1 else None
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._closure_loss(closure)
         params = self.params()
-        if self._anchor is None:  # the peers' mean model: their common start with broadcast_initial
-            self._anchor = self.comm.flatten(params if self._same_start else self.comm.exact.allreduce_mean(params))
-            self._outer_buffer = torch.zeros_like(self._anchor)
+        if not self._anchored:  # the peers' mean model: their common start with broadcast_initial
+            start = self.comm.flatten(params if self._same_start else self.comm.exact.allreduce_mean(params))
+            self._outer.set_anchors(start[..., self.fragment(p)] for p in range(self.n_fragments))
+            self._anchored = True
         self.base.step()
         t = self.step_count + 1
         started = self.starting(t)
         if started is not None:
             part = self.fragment(started)
-            delta = self._anchor[..., part] - self.comm.flatten(params)[..., part]
+            delta = self._outer.anchors[started] - self.comm.flatten(params)[..., part]
             self._in_flight[started] = self.comm.start_allreduce_mean([delta], stream=f"fragment{started}")
         done = self.completing(t)
         if done is not None:
@@ -119,14 +138,10 @@ class StreamingDiLoCo(DistributedOptimizer):
         return pending if isinstance(pending, list) else pending.wait()  # type: ignore[attr-defined]
 
     def _outer_step(self, p: int, mean_delta: torch.Tensor) -> None:
-        assert self._anchor is not None and self._outer_buffer is not None  # taken at the first step
-        part, beta = self.fragment(p), self.outer_momentum
-        anchor, u = self._anchor[..., part], self._outer_buffer[..., part]  # views: updated in place
-        u.mul_(beta).add_(mean_delta)
-        anchor.sub_(mean_delta + beta * u, alpha=self.outer_lr)
+        self._outer.step([mean_delta if q == p else None for q in range(self.n_fragments)])
         params = self.params()
         x = self.comm.flatten(params)
-        x[..., part].mul_(self.alpha).add_(anchor, alpha=1 - self.alpha)
+        x[..., self.fragment(p)].mul_(self.alpha).add_(self._outer.anchors[p], alpha=1 - self.alpha)
         for param, value in zip(params, self.comm.unflatten(x, params)):
             param.copy_(value)
 
@@ -135,30 +150,24 @@ class StreamingDiLoCo(DistributedOptimizer):
         # a checkpoint waits for the syncs in flight (every peer checkpoints at the same step) and keeps
         # their means, applied at their scheduled steps after a resume
         self._in_flight = {p: self._arrived(p) for p in list(self._in_flight)}
-
-        def copy(t):
-            return None if t is None else t.clone()
-
         return {
             **super().algorithm_state(),
-            "anchor": copy(self._anchor),
-            "outer_buffer": copy(self._outer_buffer),
+            "outer": self._outer.state_dict() if self._anchored else None,
             "arrived": {p: [t.clone() for t in v] for p, v in self._in_flight.items()},  # type: ignore[attr-defined]
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         p = self.params()[0]
-
-        def own(t):
-            return None if t is None else t.detach().clone().to(p.device, p.dtype)
-
-        self._anchor, self._outer_buffer = own(state.get("anchor")), own(state.get("outer_buffer"))
-        self._in_flight = {int(k): [own(t) for t in v] for k, v in (state.get("arrived") or {}).items()}
+        self._anchored = state.get("outer") is not None
+        if self._anchored:
+            self._outer.load_state_dict(state["outer"])
+        arrived = (state.get("arrived") or {}).items()
+        self._in_flight = {int(k): [t.detach().to(p.device, p.dtype).clone() for t in v] for k, v in arrived}
 
     def __repr__(self) -> str:
+        outer = repr(self.outer_optimizer).replace("\n", " ")
         return (
             f"StreamingDiLoCo({self.base!r}, period={self.period}, fragments={self.n_fragments}, "
-            f"delay={self.delay}, alpha={self.alpha}, outer_lr={self.outer_lr}, "
-            f"outer_momentum={self.outer_momentum})"
+            f"delay={self.delay}, alpha={self.alpha}, outer={outer})"
         )

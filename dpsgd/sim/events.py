@@ -1,14 +1,17 @@
-"""AD-PSGD as an event-driven simulation in virtual time: the protocol of `dpsgd.optim.adpsgd` replayed
-exactly (roles, partner draws with the real peer's generator and candidates, locks, staleness), with
-compute times drawn per peer and step from a configurable distribution (stragglers, heavy tails) and
-message times from a `dpsgd.netem.Link`. What virtual time adds to that protocol:
+"""Asynchronous algorithms as an event-driven simulation in virtual time. Each simulated peer holds the
+algorithm's own optimizer (`dpsgd.optim`, built from the config as on a real peer) over a
+`SimulatedCommunicator` whose clock is the simulator's; the simulator orders the peers' steps by virtual
+time and carries their pairwise exchanges, calling the optimizer's own `step()` and its exchange's three
+parts (`averaging.request`, `serve`, `complete`), so the rule is written once, in the optimizer. Compute
+times are drawn per peer and step from a configurable distribution (stragglers, heavy tails) and message
+times from a `dpsgd.comm.netem.Link`. What virtual time adds:
 - the gradient at the snapshot x_hat_i takes `compute.draw(i)` virtual seconds; the step then waits
   while x_i is locked (an active peer holds the lock from sending its request until the reply is
-  averaged in);
-- a request [header, x_i] arrives after `link.message_time(bytes)`; a passive peer serves requests one
-  at a time in arrival order, and is busy until its reply (arriving after its own message time) is sent;
-- budgets: 'steps' per peer, total 'samples' (the coordinator's answer is instant here; on real peers it
-  arrives one step late) or virtual 'seconds'.
+  averaged in): that wait is the optimizer's `wait_s`;
+- a request arrives after `link.message_time(bytes)`; a passive peer serves requests one at a time in
+  arrival order, and is busy until its reply (arriving after its own message time) is sent;
+- budgets: 'steps' per peer, total 'samples' (the peers share a tally: the answer is instant here; on real
+  peers it arrives one step late) or virtual 'seconds'.
 
 Events at the same virtual time run in the order they were scheduled, so a seed gives one history.
 `Simulation.log` records it: ("step", t, peer, k, staleness) and ("avg", t, active, id, passive).
@@ -26,11 +29,11 @@ import torch
 from torch.func import functional_call, grad_and_value
 
 from dpsgd import data
-from dpsgd.build import base_optimizer, build_model, build_topology, load_data, partition
-from dpsgd.comm.base import flatten, unflatten
+from dpsgd.build import build_model, build_optimizer, build_topology, plan
+from dpsgd.comm.base import Communicator
+from dpsgd.comm.netem import NetworkEmulator
 from dpsgd.metrics import loss_function
-from dpsgd.netem import NetworkEmulator
-from dpsgd.optim.adpsgd import HEADER, check_budget, choose_partner, partner_rng, roles
+from dpsgd.optim import AsynchronousOptimizer
 from dpsgd.seeds import batch_seed
 
 DISTRIBUTIONS = ("constant", "exponential", "lognormal", "pareto")
@@ -74,73 +77,99 @@ class ComputeTimes:
         return self.mean_s * self.scales.get(rank, 1.0) * factor
 
 
-class Simulation:
-    """AD-PSGD on n simulated peers of the experiment config `cfg` (the same data shares, batches,
-    initial model, topology and partner draws as the real run)."""
+class SimulatedCommunicator(Communicator):
+    """Peer `rank` of a simulated world: its `clock` is the simulator's virtual time and `tally` every peer's
+    samples (a samples budget is known at once); it has no messages of its own, the simulator carrying the
+    exchanges in virtual time."""
 
-    def __init__(
-        self,
-        cfg: dict,
-        link=None,
-        compute: ComputeTimes | None = None,
-        budget: str | None = None,
-        record_increments: bool = False,
-    ):
-        algo, n, seed = cfg["algorithm"], int(cfg["peers"]), int(cfg["seed"])
-        self.cfg, self.n = cfg, n
-        self.budget = check_budget(budget or algo.get("budget", "samples"))
+    backend = "fleet"
+
+    def __init__(self, rank: int, size: int, clock, tally: dict):
+        super().__init__(rank=rank, size=size)
+        self.clock, self.tally = clock, tally
+
+    def duplicate(self) -> SimulatedCommunicator:
+        return SimulatedCommunicator(self.rank, self.size, self.clock, self.tally)
+
+    def _start_exchange(self, buf, send_to, recv_from, tag):
+        raise NotImplementedError("the event simulator carries only the exchanges it schedules (request, serve)")
+
+    def _start_allreduce_sum(self, buf):
+        raise NotImplementedError("the event simulator has no collectives: its peers run at their own pace")
+
+    def barrier(self) -> None:
+        return None
+
+
+class Simulation:
+    """An asynchronous algorithm on n simulated peers of the experiment config `cfg` (the same data shares,
+    batches, initial model, topology, optimizer and partner draws as the real run)."""
+
+    def __init__(self, cfg: dict, link=None, compute: ComputeTimes | None = None):
+        n, seed, bs = int(cfg["peers"]), int(cfg["seed"]), int(cfg["batch_size"])
+        self.cfg, self.n, self.batch_size = cfg, n, bs
         self.link = link if link is not None else NetworkEmulator.from_config(cfg.get("network")).link
         self.compute = compute if compute is not None else compute_times(cfg, n)
-        self.split = load_data(cfg)
-        self.shares = partition(cfg, self.split, n)
-        bs = int(cfg["batch_size"])
+        self.plan = run = plan(cfg, n)
         self.batches = [
-            data.Batches(self.split.x_train[s], self.split.y_train[s], bs, seed=batch_seed(seed, r))
-            for r, s in enumerate(self.shares)
+            data.Batches(run.split.x_train[s], run.split.y_train[s], bs, seed=batch_seed(seed, r))
+            for r, s in enumerate(run.shares)
         ]
-        self.model = build_model(cfg, self.split)
+        self.model = build_model(cfg, run.split)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.topology = build_topology(cfg, n)
-        self.loss_fn = loss_function(self.split.y_train)
-        init = [p.detach() for p in self.model.parameters()]
-        self.params = [[p.clone() for p in init] for _ in range(n)]  # each peer's snapshot x_hat_i
-        self.base = [base_optimizer(cfg, ps) for ps in self.params]
-        flat0 = flatten(init)
-        self.live = flat0.repeat(n, 1)  # x_i
-        self.role, self.partners = zip(*(roles(self.topology, r, n) for r in range(n)))
-        self.rng = [partner_rng(int(algo.get("seed", 0)), r) for r in range(n)]
-        self.steps_per_epoch = max(1, len(self.split.x_train) // (n * bs))
-        self.total_steps = int(cfg["epochs"]) * self.steps_per_epoch
-        self.budget_steps, self.budget_samples = self.total_steps, self.total_steps * bs * n
-        self.budget_seconds = None if algo.get("seconds") is None else float(algo["seconds"])
-        if self.budget == "seconds" and self.budget_seconds is None:
-            raise ValueError("ADPSGD(budget='seconds') needs algorithm.seconds (virtual seconds here)")
-        self.batch_size = bs
-        item = flat0.element_size()
-        self.request_bytes, self.reply_bytes = (HEADER + flat0.numel()) * item, flat0.numel() * item
-        self.version = [0] * n
-        self.snap_version = [0] * n
-        self.steps = [0] * n
-        self.initiated = [0] * n
-        self.served = [0] * n
-        self.staleness: list[list[int]] = [[] for _ in range(n)]  # histogram per peer
-        self.wait_s = [0.0] * n
+        self.loss_fn = loss_function(run.split.y_train)
+        self.now = 0.0
+        tally: dict[int, int] = {}
+        alone = {**cfg, "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}  # no collective here
+        self.params = [[p.detach().clone() for p in self.model.parameters()] for _ in range(n)]  # x_hat_i
+        self.opts: list[AsynchronousOptimizer] = []
+        for r in range(n):
+            comm = SimulatedCommunicator(r, n, lambda: self.now, tally)
+            built = build_optimizer(alone, self.params[r], self.topology, comm)
+            if not isinstance(built, AsynchronousOptimizer) or not built.asynchronous:
+                raise ValueError(f"the event simulator runs asynchronous algorithms; {type(built).__name__} is not one")
+            self.opts.append(built)
+        self.budget_samples = run.total_steps * bs * n
+        for opt in self.opts:
+            opt.set_budget(steps=run.total_steps, samples=self.budget_samples, samples_per_step=bs)
+            opt.start(threads=False)
+        self.budget = self.opts[0].budget
         self.bytes_sent = [0] * n
         self.bytes_received = [0] * n
         self.finished_at = [0.0] * n
         self.losses: list[list[float]] = [[] for _ in range(n)]
         self.log: list[tuple] = []
-        self.increments: list[torch.Tensor] | None = [] if record_increments else None
-        self.now = 0.0
-        self._locked = [False] * n
         self._waiting: list[float | None] = [None] * n  # (time computed) of a step waiting for the lock
         self._stopping = [False] * n
         self._server_free = [0.0] * n
         self._heap: list = []
         self._seq = itertools.count()
         self._grad = grad_and_value(self._loss)
-        self._started = False
+        self._started = self._closed = False
         self._stepped: int | None = None
+
+    # --- what the peers hold ------------------------------------------------------------------
+    @property
+    def live(self) -> torch.Tensor:
+        """(n, D): every peer's x_i."""
+        return torch.stack([opt.live for opt in self.opts])
+
+    @property
+    def steps(self) -> list[int]:
+        return [opt.step_count for opt in self.opts]
+
+    def live_params(self) -> list[torch.Tensor]:
+        """The live parameters as stacked tensors (n, *shape), in model.parameters() order."""
+        live, out, offset = self.live, [], 0
+        for p in self.model.parameters():
+            out.append(live[:, offset : offset + p.numel()].reshape(self.n, *p.shape))
+            offset += p.numel()
+        return out
+
+    @property
+    def end_time(self) -> float:
+        return max(self.finished_at)
 
     # --- the event queue ------------------------------------------------------------------------
     def _at(self, t: float, kind: str, *args) -> None:
@@ -157,6 +186,12 @@ class Simulation:
             t, _, kind, args = heapq.heappop(self._heap)
             self.now = t
             getattr(self, "_on_" + kind)(*args)
+        if not self._heap and not self._closed:  # every peer's part ends, at its own time
+            self._closed = True
+            for opt, t in zip(self.opts, self.finished_at):
+                self.now = t
+                opt.finish()
+            self.now = self.end_time
         return self._stepped
 
     def done(self) -> bool:
@@ -173,114 +208,74 @@ class Simulation:
         return self.loss_fn(functional_call(self.model, dict(zip(self.names, params)), (x,)), y)
 
     def _on_computed(self, i: int) -> None:
-        if self._locked[i]:  # the averaging in flight holds x_i: the step waits for the reply
+        if self.opts[i].averaging.lock.locked():  # the averaging in flight holds x_i: the step waits
             self._waiting[i] = self.now
             return
         self._step(i)
 
     def _step(self, i: int) -> None:
-        params, base = self.params[i], self.base[i]
+        opt, params = self.opts[i], self.params[i]
         x, y = self.batches[i].next()
         grads, loss = self._grad(tuple(params), x, y)
         for p, g in zip(params, grads):
             p.grad = g
-        with torch.no_grad():
-            before = flatten(params)
-            base.step()
-            after = flatten(params)
-            stale = self.version[i] - self.snap_version[i]
-            if self.increments is not None:
-                self.increments.append(after - before)
-            if stale == 0:
-                self.live[i].copy_(after)
-            else:
-                self.live[i].add_(after.sub_(before))
-            self.snap_version[i] = self.version[i]
-            for p, value in zip(params, unflatten(self.live[i], params)):
-                p.copy_(value)
-        hist = self.staleness[i]
-        hist.extend([0] * (stale + 1 - len(hist)))
-        hist[stale] += 1
-        self.log.append(("step", self.now, i, self.steps[i], stale))
-        self.steps[i] += 1
+        self.log.append(("step", self.now, i, opt.step_count, opt.staleness))
+        opt.step()
         self.losses[i].append(float(loss))
-        if self.role[i] == "active":
+        if opt.role == "active":
             self._request(i)
-        if self._should_stop(i):
+        if opt.should_stop():
             self._stopping[i] = True
-            if not self._locked[i]:
+            if not opt.averaging.lock.locked():
                 self._finish(i)
         else:
             self._at(self.now + self.compute.draw(i), "computed", i)
         self._stepped = i
 
-    def _should_stop(self, i: int) -> bool:
-        if self.budget == "steps":
-            return self.steps[i] >= self.budget_steps
-        if self.budget == "seconds":
-            return self.budget_seconds is not None and self.now >= self.budget_seconds
-        return sum(self.steps) * self.batch_size >= self.budget_samples
-
     # --- the communication threads --------------------------------------------------------------
     def _request(self, i: int) -> None:
-        j = choose_partner(self.topology, i, self.partners[i], self.rng[i], self.initiated[i])
-        if j is None:
+        begun = self.opts[i].averaging.request()
+        if begun is None:
             return
-        self._locked[i] = True
-        self.bytes_sent[i] += self.request_bytes
-        self.bytes_received[i] += self.reply_bytes
-        arrival = self.now + self.link.message_time(self.request_bytes)
-        self._at(arrival, "request", j, i, self.initiated[i], self.live[i].clone())
+        j, message = begun
+        nbytes = message.numel() * message.element_size()
+        self.bytes_sent[i] += nbytes
+        self._at(self.now + self.link.message_time(nbytes), "request", j, i, message)
 
-    def _on_request(self, j: int, i: int, avg_id: int, x_i: torch.Tensor) -> None:
+    def _on_request(self, j: int, i: int, message: torch.Tensor) -> None:
         if self._server_free[j] > self.now:  # still sending its previous reply: serve in arrival order
-            self._at(self._server_free[j], "request", j, i, avg_id, x_i)
+            self._at(self._server_free[j], "request", j, i, message)
             return
-        self.bytes_received[j] += self.request_bytes
-        answer = self.live[j].clone()
-        self.live[j].add_(x_i).mul_(0.5)
-        self.version[j] += 1
-        self.served[j] += 1
-        self.log.append(("avg", self.now, i, avg_id, j))
-        self.bytes_sent[j] += self.reply_bytes
-        done = self.now + self.link.message_time(self.reply_bytes)
-        self._server_free[j] = done
-        self._at(done, "reply", i, answer)
+        self.bytes_received[j] += message.numel() * message.element_size()
+        reply = self.opts[j].averaging.serve(message)
+        self.log.append(("avg", self.now, i, int(message[2].item()), j))
+        nbytes = reply.numel() * reply.element_size()
+        self.bytes_sent[j] += nbytes
+        self._server_free[j] = done = self.now + self.link.message_time(nbytes)
+        self._at(done, "reply", i, j, reply)
 
-    def _on_reply(self, i: int, x_j: torch.Tensor) -> None:
-        self.live[i].add_(x_j).mul_(0.5)
-        self.version[i] += 1
-        self.initiated[i] += 1
-        self._locked[i] = False
+    def _on_reply(self, i: int, j: int, reply: torch.Tensor) -> None:
+        opt = self.opts[i]
+        self.bytes_received[i] += reply.numel() * reply.element_size()
+        opt.averaging.complete(j, reply)
         waiting = self._waiting[i]
         if waiting is not None:
-            self.wait_s[i] += self.now - waiting
+            opt.wait_s += self.now - waiting  # its main thread waited for the lock since then
             self._waiting[i] = None
             self._step(i)
         elif self._stopping[i]:
             self._finish(i)
 
     def _finish(self, i: int) -> None:
-        if self.role[i] == "active":  # DONE to every partner, one message each
-            for j in sorted(self.partners[i]):
-                self.bytes_sent[i] += self.request_bytes
-                self.bytes_received[j] += self.request_bytes
-                arrival = self.now + self.link.message_time(self.request_bytes)
+        averaging = self.opts[i].averaging
+        if self.opts[i].role == "active":  # DONE to every partner, one message each
+            nbytes = averaging.message_numel * self.opts[i].live.element_size()
+            for j in sorted(averaging.partners):
+                self.bytes_sent[i] += nbytes
+                self.bytes_received[j] += nbytes
+                arrival = self.now + self.link.message_time(nbytes)
                 self.finished_at[j] = max(self.finished_at[j], arrival)
         self.finished_at[i] = max(self.finished_at[i], self.now)
-
-    # --- results ----------------------------------------------------------------------------------
-    @property
-    def end_time(self) -> float:
-        return max(self.finished_at)
-
-    def live_params(self) -> list[torch.Tensor]:
-        """The live parameters as stacked tensors (n, *shape), in model.parameters() order."""
-        out, offset = [], 0
-        for p in self.model.parameters():
-            out.append(self.live[:, offset : offset + p.numel()].reshape(self.n, *p.shape))
-            offset += p.numel()
-        return out
 
 
 def compute_times(cfg: dict, n: int) -> ComputeTimes:

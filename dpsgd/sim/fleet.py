@@ -22,7 +22,7 @@ import torch
 from torch.func import functional_call, vmap
 
 from dpsgd import metrics, placement
-from dpsgd.build import build_model, build_optimizer, build_topology, load_data, partition
+from dpsgd.build import build_model, build_optimizer, build_topology, plan
 from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
 from topologies import Topology
 
@@ -134,16 +134,15 @@ class Fleet:
         self.cfg, self.n = cfg, int(peers if peers is not None else cfg["peers"])
         n = self.n
         self.device = placement.single_device(cfg)
-        self.split = load_data(cfg)
-        self.shares = partition(cfg, self.split, n)
+        self.plan = run = plan(cfg, n)
         self.batches = FleetBatches(
-            self.split.x_train.to(self.device),
-            self.split.y_train.to(self.device),
-            self.shares,
-            int(cfg["batch_size"]),
+            run.split.x_train.to(self.device),
+            run.split.y_train.to(self.device),
+            run.shares,
+            run.batch_size,
             int(cfg["seed"]),
         )
-        self.model = build_model(cfg, self.split).to(self.device)
+        self.model = build_model(cfg, run.split).to(self.device)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.params = [
             p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_() for p in self.model.parameters()
@@ -151,9 +150,7 @@ class Fleet:
         self.topology = build_topology(cfg, n)
         self.comm = FleetCommunicator(n)
         self.algorithm = build_optimizer(cfg, self.params, self.topology, self.comm)
-        self.loss_fn = metrics.loss_function(self.split.y_train)
-        self.steps_per_epoch = max(1, len(self.split.x_train) // (n * self.batches.batch_size))
-        self.total_steps = int(cfg["epochs"]) * self.steps_per_epoch
+        self.loss_fn = metrics.loss_function(run.split.y_train)
         self._losses = vmap(self._loss)
 
     def _loss(self, params: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

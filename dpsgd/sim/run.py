@@ -10,77 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.func import vmap
 
 from dpsgd import metrics
-from dpsgd.build import class_histograms, describe
+from dpsgd.build import describe
 from dpsgd.comm import Communicator
-from dpsgd.training import adpsgd_summary, binned, run_loop
+from dpsgd.training import run_loop
 
 from .fleet import Fleet, FleetCommunicator
-
-PEER_CHUNK = 64  # peers evaluated in one vectorized call
-
-
-@torch.no_grad()
-def evaluate_peers(
-    model, names: list[str], params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(n,) sums of losses, (n,) numbers correct and the count, of every peer's own model on (x, y),
-    as `dpsgd.metrics.evaluate` scores one model."""
-    n = params[0].shape[0]
-    loss = torch.zeros(n, dtype=torch.float64)
-    correct = torch.zeros(n, dtype=torch.float64)
-    batched = vmap(lambda ps, xb, yb: metrics.score(model, dict(zip(names, ps)), xb, yb), in_dims=(0, None, None))
-    for a in range(0, n, PEER_CHUNK):
-        chunk = tuple(p[a : a + PEER_CHUNK] for p in params)
-        for i in range(0, len(x), batch_size):
-            part_loss, c = batched(chunk, x[i : i + batch_size], y[i : i + batch_size])
-            loss[a : a + PEER_CHUNK] += part_loss.double().cpu()
-            correct[a : a + PEER_CHUNK] += c.double().cpu()
-    return loss, correct, y.numel()
-
-
-@torch.no_grad()
-def snapshot_metrics(
-    model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum=None
-) -> dict:
-    """`dpsgd.metrics.snapshot_metrics` for stacked parameters: the averaged model's test metrics,
-    every peer's own, the consensus distance and the mean train loss (and where known, the perplexity
-    and the distances to the optimum)."""
-    avg = [p.mean(0) for p in params]
-    sq_dist = torch.stack(
-        [((p.double() - a.double()) ** 2).reshape(p.shape[0], -1).sum(1) for p, a in zip(params, avg)]
-    ).sum(0)
-    avg_loss, avg_correct, count = metrics.evaluate(model, dict(zip(names, avg)), x_test, y_test)
-    own_loss, own_correct, own_count = evaluate_peers(model, names, params, x_test, y_test)
-    peer_acc = own_correct / own_count
-    sq_optimum = metrics.squared_optimum_distances(params, optimum, peer_axis=True)
-    return {
-        "test_loss": avg_loss / count,
-        "test_accuracy": avg_correct / count,
-        "peer_test_accuracy_mean": float(peer_acc.mean()),
-        "peer_test_accuracy_min": float(peer_acc.min()),
-        "peer_test_accuracy_max": float(peer_acc.max()),
-        "peer_test_loss_mean": float((own_loss / own_count).mean()),
-        "consensus_distance": float(sq_dist.mean()),
-        "train_loss": float(train_loss),
-        **metrics.language_metrics(avg_loss / count, y_test),
-        **metrics.optimum_distances(avg, sq_optimum, optimum),
-    }
-
-
-def traffic(
-    bytes_sent: torch.Tensor, bytes_received: torch.Tensor, comm_time_s: float, peak_step_bytes: float | None
-) -> dict:
-    return {
-        "mb_sent_per_peer": float(bytes_sent.mean()) / 1e6,
-        "peak_mb_sent_per_step": None if peak_step_bytes is None else peak_step_bytes / 1e6,
-        "mb_received_per_peer": float(bytes_received.mean()) / 1e6,
-        "comm_time_s": comm_time_s,
-        "comm_overlap_s": 0.0,
-        "emulated_wait_s": None,  # the fleet does not emulate links (the AD-PSGD event simulator's time is virtual)
-    }
 
 
 class FleetRun:
@@ -91,9 +27,9 @@ class FleetRun:
 
     def __init__(self, cfg: dict):
         self.fleet = fleet = Fleet(cfg)
-        self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.total_steps
+        self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.plan.total_steps
         self.peak_step_bytes = 0.0  # the most bytes one peer sent in one step
-        self._test = fleet.split.x_test.to(fleet.device), fleet.split.y_test.to(fleet.device)
+        self._test = fleet.plan.split.x_test.to(fleet.device), fleet.plan.split.y_test.to(fleet.device)
 
     def describe(self, cfg: dict) -> dict:
         return describe(cfg, self.fleet.topology, self.comm)
@@ -113,28 +49,37 @@ class FleetRun:
 
     def record(self, train_loss: float, wall_s: float) -> dict:
         fleet, step = self.fleet, self.step_count
-        return {
-            "step": step,
-            "epoch": step / fleet.steps_per_epoch,
-            "samples": step * fleet.batches.batch_size * fleet.n,
-            "wall_time_s": wall_s,
-            "emulated_time_s": None,
-            **snapshot_metrics(fleet.model, fleet.names, fleet.params, *self._test, train_loss, fleet.split.optimum),
-            **traffic(fleet.bytes_sent, fleet.bytes_received, self.comm.stats.comm_time_s, self.peak_step_bytes),
+        traffic = {
+            "bytes_sent": fleet.bytes_sent,
+            "bytes_received": fleet.bytes_received,
+            "comm_time_s": self.comm.stats.comm_time_s,
+            "peak_step_bytes": self.peak_step_bytes,
         }
+        optimum = fleet.plan.split.optimum
+        columns, avg = metrics.stacked_columns(
+            fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic
+        )
+        return metrics.record(
+            step=step,
+            epoch=fleet.plan.epoch(step * fleet.batches.batch_size * fleet.n),
+            samples=step * fleet.batches.batch_size * fleet.n,
+            wall_time_s=wall_s,
+            scope="all peers",
+            **metrics.measure(columns, avg, self._test[1], optimum, emulated=False),
+        )
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         return last
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        return {"class_histograms": class_histograms(self.fleet.split, self.fleet.shares)}
+        return {"class_histograms": self.fleet.plan.class_histograms()}
 
     def state(self, extra: dict) -> dict | None:
         return None
 
 
 class EventsRun(FleetRun):
-    """AD-PSGD on the event simulator (virtual time), for dpsgd.training.run_loop: a record at every
+    """An asynchronous algorithm on the event simulator (virtual time), for dpsgd.training.run_loop: a record at every
     `log_every`-th step of peer 0, each covering every peer, with the virtual time as `emulated_time_s`."""
 
     def __init__(self, cfg: dict):
@@ -142,7 +87,7 @@ class EventsRun(FleetRun):
 
         self.sim = sim = Simulation(cfg)
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
-        self.step_count, self.total_steps = 0, sim.total_steps
+        self.step_count, self.total_steps = 0, sim.plan.total_steps
 
     def describe(self, cfg: dict) -> dict:
         return describe(cfg, self.sim.topology, self.comm)
@@ -157,62 +102,38 @@ class EventsRun(FleetRun):
         self.step_count = self.sim.steps[0]
         return self.sim.losses[peer][-1]
 
-    def record(self, train_loss: float, wall_s: float, progress: bool = True) -> dict:
-        sim = self.sim
+    def record(self, train_loss: float, wall_s: float) -> dict:
+        sim, split = self.sim, self.sim.plan.split
         samples = sum(sim.steps) * sim.batch_size
-        out = {
-            "step": round(sum(sim.steps) / sim.n),
-            "epoch": samples / len(sim.split.x_train),
-            "samples": samples,
-            "wall_time_s": wall_s,
-            "emulated_time_s": sim.now,
-            **snapshot_metrics(
-                sim.model,
-                sim.names,
-                sim.live_params(),
-                sim.split.x_test,
-                sim.split.y_test,
-                train_loss,
-                sim.split.optimum,
-            ),
-            **traffic(
-                torch.tensor(sim.bytes_sent, dtype=torch.float64),
-                torch.tensor(sim.bytes_received, dtype=torch.float64),
-                sum(sim.wait_s) / sim.n,
-                None,  # no global step
-            ),
-            "scope": "all peers",
+        waits = torch.tensor([opt.wait_s for opt in sim.opts], dtype=torch.float64)  # in virtual time
+        traffic = {
+            "bytes_sent": torch.tensor(sim.bytes_sent, dtype=torch.float64),
+            "bytes_received": torch.tensor(sim.bytes_received, dtype=torch.float64),
+            "comm_time_s": waits,
+            "emulated_wait_s": waits,
+            "clock_s": sim.now,
         }
-        if progress:  # the keys of a real asynchronous run's records while its peers train
-            for key in ("comm_overlap_s", "emulated_wait_s"):
-                out.pop(key)
-        return out
+        columns, avg = metrics.stacked_columns(
+            sim.model, sim.names, sim.live_params(), split.x_test, split.y_test, train_loss, split.optimum, traffic
+        )
+        measured = metrics.measure(columns, avg, split.y_test, split.optimum, emulated=True)
+        return metrics.record(
+            step=round(sum(sim.steps) / sim.n),
+            epoch=sim.plan.epoch(samples),
+            samples=samples,
+            wall_time_s=wall_s,
+            **{**measured, "peak_mb_sent_per_step": None},  # no global step
+            scope="all peers",
+        )
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         self.sim.now = self.sim.end_time
-        return self.record(train_loss, wall_s, progress=False)
+        return self.record(train_loss, wall_s)
 
     def summary(self, final: dict, wall_s: float) -> dict:
-        sim = self.sim
-        per_peer = {
-            "roles": list(sim.role),
-            "steps_per_peer": sim.steps,
-            "samples_per_peer": [s * sim.batch_size for s in sim.steps],
-            "averagings_initiated_per_peer": sim.initiated,
-            "averagings_served_per_peer": sim.served,
-            "staleness_mean_per_peer": [sum(k * c for k, c in enumerate(h)) / max(1, sum(h)) for h in sim.staleness],
-            "staleness_max_per_peer": [len(h) - 1 if h else 0 for h in sim.staleness],
-            "staleness_histogram_per_peer": [binned(h) for h in sim.staleness],
-            "wait_s_per_peer": sim.wait_s,
-            "samples_per_s_per_peer": [
-                s * sim.batch_size / e if e > 0 else 0.0 for s, e in zip(sim.steps, sim.finished_at)
-            ],
-            "slowdown_s_per_peer": [0.0] * sim.n,
-        }
-        return {
-            "adpsgd": adpsgd_summary(sim.budget, per_peer),
-            "class_histograms": class_histograms(sim.split, sim.shares),
-        }
+        sim, opt = self.sim, self.sim.opts[0]
+        rows = [{**o.measurements(), "slowdown_s": 0.0} for o in sim.opts]  # compute times are drawn, not slept
+        return {opt.summary_key: opt.summary(rows), "class_histograms": sim.plan.class_histograms()}
 
 
 def train_fleet(cfg: dict, out_dir: str | Path | None = None) -> dict:

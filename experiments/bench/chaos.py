@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpsgd import checkpoint, elastic
-from dpsgd.launch import free_port
+from dpsgd.backends.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 POLL_S = 0.1

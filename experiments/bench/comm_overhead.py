@@ -37,6 +37,8 @@ OPS = ("neighbor_exchange", "neighbor_average", "allreduce_mean")
 BACKENDS = ("mpi", "torch")
 # raw_nb: mpi's non-blocking calls completed by MPI's spinning Waitall (torch's raw calls are already the toolkit's)
 IMPLS = {"mpi": ("toolkit", "raw", "raw_nb"), "torch": ("toolkit", "raw")}
+# the communicators closed before the ranks finish: the torch group goes down at exit (its close() ends it for all)
+CLOSED_HERE = ("mpi",)
 
 
 def reps_for(mb: float, reps: int, largest: float) -> int:
@@ -47,42 +49,58 @@ def reps_for(mb: float, reps: int, largest: float) -> int:
 # --- inside the ranks ---------------------------------------------------------------------
 
 
-def _raw_ops(backend: str, raw, x, out, from_left, from_right, left, right, nb):
-    """The same results as the toolkit's operations, written by hand on preallocated buffers."""
-    import torch
-    import torch.distributed as dist
+def _raw_mpi(raw, x, out, from_left, from_right, left, right):
+    """mpi's blocking calls on preallocated buffers: (exchange, allreduce)."""
     from mpi4py import MPI
 
     n = raw.Get_size()
+    xb, lb, rb, ob = x.numpy(), from_left.numpy(), from_right.numpy(), out.numpy()
+
+    def exchange():
+        raw.Sendrecv(xb, dest=right, recvbuf=lb, source=left)
+        raw.Sendrecv(xb, dest=left, recvbuf=rb, source=right)
+
+    def allreduce():
+        raw.Allreduce(xb, ob, op=MPI.SUM)
+        out.div_(n)
+
+    return exchange, allreduce
+
+
+def _raw_torch(raw, x, out, from_left, from_right, left, right):
+    """torch.distributed's calls on preallocated buffers: (exchange, allreduce)."""
+    import torch.distributed as dist
+
+    n = raw.Get_size()
+
+    def exchange():
+        ops = [
+            dist.P2POp(dist.irecv, from_left, left),
+            dist.P2POp(dist.irecv, from_right, right),
+            dist.P2POp(dist.isend, x, left),
+            dist.P2POp(dist.isend, x, right),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def allreduce():
+        out.copy_(x)
+        dist.all_reduce(out)
+        out.div_(n)
+
+    return exchange, allreduce
+
+
+RAW = {"mpi": _raw_mpi, "torch": _raw_torch}
+
+
+def _raw_ops(backend: str, raw, x, out, from_left, from_right, left, right, nb):
+    """The same results as the toolkit's operations, written by hand on preallocated buffers."""
+    import torch
+
     first, second = (from_left, from_right) if left < right else (from_right, from_left)
     w_first, w_second = nb.recv[min(left, right)], nb.recv[max(left, right)]
-
-    if backend == "mpi":
-        xb, lb, rb, ob = x.numpy(), from_left.numpy(), from_right.numpy(), out.numpy()
-
-        def exchange():
-            raw.Sendrecv(xb, dest=right, recvbuf=lb, source=left)
-            raw.Sendrecv(xb, dest=left, recvbuf=rb, source=right)
-
-        def allreduce():
-            raw.Allreduce(xb, ob, op=MPI.SUM)
-            out.div_(n)
-    else:
-
-        def exchange():
-            ops = [
-                dist.P2POp(dist.irecv, from_left, left),
-                dist.P2POp(dist.irecv, from_right, right),
-                dist.P2POp(dist.isend, x, left),
-                dist.P2POp(dist.isend, x, right),
-            ]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-
-        def allreduce():
-            out.copy_(x)
-            dist.all_reduce(out)
-            out.div_(n)
+    exchange, allreduce = RAW[backend](raw, x, out, from_left, from_right, left, right)
 
     def average():
         exchange()
@@ -144,11 +162,8 @@ def worker(args) -> None:
     world = common.init_ranks()
     rank, n = world.Get_rank(), world.Get_size()
     # one communicator per backend and operation, so that no operation reuses buffers another one left
-    comms = {
-        (backend, op): MPICommunicator() if backend == "mpi" else TorchCommunicator()
-        for backend in BACKENDS
-        for op in OPS
-    }
+    communicator = {"mpi": MPICommunicator, "torch": TorchCommunicator}
+    comms = {(backend, op): communicator[backend]() for backend in BACKENDS for op in OPS}
     raw_mpi = world.Dup()  # the raw code's own context, as the toolkit's communicator has
     nb = topologies.make("ring", n).neighbors(rank)
     left, right = (rank - 1) % n, (rank + 1) % n
@@ -216,7 +231,7 @@ def worker(args) -> None:
                         "paired_ratio": common.median([a / b for a, b in zip(tk, raw)]),
                         "raw_nonblocking_s": (
                             common.median(common.slowest(world, times[(backend, op, "raw_nb")]))
-                            if backend == "mpi"
+                            if "raw_nb" in IMPLS[backend]
                             else None
                         ),
                         "bytes_sent_per_rank": sent,
@@ -229,8 +244,8 @@ def worker(args) -> None:
                     }
                 )
         del impls
-    for c in comms.values():
-        if c.backend == "mpi":
+    for (backend, _), c in comms.items():
+        if backend in CLOSED_HERE:
             c.close()
     common.finish_ranks(world, args.worker, {"floor": floor, "rows": rows, "peers": n, "warmup": args.warmup})
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PORT_VAR = "DPSGD_BENCH_GLOO_PORT"
 # glibc returns a freed large buffer to the kernel (munmap) and the next one page-faults in again,
 # which on small and virtual machines costs several times a memcpy; with these, freed memory is
-# kept and reused (what jemalloc / tcmalloc do). Spawned peers run with them (dpsgd.launch.peer_env);
+# kept and reused (what jemalloc / tcmalloc do). Spawned peers run with them (dpsgd.backends.launch.peer_env);
 # `--return-freed-memory` runs the ranks with glibc's default instead.
 RETURN_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": None, "MALLOC_TRIM_THRESHOLD_": None}
 
@@ -114,7 +114,8 @@ def spawn_ranks(
 ) -> dict:
     """Run `python -m experiments.bench.MODULE --worker WORK ...` on n MPI ranks which also form a
     gloo world (see `init_ranks`); return rank 0's WORK/result.json."""
-    from dpsgd.launch import free_port, spawn_mpi
+    from dpsgd import backends
+    from dpsgd.backends.launch import free_port
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {
@@ -123,8 +124,12 @@ def spawn_ranks(
         "DPSGD_PROGRESS": "0",
         **(RETURN_FREED_MEMORY_ENV if return_freed_memory else {}),
     }
-    code = spawn_mpi(
-        n, ["-m", f"experiments.bench.{module}", "--worker", str(work), *worker_argv], timeout_s=timeout_s, env=env
+    code = backends.spawn(
+        "mpi",
+        n,
+        ["-m", f"experiments.bench.{module}", "--worker", str(work), *worker_argv],
+        timeout_s=timeout_s,
+        env=env,
     )
     if code != 0:
         why = f"did not finish within {timeout_s:g} s (--timeout)" if code == 124 else f"exited with {code}"
@@ -260,7 +265,7 @@ def torch_ranks_on_test_hosts(
     """Run `python ARGV` as n torch.distributed ranks on test hosts (tools/testhosts.py), rank r on host
     r // per_host + 1 with the master on host 1, rank r's stderr in tmp/r{r}.err; raise naming the first
     rank that failed. Every rank has ended on return."""
-    from dpsgd.launch import peer_env
+    from dpsgd.backends.launch import peer_env
 
     base = {**peer_env(), "MASTER_ADDR": hosts.address(1), "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
             "PYTHONPATH": str(ROOT), "DPSGD_PROGRESS": "0"}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Does the emulator predict a real link? Wall time per step on 2 test hosts x 2 peers against dpsgd.netem.
+"""Does the emulator predict a real link? Wall time per step on 2 test hosts x 2 peers against dpsgd.comm.netem.
 
 On one set of test hosts (tools/testhosts.py, root), ranks 0, 1 on host 1 and 2, 3 on host 2 (as
 `launcher.hosts` places them), torch/gloo:
@@ -19,7 +19,7 @@ scheduler's: this machine's other work slows only the measured side). `machine` 
 run took beyond the emulator's prediction for it (copies, TCP, reductions on these cores), and
 `emulated+machine` sets the capped measurement against prediction plus that.
 
-    python -m experiments.bench.emulator_vs_link                  # the README table
+    python -m experiments.bench.emulator_vs_link                  # the table of docs/results/network.md
     python -m experiments.bench.emulator_vs_link --rates 1gbit --algorithms allreduce --steps 4 --rounds 1
 """
 
@@ -89,9 +89,7 @@ def run_steps(opt, model, x, y, steps: int, overlap: bool, net=None) -> tuple[fl
     figure is its clock's."""
     import torch
 
-    from dpsgd.optim import ADPSGD
-
-    asynchronous = isinstance(opt, ADPSGD)
+    asynchronous = opt.asynchronous  # no global step: its own pace within a budget
     if asynchronous:
         opt.set_budget(steps=steps)
     opt.comm.barrier()
@@ -211,7 +209,7 @@ def emulate(name: str, spec: dict, network: dict) -> float:
     import torch
 
     from dpsgd.comm import run_local
-    from dpsgd.netem import NetworkEmulator
+    from dpsgd.comm.netem import NetworkEmulator
 
     def peer(comm):
         torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The prepared GPU check: `make gpu-check` on a machine with one GPU (README "GPU peers"); under 6 minutes.
+"""The prepared GPU check: `make gpu-check` on a machine with one GPU (docs/guide/clusters.md); under 6 minutes.
 
 Parts, each on its own (one that fails or cannot run here is recorded with why, and the next runs):
 1. gpu_tests: the `gpu`-marked tests (tests/test_gpu.py).
@@ -75,6 +75,8 @@ def part_gpu_tests(work: Path) -> dict:
 
 
 def part_peers(work: Path) -> dict:
+    from dpsgd.comm import transport
+
     cases = [
         ("local", "dpsgd", []),
         ("torch", "dpsgd", ["backend.dist_backend=gloo"]),
@@ -91,7 +93,7 @@ def part_peers(work: Path) -> dict:
         args = [f"backend={backend}", f"algorithm={algorithm}", *RUN, *extra]
         row: dict = {"backend": backend, "algorithm": algorithm, "options": extra}
         try:
-            if DRY and backend != "local":  # the CPU run through host buffers against the direct one
+            if DRY and transport.get(backend).host_staging:  # the CPU run through host buffers against the direct one
                 device_run = app([*args, "device=cpu", "backend.staging=always"], work / f"peers{i}-device")
             else:
                 device_run = app([*args, f"device={DEVICE}", "device_share=true"], work / f"peers{i}-device")
@@ -139,7 +141,7 @@ comm.close()
 def part_nccl(work: Path) -> dict:
     if DRY or not torch.cuda.is_available():
         return {"skipped": "nccl needs a GPU"}
-    from dpsgd.launch import free_port
+    from dpsgd.backends.launch import free_port
 
     proc = subprocess.run(
         [sys.executable, "-c", NCCL_ONE.format(port=free_port())],

@@ -47,7 +47,7 @@ def worker(work: Path, steps: int, compute_time: float, preset: str) -> None:
     import dpsgd.comm
     import topologies
     from dpsgd import metrics, models
-    from dpsgd.netem import Link, NetworkEmulator
+    from dpsgd.comm.netem import Link, NetworkEmulator
     from dpsgd.optim import DPSGD, build_base
 
     world = init_ranks(gloo=False)

@@ -2,7 +2,7 @@
 
 For n = 4, 8, 16 real mpi processes, two model sizes (0.27 M parameters, ResNet-20's count, and 11 M)
 and each network preset (datacenter_100g, ethernet_10g, ethernet_1g, wan), every algorithm takes the
-same steps with the network emulated in `model` mode (dpsgd.netem); the figure is the emulated time
+same steps with the network emulated in `model` mode (dpsgd.comm.netem); the figure is the emulated time
 per step of the slowest peer. Each step's compute is the same fixed time on every peer, measured in this
 run on one core with nothing else running: a batch of 32 through ResNet-20 (for the 0.27 M size) and
 through the 11 M-parameter MLP; the ranks train MLPs with exactly these parameter counts, so what they
@@ -93,7 +93,7 @@ def compute_times() -> dict:
 
 
 def closed_form(name: str, nbytes: float, n: int, c: float, net: dict) -> float:
-    from dpsgd.netem import Link
+    from dpsgd.comm.netem import Link
 
     link = Link(net["latency_s"], net["bandwidth_bytes_per_s"])
     one = link.message_time(nbytes)
@@ -112,9 +112,7 @@ def emulated_steps(comm, net, opt, model, x, y, steps: int, overlap: bool = Fals
     after a barrier); returns the wall seconds they took."""
     import torch
 
-    from dpsgd.optim import ADPSGD
-
-    asynchronous = isinstance(opt, ADPSGD)
+    asynchronous = opt.asynchronous  # no global step: its own pace within a budget
     if asynchronous:  # no global step: a budget of steps per peer
         opt.set_budget(steps=steps)
     comm.barrier()
@@ -141,7 +139,7 @@ def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> N
     import dpsgd.comm
     import topologies
     from dpsgd import metrics
-    from dpsgd.netem import NetworkEmulator
+    from dpsgd.comm.netem import NetworkEmulator
     from dpsgd.optim import build, build_base
 
     world = init_ranks(gloo=False)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpsgd.launch import peer_env
+from dpsgd.backends.launch import peer_env
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ADPSGD_TARGET = 0.75  # AD-PSGD's throughput with the straggler, of its throughput without, at least

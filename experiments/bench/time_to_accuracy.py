@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dpsgd.launch import peer_env
+from dpsgd.backends.launch import peer_env
 from experiments.bench.common import ROOT, Target, print_table, print_targets, write_result
 
 ALGORITHMS = (  # label, overrides

@@ -10,7 +10,7 @@ offloaded whole counts once), so payload = tx_bytes - 66 x tx_packets, and a pur
 Inter-host share of the count: each of host 2's peers sends the same bytes to each of its neighbours
 (one model each), so host 2 sent count x (its peers' neighbours on host 1) / (all their neighbours).
 
-    python -m experiments.bench.wire_bytes                     # the README table
+    python -m experiments.bench.wire_bytes                     # the table of docs/results/network.md
     python -m experiments.bench.wire_bytes --backends torch --topologies hierarchical --epochs 1 2
 """
 
@@ -50,7 +50,7 @@ def across_share(topology: str, peers: int, hosts: int) -> float:
 
 def one_run(hosts: testhosts.TestHosts, backend: str, topology: str, epochs: int, run_dir: Path) -> dict:
     """Run the app from host 1 on both hosts (launcher.hosts); host 2's eth0 counters before and after."""
-    from dpsgd.launch import peer_env
+    from dpsgd.backends.launch import peer_env
 
     before = hosts.counters(2)
     cmd = [

@@ -7,6 +7,8 @@ Imported by tests/test_local_sgd.py (local backend) and run as a script under re
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -17,6 +19,8 @@ except ImportError:  # run as a script: tests/peers is the script's own folder
 from dpsgd.optim import build
 
 STEPS = 12
+SGD = {"_target_": "torch.optim.SGD"}
+ADAM = functools.partial(torch.optim.Adam, lr=0.02, betas=(0.8, 0.95))
 # (name, base optimizer, base options, algorithm options): name is a key of dpsgd.optim.ALGORITHMS
 CASES = [
     ("local_sgd", "sgd", {"lr": 0.05}, {"period": 3}),
@@ -24,7 +28,7 @@ CASES = [
     ("local_sgd", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 3, "warmup_steps": 4}),
     ("local_sgd", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 3, "inner_state": "reset"}),
     ("local_sgd", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 3, "inner_state": "average"}),
-    ("slowmo", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 3, "outer_lr": 1.2}),
+    ("slowmo", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 3, "outer": {**SGD, "lr": 1.2, "momentum": 0.5}}),
     ("slowmo", "sgd", {"lr": 0.05}, {"period": 2, "warmup_steps": 3, "inner_state": "average"}),
     ("diloco", "sgd", {"lr": 0.05}, {"period": 3}),
     ("diloco", "adamw", {"lr": 0.05, "weight_decay": 0.1}, {"period": 3}),
@@ -43,6 +47,14 @@ CASES = [
         {"period": 2, "group_size": 2, "global_period": 4, "inner_state": "reset"},
     ),
     ("bmuf", "sgd", {"lr": 0.05}, {"period": 3}),
+    # a user's torch optimizer as the outer one, in the library's form (a factory) and a config's (`_target_`)
+    ("local_sgd", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 3, "outer": ADAM}),
+    (
+        "diloco",
+        "adamw",
+        {"lr": 0.05, "weight_decay": 0.1},
+        {"period": 2, "outer": {"_target_": "torch.optim.Adam", "lr": 0.03}},
+    ),
 ]
 
 

@@ -27,16 +27,12 @@ import queue
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from dpsgd.comm import PeerTimeoutError
-from dpsgd.comm.base import poll_until
+from dpsgd.comm.pending import poll_until
 from dpsgd.seeds import partner_seed
-
-if TYPE_CHECKING:
-    from .optimizer import ADPSGD
 
 TAG_REQUEST, TAG_REPLY = 11, 12
 AVERAGE, DONE = 0.0, 1.0
@@ -83,7 +79,7 @@ class Averaging:
     its thread talks on (`link`), and its counters. The thread averages `live` (x_i, the optimizer's) under
     `lock`; `version` counts the averagings applied to it."""
 
-    def __init__(self, opt: ADPSGD, seed: int):
+    def __init__(self, opt, seed: int):  # opt: the ADPSGD (whose module imports this one)
         self.opt, self.comm, self.topology, self.live, self.lock = opt, opt.comm, opt.topology, opt.live, opt.lock
         self.role, self.partners = roles(opt.topology, opt.comm.rank, opt.comm.size)
         self.rng = partner_rng(seed, opt.comm.rank)
@@ -94,9 +90,10 @@ class Averaging:
         self.orders: queue.SimpleQueue = queue.SimpleQueue()  # "average" or "done", from the main thread
         self.idle = threading.Event()  # no averaging in flight
         self.idle.set()
-        # emulated network (dpsgd.netem): an averaging ordered at t completes at t + request + reply
+        # emulated network (dpsgd.comm.netem): an averaging ordered at t completes at t + request + reply
         self.network = getattr(opt.comm, "network", None)
         self.done_at: float | None = None
+        self.threaded = True  # a thread performs the averagings (start(threads=False): the caller does)
 
     # --- the main thread ---------------------------------------------------------------------
     def order(self) -> None:
@@ -106,7 +103,8 @@ class Averaging:
             message = net.link.message_time(self.live.nbytes)
             self.done_at = net.clock.now() + 2 * message + net.jitter()
         self.idle.clear()
-        self.orders.put("average")
+        if self.threaded:  # else the event simulator takes the order (request, serve, complete)
+            self.orders.put("average")
 
     def stop(self) -> None:
         """The active thread ends after the averaging in flight (and says DONE unless aborted)."""
@@ -119,23 +117,63 @@ class Averaging:
         if net is not None and net.active and net.clock.mode == "model" and self.done_at is not None:
             self.comm.stats.emulated_wait_s += net.clock.wait_until(self.done_at)
 
+    # --- one averaging, in three parts: the thread's and the event simulator's (dpsgd.sim.events) -----
+    @property
+    def message_numel(self) -> int:
+        """Entries of a request (and of DONE): the header and x_i."""
+        return HEADER + self.live.numel()
+
+    def request(self, buf: torch.Tensor | None = None) -> tuple[int, torch.Tensor] | None:
+        """Active: begin the averaging ordered, with the partner of this averaging: take the lock (held until
+        `complete`, so x_i cannot change until both sides averaged) and return (partner, request), the request
+        [AVERAGE, rank, averaging id, x_i] written into `buf` (or a new tensor). None: no neighbour now."""
+        partner = choose_partner(self.topology, self.comm.rank, self.partners, self.rng, self.initiated)
+        if partner is None:
+            self.idle.set()
+            return None
+        self.lock.acquire()
+        self.opt._jitter()
+        request = buf if buf is not None else torch.empty(self.message_numel, dtype=self.live.dtype)
+        request[0], request[1], request[2] = AVERAGE, float(self.comm.rank), float(self.initiated)
+        request[HEADER:].copy_(self.live)
+        return partner, request
+
+    def serve(self, request: torch.Tensor) -> torch.Tensor:
+        """Passive: answer a request atomically, returning the reply x_j (taken before x_j averages in x_i)."""
+        sender, avg_id = int(request[1].item()), int(request[2].item())
+        with self.lock:
+            self.opt._jitter()
+            answer = self.live.to("cpu", copy=True)
+            self._average_in(request[HEADER:], (sender, avg_id, self.comm.rank))
+        self.served += 1
+        return answer
+
+    def complete(self, partner: int, reply: torch.Tensor) -> None:
+        """Active: average the partner's reply in and release the lock."""
+        try:
+            self._average_in(reply, (self.comm.rank, self.initiated, partner))
+        finally:
+            self.lock.release()
+        self.initiated += 1
+        self.idle.set()
+
+    def _average_in(self, other: torch.Tensor, event: tuple) -> None:
+        """x_i <- mix(x_i, x_j), with the lock held."""
+        self.opt.mix(self.live, other.to(self.live.device))
+        self.version += 1
+        if self.opt.record_events:
+            self.opt.events.append(("avg", *event))
+
     # --- the communication thread -----------------------------------------------------------------
     def _host(self, numel: int) -> torch.Tensor:
         """A message buffer in host memory, page-locked when x_i is on a GPU (fast copies both ways)."""
         return torch.empty(numel, dtype=self.live.dtype, pin_memory=self.live.is_cuda)
 
-    def _average_in(self, other: torch.Tensor, event: tuple) -> None:
-        """x_i <- (x_i + x_j) / 2, with the lock held."""
-        self.live.add_(other.to(self.live.device)).mul_(0.5)
-        self.version += 1
-        if self.opt.record_events:
-            self.opt.events.append(("avg", *event))
-
     def run_active(self) -> None:
         """Active peer: one averaging per order of the main thread; DONE to every partner at the end."""
-        link, rank, network = self.link, self.comm.rank, self.network
+        link, network = self.link, self.network
         assert link is not None  # a thread runs only with partners
-        request = self._host(HEADER + self.live.numel())
+        request = self._host(self.message_numel)
         reply = self._host(self.live.numel())
         while True:
             try:
@@ -146,25 +184,25 @@ class Averaging:
                 continue
             if order == "done" or self.opt._abort.is_set():
                 break
-            partner = choose_partner(self.topology, rank, self.partners, self.rng, self.initiated)
-            if partner is not None:
-                with self.lock:  # held across the exchange: x_i cannot change until both sides averaged
-                    self.opt._jitter()
-                    request[0], request[1], request[2] = AVERAGE, float(rank), float(self.initiated)
-                    request[HEADER:].copy_(self.live)
-                    recv = link.start_recv(reply, partner, TAG_REPLY)
-                    send = link.start_send(request, partner, TAG_REQUEST)
-                    link.wait_request("AD-PSGD averaging (request sent)", send, [partner])
-                    link.wait_request("AD-PSGD averaging (awaiting the reply)", recv, [partner])
-                    if self.done_at is not None and network is not None and network.clock.mode == "sleep":
-                        network.clock.wait_until(self.done_at)
-                    self._average_in(reply, (rank, self.initiated, partner))
-                self.initiated += 1
-            self.idle.set()
+            begun = self.request(request)
+            if begun is None:
+                continue
+            partner = begun[0]
+            try:
+                recv = link.start_recv(reply, partner, TAG_REPLY)
+                send = link.start_send(request, partner, TAG_REQUEST)
+                link.wait_request("AD-PSGD averaging (request sent)", send, [partner])
+                link.wait_request("AD-PSGD averaging (awaiting the reply)", recv, [partner])
+                if self.done_at is not None and network is not None and network.clock.mode == "sleep":
+                    network.clock.wait_until(self.done_at)
+            except BaseException:
+                self.lock.release()
+                raise
+            self.complete(partner, reply)
         if self.opt._abort.is_set():
             return
-        done = self._host(HEADER + self.live.numel()).zero_()
-        done[0], done[1] = DONE, float(rank)
+        done = self._host(self.message_numel).zero_()
+        done[0], done[1] = DONE, float(self.comm.rank)
         sends = [(p, link.start_send(done, p, TAG_REQUEST)) for p in sorted(self.partners)]
         for p, send in sends:
             link.wait_request("AD-PSGD closing handshake (DONE)", send, [p])
@@ -174,7 +212,7 @@ class Averaging:
         link, rank = self.link, self.comm.rank
         assert link is not None  # a thread runs only with partners
         waiting_for = set(self.partners)
-        incoming = self._host(HEADER + self.live.numel())
+        incoming = self._host(self.message_numel)
         while waiting_for:
             recv = link.start_recv(incoming, None, TAG_REQUEST)
             try:
@@ -186,14 +224,10 @@ class Averaging:
                     f"active neighbour(s) {sorted(waiting_for)}, which have not said DONE; a peer died or hangs "
                     f"(raise comm.timeout_s if peers are just slow)"
                 ) from None
-            code, sender, avg_id = incoming[0].item(), int(incoming[1].item()), int(incoming[2].item())
-            if code == DONE:
+            sender = int(incoming[1].item())
+            if incoming[0].item() == DONE:
                 waiting_for.discard(sender)
                 continue
-            with self.lock:
-                self.opt._jitter()
-                answer = self.live.to("cpu", copy=True)
-                self._average_in(incoming[HEADER:], (sender, avg_id, rank))
-            self.served += 1
+            answer = self.serve(incoming)
             send = link.start_send(answer, sender, TAG_REPLY)
             link.wait_request("AD-PSGD averaging (sending the reply)", send, [sender])

@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from dpsgd.comm import PeerTimeoutError
-from dpsgd.comm.base import Request, poll_until
-
-if TYPE_CHECKING:
-    from .optimizer import ADPSGD
+from dpsgd.comm.pending import Request, poll_until
 
 BUDGETS = ("steps", "samples", "seconds")
 TAG_PROGRESS, TAG_ANSWER = 13, 14
 
 
 def check_budget(kind: str) -> str:
+    """`kind` if it is one of BUDGETS (steps, samples, seconds); a ValueError naming them otherwise."""
     if kind not in BUDGETS:
         raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
     return kind
@@ -37,12 +34,15 @@ class Budget:
     thread waits with `opt._wait` (bounded, naming what it awaited); the coordinator thread ends early
     once `opt._abort` is set."""
 
-    def __init__(self, opt: ADPSGD, seconds: float | None):
+    def __init__(self, opt, seconds: float | None):  # opt: the ADPSGD (whose module imports this one)
         self.opt, self.kind, self.comm = opt, check_budget(opt.budget), opt.comm
         self.amounts: dict[str, float | None] = {"steps": None, "samples": None, "seconds": None}
         self.set(seconds=seconds)
+        # a simulator's world (dpsgd.sim.events) shares every peer's samples here, read at once
+        self.tally: dict[int, int] | None = getattr(self.comm, "tally", None)
         # collective and in the same order on every peer: every peer makes the same duplicates
-        self.control = self.comm.duplicate() if self.comm.size > 1 and self.kind == "samples" else None
+        shared = self.comm.size > 1 and self.kind == "samples" and self.tally is None
+        self.control = self.comm.duplicate() if shared else None
         self.coordinating = self.control is not None and self.comm.rank == 0
         self.stop = threading.Event()  # the shared samples budget is spent (rank 0: by its coordinator)
         # (request, buffer, send) of the coordinator's answer to our last report
@@ -64,12 +64,16 @@ class Budget:
             return self.stop.is_set()
         amount = self.amounts[self.kind]
         assert amount is not None  # require() said so
+        if self.tally is not None and self.kind == "samples":
+            return sum(self.tally.values()) >= amount
         return {"steps": steps, "samples": samples, "seconds": seconds}[self.kind] >= amount
 
     # --- the shared samples budget: the main thread's side -------------------------------------------
     def report(self, samples: int, final: bool) -> None:
         """After each step (`final`: at the end). Rank 0 counts in-process; the others send [rank,
         samples, final] and read the answer to their previous report first."""
+        if self.tally is not None:
+            self.tally[self.comm.rank] = samples
         control = self.control
         if control is None:
             return

@@ -6,7 +6,9 @@ hold the *snapshot* x_hat_i the gradient is computed at. A step of peer i:
 2. `step()`: d_i = base(x_hat_i, g_i) - x_hat_i, then under the lock x_i <- x_i + d_i and the new
    snapshot x_hat_i <- x_i. The increment goes to the live copy exactly once, whatever averagings
    happened meanwhile; their number is the step's *staleness*;
-3. an active peer then orders one averaging with a neighbour (`averaging`).
+3. an active peer then orders one averaging with a neighbour (`averaging`): x_i, x_j <- mix(x_i, x_j),
+   (x_i + x_j) / 2 here; a subclass may change `mix` (the rule of one averaging) and keep the rest.
+Peers split into active and passive sets, so the topology must be bipartite: the constructor says so.
 Every wait has the communicator's deadline (`comm.timeout_s`); past it, the error names the peer and
 what was awaited.
 """
@@ -20,7 +22,8 @@ import time
 import torch
 
 from dpsgd.comm import CommError, Communicator, PeerTimeoutError
-from dpsgd.comm.base import flatten, poll_until, unflatten
+from dpsgd.comm.base import flatten, unflatten
+from dpsgd.comm.pending import poll_until
 from dpsgd.seeds import protocol_jitter_seed
 from topologies import Topology
 
@@ -30,12 +33,22 @@ from .budget import Budget
 
 
 class ADPSGD(DistributedOptimizer):
-    """AD-PSGD. `budget` names what ends the run ('steps' per peer, total 'samples' across peers, or
+    """AD-PSGD (Lian et al. 2018): asynchronous pairwise averaging, no global step.
+
+    Each peer takes its gradient g_i at a snapshot of x_i while x_i may change underneath; an active peer
+    averages atomically with one passive neighbour, x_i, x_j <- (x_i + x_j) / 2, and each peer adds its own
+    increment d_i = base(x_i, g_i) - x_i to its live x_i. The topology must be bipartite (active and
+    passive peers). `budget` names what ends the run ('steps' per peer, total 'samples' across peers, or
     wall-clock 'seconds'); the training loop fills in the amounts with `set_budget`. `seed` drives
     the choice of neighbours; `jitter_s` adds random delays (up to that many seconds) inside the
-    protocol, for tests; `record_events` logs every change to the live parameters, in order."""
+    protocol, for tests; `record_events` logs every change to the live parameters, in order.
+
+    Times come from `comm.clock` where the communicator keeps one (the event simulator's virtual clock),
+    else from time.monotonic."""
 
     asynchronous = True
+    summary_key = "adpsgd"  # summary.json's block of `summary()`
+    HISTOGRAM_BINS = 16  # staleness 0..15 in summary.json, the last bin holding 15 and more
 
     def __init__(
         self,
@@ -54,6 +67,7 @@ class ADPSGD(DistributedOptimizer):
         if comm.size > 1:
             self.require_topology()
         self.budget = budget
+        self.clock = getattr(comm, "clock", time.monotonic)
         self._abort = threading.Event()  # set on a thread's error or by abort(): the threads end early
         self.run_budget = Budget(self, seconds)
         self.samples_per_step = 1
@@ -91,13 +105,18 @@ class ADPSGD(DistributedOptimizer):
         if samples_per_step is not None:
             self.samples_per_step = int(samples_per_step)
 
-    def start(self) -> None:
-        """Start the communication threads and the clock (call it after a barrier, on every peer)."""
+    def start(self, threads: bool = True) -> None:
+        """Start the communication threads and the clock (call it after a barrier, on every peer).
+        `threads=False`: no thread; the caller performs the averagings with `averaging.request`, `serve`
+        and `complete` (dpsgd.sim.events does, in virtual time)."""
         if self.started_at is not None:
+            return
+        self.started_at = self.clock()
+        self.averaging.threaded = threads
+        if not threads:
             return
         if self.run_budget.coordinating:
             self.run_budget.require()
-        self.started_at = time.monotonic()
         if self.role == "active":
             self._spawn(self.averaging.run_active, "averager")
         elif self.role == "passive":
@@ -123,7 +142,7 @@ class ADPSGD(DistributedOptimizer):
         self.start()
         self._raise_thread_error()
         assert self.started_at is not None  # start() set it
-        return self.run_budget.spent(self.step_count, self.samples, time.monotonic() - self.started_at)
+        return self.run_budget.spent(self.step_count, self.samples, self.clock() - self.started_at)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -136,9 +155,9 @@ class ADPSGD(DistributedOptimizer):
         after = flatten(params)
         self._jitter()
         self.averaging.wait_emulated()  # x_i is locked until the averaging in flight completes
-        t0 = time.monotonic()
+        t0 = self.clock()
         with self.lock:
-            self.wait_s += time.monotonic() - t0
+            self.wait_s += self.clock() - t0
             stale = self.averaging.version - self._snap_version
             if stale == 0:
                 self.live.copy_(after)  # nothing changed x_i meanwhile: x_i + d_i is exactly `after`
@@ -164,10 +183,21 @@ class ADPSGD(DistributedOptimizer):
         self.run_budget.report(self.samples, final=False)
         return loss
 
+    @property
+    def staleness(self) -> int:
+        """Averagings applied to x_i since the snapshot the next gradient is taken at."""
+        return self.averaging.version - self._snap_version
+
+    @staticmethod
+    def mix(own: torch.Tensor, other: torch.Tensor) -> None:
+        """One averaging, on either side, in place: x_i <- (x_i + x_j) / 2. Both sides compute it with the same
+        operands, so they hold bit-identical values afterwards and the sum of all parameters is conserved."""
+        own.add_(other).mul_(0.5)
+
     def _wait(self, test, what: str, then: str) -> None:
         """Wait for `test()` within the communicator's deadline, counted in `wait_s`; a communication
         thread's error is raised instead, and past the deadline an error saying that `what`."""
-        t0 = time.monotonic()
+        t0, since = time.monotonic(), self.clock()
         try:
             done = poll_until(test, t0 + self.comm.timeout_s, abort=self._abort.is_set)
         except PeerTimeoutError:
@@ -175,7 +205,7 @@ class ADPSGD(DistributedOptimizer):
         if not done:
             self._raise_thread_error()
             raise PeerTimeoutError(f"rank {self.comm.rank}: AD-PSGD's {what} within {self.comm.timeout_s:g} s{then}")
-        self.wait_s += time.monotonic() - t0
+        self.wait_s += self.clock() - since
 
     def _load_into_model(self, flat: torch.Tensor) -> None:
         params = self.params()
@@ -189,7 +219,7 @@ class ADPSGD(DistributedOptimizer):
         if self._finished:
             return
         self.start()
-        self.finished_at = time.monotonic()
+        self.finished_at = self.clock()
         try:
             self.run_budget.report(self.samples, final=True)
             if self.role == "active":
@@ -255,7 +285,7 @@ class ADPSGD(DistributedOptimizer):
         """This peer's figures: steps, averagings initiated and served, staleness, waiting, throughput."""
         hist = self.staleness_histogram
         steps = sum(hist)
-        end = self.finished_at or time.monotonic()
+        end = self.finished_at or self.clock()
         elapsed = end - self.started_at if self.started_at is not None else 0.0
         return {
             "role": self.role,
@@ -269,6 +299,25 @@ class ADPSGD(DistributedOptimizer):
             "wait_s": self.wait_s,
             "elapsed_s": elapsed,
             "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+        }
+
+    def summary(self, rows: list[dict]) -> dict:
+        """The `adpsgd` block of summary.json from every peer's `measurements()` (rank order), each with the
+        loop's `slowdown_s` (its emulated compute slowdown): totals, then per-peer lists and histograms."""
+        histograms = [_binned(r["staleness_histogram"], self.HISTOGRAM_BINS) for r in rows]
+        total = [sum(col) for col in zip(*histograms)]
+        count = sum(total)
+        per_peer = {f"{k}_per_peer": [int(r[k]) if k in _COUNTS else float(r[k]) for r in rows] for k in _PER_PEER}
+        return {
+            "budget": self.budget,
+            "averagings": sum(per_peer["averagings_initiated_per_peer"]),
+            "staleness_mean": sum(k * c for k, c in enumerate(total)) / count if count else 0.0,
+            "staleness_max": max(per_peer["staleness_max_per_peer"]),
+            "staleness_histogram": total,  # over all steps of all peers; last bin: >= HISTOGRAM_BINS - 1
+            "wait_s_mean": sum(per_peer["wait_s_per_peer"]) / len(rows),
+            **per_peer,
+            "roles": [r["role"] for r in rows],
+            "staleness_histogram_per_peer": histograms,
         }
 
     def algorithm_state(self):
@@ -306,6 +355,17 @@ class ADPSGD(DistributedOptimizer):
             if a.link is not None:
                 for key, value in state["link_stats"].items():
                     setattr(a.link.stats, key, value)
+
+
+_PER_PEER = "steps samples averagings_initiated averagings_served staleness_mean staleness_max wait_s".split()
+_PER_PEER += ["samples_per_s", "slowdown_s"]
+_COUNTS = {"steps", "samples", "averagings_initiated", "averagings_served", "staleness_max"}
+
+
+def _binned(histogram: list[int], bins: int) -> list[int]:
+    """A histogram in `bins` bins, the last one holding every larger value."""
+    head = [int(c) for c in histogram[: bins - 1]]
+    return head + [0] * (bins - 1 - len(head)) + [int(sum(histogram[bins - 1 :]))]
 
 
 def _rng_state(rng: random.Random) -> list[int]:

@@ -26,11 +26,16 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from dpsgd.comm.base import ring_allreduce_bytes
 from dpsgd.seeds import link_jitter_seed
 
 NETWORK_KEYS = tuple("name mode latency_s bandwidth_bytes_per_s jitter_s slow_peers compute_scale compute_time".split())
 MODES = ("model", "sleep")
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """What each peer sends (and receives) in a bandwidth-optimal ring all-reduce of `nbytes`:
+    2 (n - 1) / n of it. Traffic counts and the network emulator's cost model both use it."""
+    return 2 * (n - 1) / n * nbytes
 
 
 @dataclass(frozen=True)

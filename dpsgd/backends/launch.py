@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,9 @@ from dpsgd.supervisor import Supervisor
 
 ERROR_FILE = "rank{rank}.error"  # a peer that fails writes its one-line error here (experiments.peer)
 GRACE_S = 3.0  # a peer sent SIGTERM is killed (SIGKILL) after this long
-LIVE: set[int] = set()  # the process groups of the peers running now (dpsgd.interrupt kills them on a 2nd signal)
+LIVE: set[int] = (
+    set()
+)  # the process groups of the peers running now (dpsgd.backends.interrupt kills them on a 2nd signal)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -36,16 +36,6 @@ def peer_env(extra: dict | None = None) -> dict:
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**34))
     env.update(extra or {})
     return {key: value for key, value in env.items() if value is not None}  # None in `extra` removes a variable
-
-
-def mpiexec() -> str:
-    """The mpiexec named by DPSGD_MPIEXEC, else the one beside this Python (the MPI wheel's), else the one on
-    PATH. (DPSGD_MPIEXEC: where the MPI wheel lives elsewhere, as in `make gpu-check`'s offline install.)"""
-    here = Path(sys.executable).parent / "mpiexec"
-    found = os.environ.get("DPSGD_MPIEXEC") or (str(here) if here.exists() else shutil.which("mpiexec"))
-    if not found:
-        raise RuntimeError("no mpiexec found: install an MPI runtime wheel (`pip install mpich`) or use backend=torch")
-    return found
 
 
 def free_port() -> int:
@@ -130,24 +120,6 @@ def run_processes(
         except BaseException:
             _stop(procs)
             raise
-
-
-def spawn_mpi(
-    n: int, argv: list[str], timeout_s: float | None = None, env: dict | None = None, log_dir: Path | None = None
-) -> int:
-    """Run `argv` (a python command line without the interpreter) on n MPI ranks of this machine.
-    With `log_dir`, rank r's stderr goes to log_dir/rank{r}.log and mpiexec's own output (and the
-    ranks' stdout) to log_dir/launcher.log."""
-    launcher = mpiexec()
-    cmd = [launcher, "-n", str(n)]
-    if log_dir is not None:
-        cmd += ["-errfile-pattern", str(Path(log_dir) / "rank%r.log")]
-    if "SLURM_JOB_ID" in os.environ and (Path(launcher).parent / "hydra_pmi_proxy").exists():
-        # MPICH's mpiexec would start its proxy with srun, which waits forever for CPUs the
-        # running job step already holds: start the ranks on this node directly
-        cmd += ["-launcher", "fork"]
-    log = Path(log_dir) / "launcher.log" if log_dir is not None else None
-    return run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
 
 
 def failure_cause(

@@ -1,5 +1,5 @@
 """Signals to the driver: the first SIGINT or SIGTERM raises `Interrupted` where the driver waits, so
-the code that started the peers stops them (dpsgd.launch: SIGTERM, SIGKILL after a grace period) and
+the code that started the peers stops them (dpsgd.backends.launch: SIGTERM, SIGKILL after a grace period) and
 the app ends with one line saying how to resume; a second signal kills every peer group at once.
 
 `timeout`, `kill`, systemd, container runtimes and Slurm's preemption send SIGTERM to the driver
@@ -13,7 +13,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 
-from dpsgd import launch
+from . import launch
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -29,7 +29,7 @@ class Interrupted(BaseException):  # noqa: N818 - not an error: the user asked t
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """In the main thread: SIGINT/SIGTERM raise Interrupted once; a second one kills every peer
-    process group the run started (dpsgd.launch.LIVE) and this process, at once."""
+    process group the run started (dpsgd.backends.launch.LIVE) and this process, at once."""
     seen: list[int] = []
 
     def handler(signum, frame):

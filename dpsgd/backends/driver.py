@@ -1,0 +1,117 @@
+"""What every backend's driver does: start a run's peers, follow them (dpsgd.supervisor), stop them all
+at the first failure and say in one line who failed, where and why. A driver record is its backend's
+transport record (dpsgd.comm.transport) with these parts added, so the app asks one record for both.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from dpsgd.comm import transport
+from dpsgd.comm.transport import Transport
+from dpsgd.supervisor import ENV, Supervisor
+
+from .hosts import placement
+from .launch import failure_cause, stop_live
+from .watchdog import Watchdog
+
+
+class RunFailed(RuntimeError):
+    """The peers of a run failed; the message is the one line for the user (who failed, why, where the logs are).
+    `died`: the rank whose death (a signal, no error message) caused it, else None."""
+
+    def __init__(self, line: str, died: int | None = None):
+        super().__init__(line)
+        self.died = died
+
+
+class Backend(Transport):
+    """One backend's driver, on top of its transport record. Subclasses override what differs from these
+    defaults: the peers as processes (`spawn`, `spawn_on_hosts`) or a `start` of their own."""
+
+    def exit(self) -> None:
+        """End a launched rank whose results are written (default: the interpreter's own exit)."""
+
+    def check(self, cfg: dict) -> None:
+        """Refuse (ValueError: one line, with the fix) options of `cfg["backend"]` this backend cannot run."""
+
+    def elastic_problem(self) -> str | None:
+        """What an elastic run under this backend's own launcher needs of that launcher, else None."""
+        return None
+
+    def spawn(
+        self,
+        n: int,
+        argv: list[str],
+        timeout_s: float | None = None,
+        env: dict | None = None,
+        log_dir: Path | None = None,
+        codes_out: list | None = None,
+    ) -> int:
+        """Run `argv` (a python command line without the interpreter) on n processes of one world on this
+        machine, rank r's stderr to log_dir/rank{r}.log; the exit code (the first failure stops all)."""
+        valid = ", ".join(transport.having("processes"))
+        raise ValueError(f"cannot spawn processes for backend {self.name!r}; valid: {valid}")
+
+    def spawn_on_hosts(
+        self,
+        launcher: dict,
+        n: int,
+        argv: list[str],
+        timeout_s: float | None = None,
+        env: dict | None = None,
+        log_dir: Path | None = None,
+        codes_out: list | None = None,
+    ) -> int:
+        """`spawn`, the n ranks on `launcher["hosts"]` (dpsgd.backends.hosts: placement, runner, environment)."""
+        valid = " or ".join(f"backend={n}" for n in transport.having("processes"))
+        raise ValueError(f"launcher.hosts needs {valid} (processes on hosts), got backend={self.name}")
+
+    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
+        """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
+        return its summary; `argv` is one peer process's command line; `peers`: how many (default
+        cfg["peers"]; an elastic run's relaunch has fewer). Raises RunFailed: one line naming the peer
+        that failed first (followed by dpsgd.supervisor), the step and why."""
+        n = int(cfg["peers"]) if peers is None else peers
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        codes: list = []  # each process's exit code when the first failure was seen, where `spawn` knows them
+        with Supervisor() as sup:
+            progress = "1" if sys.stdout.isatty() else "0"  # decided here: the peers' stdout is a pipe
+            env = {"DPSGD_PROGRESS": progress, ENV: sup.path}
+            # the watchdog stops the peers when none progresses (every one hung): spawn then returns
+            with Watchdog(
+                cfg["comm"]["timeout_s"], lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
+            ) as dog:
+                code = self._spawn_here_or_on_hosts(cfg, n, argv, env, logs, codes)
+            if dog.line is not None:
+                raise RunFailed(f"{dog.line}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
+            if code != 0:
+                settle = time.monotonic() + 1.0  # the supervisor's thread reads closings: let it see the last
+                while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:
+                    time.sleep(0.01)
+                hosts = (cfg.get("launcher") or {}).get("hosts")
+                on = placement(list(hosts), n) if hosts else None
+                failure, died = failure_cause(logs, sup, code, n, codes, on)
+                raise RunFailed(
+                    f"{failure}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})", died
+                )
+        return json.loads((run_dir / "summary.json").read_text())
+
+    def _spawn_here_or_on_hosts(self, cfg: dict, n: int, argv: list[str], env: dict, logs: Path, codes: list) -> int:
+        """The n peers on this machine, or on `launcher.hosts` (dpsgd.backends.hosts) when the config names hosts."""
+        launcher = cfg.get("launcher") or {}
+        if launcher.get("hosts"):
+            return self.spawn_on_hosts(launcher, n, argv, env=env, log_dir=logs, codes_out=codes)
+        return self.spawn(n, argv, env=env, log_dir=logs, codes_out=codes)
+
+
+def error_line(rank: int, exc: BaseException) -> str:
+    """'rank 2: PeerTimeoutError: neighbor_average timed out ... at step 41; ...': one line."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text.removeprefix(f"rank {rank}: ")
+    return f"rank {rank}: {type(exc).__name__}: {text}"

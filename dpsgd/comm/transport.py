@@ -1,0 +1,76 @@
+"""Transports as records: what a backend's peers need to reach each other, asked of one `Transport` per
+backend and never of a backend's name. Each communicator module registers its own (`local`, `mpi`,
+`torch`); the drivers that start, supervise and relaunch peers (dpsgd.backends) build on these records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .base import Communicator
+
+_REGISTRY: dict[str, Transport] = {}
+
+
+class Transport:
+    """One backend's transport part. Subclasses set `name` and override what differs from these defaults."""
+
+    name: str = "?"
+    threads = False  # peers are threads of one process: a killed one raises, messages can be dropped (faults)
+    processes = False  # peers are processes of their own (which faults can kill or hang)
+    checkpoints = True  # runs keep checkpoints and resume from them
+    host_staging = False  # CUDA tensors can travel through pinned host buffers (the `backend.staging` option)
+
+    @property
+    def real_peers(self) -> bool:
+        """Peers that faults can kill, hang or delay (a simulation has none)."""
+        return self.threads or self.processes
+
+    def connect(self, timeout_s: float, **options) -> Communicator:
+        """This process's communicator (`dpsgd.comm.init`)."""
+        raise NotImplementedError
+
+    def options(self, cfg: Mapping) -> dict:
+        """The `connect` options a run's config sets."""
+        return {}
+
+    def uses_nccl(self, cfg: Mapping) -> bool:
+        """The run `cfg`'s peers talk over nccl, which needs a GPU of its own per peer (dpsgd.placement)."""
+        return False
+
+    def world(self) -> tuple[int, int] | None:
+        """(rank, size) when a launcher made this process one rank of its world, else None."""
+        return None
+
+    def share(self, data: bytes, timeout_s: float) -> bytes:
+        """Rank 0's `data` in every rank of a launched world, before any communicator exists."""
+        raise NotImplementedError
+
+    def missing(self) -> str | None:
+        """Why this transport cannot run here (one line, with the fix), or None."""
+        return None
+
+
+def register(transport: Transport) -> Transport:
+    _REGISTRY[transport.name] = transport
+    return transport
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Transport:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def having(capability: str) -> list[str]:
+    """The names of the transports whose record has `capability` (for error messages)."""
+    return [n for n, t in _REGISTRY.items() if getattr(t, capability)]
+
+
+def launched() -> Transport | None:
+    """The transport whose launcher made this process one rank of its world, or None (a plain process)."""
+    return next((t for t in _REGISTRY.values() if t.world() is not None), None)

@@ -1,0 +1,91 @@
+"""The outer optimizer of the LocalSGD family and Streaming DiLoCo: any torch optimizer over the anchor (the
+model the peers last agreed on), stepping with the peers' mean outer gradient G = x_anchor - mean_i x_i as
+its gradient, as DiLoCo frames it and torchft composes it.
+
+`outer` is a factory params -> torch.optim.Optimizer (`functools.partial(torch.optim.SGD, lr=0.7,
+momentum=0.9, nesterov=True)`, DiLoCo's), a config dict naming one with `_target_`, or None (no outer
+optimizer). SlowMo's form (Wang et al. 2020; `base_lrs` of `step`) divides G by the base lr gamma of its
+parameter group and multiplies the outer lr by it: SGD with momentum beta and lr alpha then computes
+u <- beta u + G / gamma, x_anchor <- x_anchor - alpha gamma u (the same as on G itself at a constant gamma).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+
+# DiLoCo's outer optimizer (Douillard et al. 2023): u <- 0.9 u + G, x_anchor <- x_anchor - 0.7 (G + 0.9 u)
+DILOCO = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def factory(outer, who: str) -> Callable[..., torch.optim.Optimizer] | None:
+    """The factory an `outer` option names (a callable, a `_target_` dict or None), or a one-line error."""
+    if outer is None or callable(outer):
+        return outer
+    try:
+        options = dict(outer)
+        module, _, name = options.pop("_target_").rpartition(".")
+        return functools.partial(getattr(importlib.import_module(module), name), **options)
+    except (TypeError, ValueError, KeyError, ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"{who} outer must be a torch optimizer factory (functools.partial(torch.optim.SGD, lr=0.7, ...)), a "
+            "config dict naming one ({_target_: torch.optim.SGD, lr: 0.7, momentum: 0.9, nesterov: true}) or None "
+            f"for plain averaging; {outer!r} is not ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+class OuterOptimizer:
+    """Anchor tensors in groups and the torch optimizer that moves them (None: anchors only)."""
+
+    def __init__(self, make: Callable[..., torch.optim.Optimizer] | None, groups: list[list[torch.Tensor]], who: str):
+        self.anchors = [a for group in groups for a in group]
+        try:  # torch's own checks: a negative lr, an unknown keyword, ...
+            self.optimizer = None if make is None else make([{"params": group} for group in groups])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{who} cannot build its outer optimizer: {exc}") from None
+        if not isinstance(self.optimizer, (torch.optim.Optimizer, type(None))):
+            raise ValueError(f"{who} outer must make a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+
+    def set_anchors(self, values) -> None:
+        for anchor, value in zip(self.anchors, values):
+            anchor.copy_(value)
+
+    def step(self, grads: list[torch.Tensor | None], base_lrs: list[float] | None = None) -> None:
+        """One outer step with grads[k] the gradient of anchor k (None: it does not move, as Streaming DiLoCo's
+        fragments out of turn); base_lrs, one per group, applies SlowMo's form."""
+        assert self.optimizer is not None  # only an outer optimizer steps
+        groups = self.optimizer.param_groups
+        lrs = [group["lr"] for group in groups]
+        for anchor, grad in zip(self.anchors, grads):
+            anchor.grad = grad
+        for group, gamma in zip(groups, base_lrs or []):
+            for anchor in group["params"]:
+                if anchor.grad is not None:
+                    anchor.grad.mul_(1.0 / gamma)
+            group["lr"] = group["lr"] * gamma
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, lrs):
+                group["lr"] = lr
+            for anchor in self.anchors:
+                anchor.grad = None
+
+    def state_dict(self) -> dict:
+        # copies: a state dict saved now must not move with the optimizer's later steps
+        optimizer = None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict())
+        return {"anchors": [a.clone() for a in self.anchors], "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["anchors"]) != len(self.anchors):
+            raise ValueError(
+                f"this state_dict holds {len(state['anchors'])} outer anchors but the optimizer has "
+                f"{len(self.anchors)}: it was saved from a different model or fragment count"
+            )
+        self.set_anchors(state["anchors"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
