@@ -98,3 +98,13 @@ def test_fleet_equals_local_backend_with_compression(case):
         exact.train_step()
     assert (fleet.bytes_sent < exact.bytes_sent).all()  # the codec was used...
     assert (fleet.flat() - exact.flat()).abs().max() > 1e-6  # ...and changed the numbers
+
+
+def test_every_compression_option_validates_on_the_fleet(hydra_config):
+    """`backend=fleet compression=NAME` is accepted as a real-peer run is: the app's validation."""
+    from experiments.validate import validate
+
+    names = sorted(p.stem for p in (runs.CONF / "compression").glob("*.yaml"))
+    assert {"int8", "powersgd", "fp16", "bf16", "top_k", "random_k", "sign", "qsgd"} <= set(names)
+    for name in names:
+        validate(hydra_config(f"compression={name}", "backend=fleet", "algorithm=allreduce"))
