@@ -24,13 +24,20 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m experiments.train $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+# the suite in TEST_WORKERS parallel pytest processes (pytest-xdist; 0: one process). Many tests wait (process
+# start-up, timeouts, rate-capped links) more than they compute, so 2 workers on 2 cores overlap one's waits with
+# the other's work. --dist loadgroup: tests that share a module's fixture, and the test-host tests, stay on one
+# worker in turn (their xdist_group marks: tests/conftest.py)
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
-# the tests that start no OS process (no mpiexec, torch.distributed or app subprocess): about a minute;
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=15 $(ARGS)
+
+# the tests that start no OS process (no mpiexec, torch.distributed or app subprocess): under a minute;
 # --forbid-processes fails one that does (it is then missing the `processes` marker: tests/conftest.py)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not processes" --forbid-processes $(ARGS)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not processes" --forbid-processes $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff format --check $(LINT_PATHS)

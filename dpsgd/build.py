@@ -54,6 +54,11 @@ def load_data(cfg: dict) -> data.Split:
     keys = ("root", "num_samples", "num_features", "num_classes", "seq_len", "samples_per_peer", "heterogeneity")
     options = {k: d[k] for k in keys if d.get(k) is not None}
     if d["name"] == "heterogeneous_regression":
+        if d.get("partition") != "blocks":  # another partition mixes the peers' problems: x* is no longer known
+            raise ValueError(
+                "data=heterogeneous_regression gives peer i the i-th block, its own problem: it needs "
+                f"data.partition=blocks, got {d.get('partition')!r}"
+            )
         options["peers"] = int(cfg["peers"])  # one problem per peer of the run
     if d.get("image_shape") is not None:
         options["image_shape"] = tuple(int(s) for s in d["image_shape"])  # hashable: data.load caches
@@ -100,7 +105,7 @@ def partition(cfg: dict, split: data.Split, peers: int) -> list:
 
 
 def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
-    """The config's model, the same initial parameters on every peer (one seed)."""
+    """The config's model, the same initial parameters on every peer (one seed); one with no parameter is refused."""
     options = {k: v for k, v in cfg["model"].items() if k not in ("name", "_target_") and v is not None}
     seed = int(cfg["seed"])
     target = cfg["model"].get("_target_")
@@ -110,10 +115,14 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
             state = torch.random.get_rng_state()
             torch.manual_seed(seed)
             try:
-                return cls(**options)
+                model = cls(**options)
             finally:
                 torch.random.set_rng_state(state)
-    return models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **options)
+    else:
+        model = models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **options)
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"the model {target or cfg['model']['name']!r} has no parameters to train")
+    return model
 
 
 def check_algorithm(cfg: dict):

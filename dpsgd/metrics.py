@@ -203,12 +203,6 @@ def peer_row(
     return row, avg
 
 
-def gather_columns(comm: Communicator, row: dict[str, float]) -> dict[str, torch.Tensor]:
-    """Every peer's `row` as (n,) columns, on every peer."""
-    table = gather_scalars(comm, [float(row[k]) for k in COLUMNS])
-    return {k: table[:, i] for i, k in enumerate(COLUMNS)}
-
-
 @torch.no_grad()
 def stacked_columns(
     model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum, traffic: dict
@@ -271,8 +265,9 @@ def measure(
 def measure_peers(comm: Communicator, model, x_test, y_test, train_loss: float, optimum=None) -> dict:
     """`measure` on real peers: every peer's row gathered (collectives: every peer calls it)."""
     row, avg = peer_row(comm, model, x_test, y_test, train_loss, optimum)
+    table = gather_scalars(comm, [float(row[k]) for k in COLUMNS])
     emulated = comm.network is not None and comm.network.active
-    return measure(gather_columns(comm, row), avg, y_test, optimum, emulated)
+    return measure({k: table[:, i] for i, k in enumerate(COLUMNS)}, avg, y_test, optimum, emulated)
 
 
 PEER_CHUNK = 64  # peers evaluated in one vectorized call

@@ -4,10 +4,10 @@
 peers at their own pace (`AsynchronousRun`, for an optimizer that declares `asynchronous`), the fleet
 and the event simulator (dpsgd.sim.run). It averages the training loss, writes `metrics.jsonl` every
 `log_every` steps, tracks the target accuracy, checkpoints every `checkpoint.every` steps where the run
-can, and writes `summary.json` with the same keys for every kind of run. `train(comm, cfg, out_dir)`
-is one real peer's side of an experiment; with `resume: true` it continues from the newest complete
-checkpoint in `out_dir` and ends with the numbers of an uninterrupted run; with `elastic: true` it
-continues from the newest complete checkpoint of any peer count (dpsgd.elastic).
+can, and writes `summary.json` with the same keys for every kind of run (records: dpsgd.metrics.Record).
+`train(comm, cfg, out_dir)` is one real peer's side of an experiment; with `resume: true` it continues
+from the newest complete checkpoint in `out_dir` and ends with the numbers of an uninterrupted run; with
+`elastic: true` it continues from the newest complete checkpoint of any peer count (dpsgd.elastic).
 """
 
 from __future__ import annotations

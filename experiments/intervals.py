@@ -2,7 +2,9 @@
 
 With n seeds, the interval is mean +- t_{(1+c)/2, n-1} * s / sqrt(n), s the sample standard deviation (n - 1 in
 the denominator): the interval a reviewer expects for a handful of seeds, wider than the normal one when n is small.
-One seed gives a mean and no interval.
+One seed gives a mean and no interval. Quantities that cannot be negative (times, bytes, distances, losses) or
+exceed 1 (accuracies) have their plotted bands cut at those limits (`clipped_band`); tables keep the symmetric
+half width, which `describe` puts in words.
 """
 
 from __future__ import annotations
@@ -54,6 +56,19 @@ def summarize(summaries: list[dict]) -> dict:
     return out
 
 
+def describe(seeds: list[int]) -> str:
+    """What the reported ± means, for rows over these numbers of seeds: one sentence for a caption."""
+    several = sorted({n for n in seeds if n > 1})
+    if not several:
+        return "One seed per row: values are single runs, with no interval."
+    counts = " or ".join(str(n) for n in several)
+    text = (
+        f"± is the half width of the {CONFIDENCE:.0%} Student-t interval of the mean over a row's {counts} seeds "
+        f"(t(0.975, n-1) s / sqrt(n), s the sample standard deviation)"
+    )
+    return text + ("; rows of one seed have no interval." if min(seeds) == 1 else ".")
+
+
 def band(curves: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
     """Pointwise mean and interval half width of curves of one configuration, over their common length."""
     length = min(len(c) for c in curves)
@@ -62,3 +77,17 @@ def band(curves: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
     if len(curves) < 2:
         return means, np.zeros(length)
     return means, np.array([half_width(stacked[:, i]) for i in range(length)])
+
+
+def clipped_band(
+    curves: list[list[float]], low: float | None = 0.0, high: float | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pointwise mean and the interval's lower and upper edges, cut at `low` and `high` (None: no limit): a band of
+    losses or times never reaches below 0, one of accuracies never above 1."""
+    means, half = band(curves)
+    lower, upper = means - half, means + half
+    if low is not None:
+        lower = np.maximum(lower, low)
+    if high is not None:
+        upper = np.minimum(upper, high)
+    return means, lower, upper

@@ -6,6 +6,10 @@ config.yaml), so a sweep made elsewhere can be reported here. The parameters tha
 between runs are the swept ones: they become the table's first columns and the plots' legend.
 Runs that differ only by `seed` are one configuration: its row holds the mean over the seeds with a 95%
 Student-t interval (experiments.intervals) and the number of seeds, and its curves a band of that interval.
+Runs that differ only by an option their algorithm does not read (the topology of all-reduce: an optimizer's
+`uses_topology`) are the same run: each is reported once, with a line saying which overrides it ignored.
+The table, report.md and every figure say what was run, what ± means and which clock a time is on
+(experiments.captions); figures are 7 inches wide, for a paper's page (experiments.plots).
 
 Writes into the output folder (default DIR): report.md, report.csv, and PNG plots
 vs_steps.png (test accuracy of the averaged model and of the peers, test loss, consensus distance),
@@ -23,7 +27,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from experiments.intervals import band, summarize
+from experiments import captions
+from experiments.intervals import summarize
+from experiments.plots import Page, draw_band, limits_words
 from experiments.table import format_csv, format_markdown, format_table
 
 IGNORED_KEYS = ("hydra", "comm.timeout_s", "log_every")  # settings that do not change the results
@@ -84,18 +90,48 @@ def _parse_overrides(overrides: list[str] | None) -> dict | None:
 def swept_keys(runs: list[dict]) -> list[str]:
     """What differs between runs: the command-line overrides where every run has Hydra's record
     of them (what the user swept, by the names they used), else the differing config keys."""
-    source = "overrides" if all(r["overrides"] is not None for r in runs) else "config"
+    source = "overrides" if all(r.get("overrides") is not None for r in runs) else "config"
     keys = sorted({k for r in runs for k in r[source]})
     return [k for k in keys if not k.startswith(IGNORED_KEYS) and len({repr(r[source].get(k)) for r in runs}) > 1]
 
 
 def value(run: dict, key: str):
-    source = run["overrides"] if run["overrides"] is not None and key in run["overrides"] else run["config"]
+    source = run["overrides"] if run.get("overrides") is not None and key in run["overrides"] else run["config"]
     return source.get(key)
 
 
 def label(run: dict, keys: list[str]) -> str:
-    return " ".join(f"{k}={value(run, k)}" for k in keys) or run["dir"].name
+    """A configuration's name in words ('D-PSGD, ring', 'all-reduce'): its swept values, or with nothing swept
+    its algorithm and topology."""
+    swept = captions.legend(run, {k: value(run, k) for k in keys if k != "seed"})
+    values = {"algorithm": captions.setting(run, "algorithm.name"), "topology": captions.setting(run, "topology.name")}
+    return swept or captions.legend(run, values) or run["dir"].name
+
+
+def collapse_identical(runs: list[dict], keys: list[str]) -> tuple[list[dict], list[str]]:
+    """Runs that differ only in keys their algorithm does not read are one run: the first is kept (the others are
+    copies, not further seeds), with `ignored` {key: values the copies had}. Returns the kept runs and one line
+    per algorithm saying what was collapsed."""
+    kept: dict[tuple, dict] = {}
+    for run in runs:
+        skip = captions.ignored(run, keys)
+        identity = tuple((k, repr(value(run, k))) for k in keys if k not in skip)
+        first = kept.setdefault(identity, {**run, "ignored": {}})
+        for k in skip:
+            first["ignored"].setdefault(k, [])
+            if value(run, k) not in first["ignored"][k]:
+                first["ignored"][k].append(value(run, k))
+    notes: dict[str, set] = {}
+    for run in kept.values():
+        for k, values in run["ignored"].items():
+            if len(values) > 1:
+                name = captions.algorithm_words(captions.setting(run, "algorithm.name"))
+                notes.setdefault(name, set()).add(f"{k}={','.join(map(str, values))}")
+    lines = [
+        f"{name} does not read {', '.join(sorted(o))}: those runs are the same run, reported once"
+        for name, o in notes.items()
+    ]
+    return list(kept.values()), lines
 
 
 def group_by_seed(runs: list[dict], keys: list[str]) -> tuple[list[str], list[list[dict]]]:
@@ -108,61 +144,78 @@ def group_by_seed(runs: list[dict], keys: list[str]) -> tuple[list[str], list[li
     return config_keys, list(groups.values())
 
 
-def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
-    """One line per configuration: the mean over its seeds, in a band of the 95% interval where it has several."""
-    import matplotlib
+# name: (x key, x axis label, [(y key, y axis label)], title)
+FIGURES = {
+    "vs_steps": (
+        "step",
+        "step",
+        [
+            ("test_accuracy", "test accuracy (averaged model)"),
+            ("peer_test_accuracy_mean", "test accuracy (mean of peers' models)"),
+            ("test_loss", "test loss (averaged model)"),
+            ("consensus_distance", "consensus distance"),
+        ],
+        "Accuracy, loss and consensus against steps",
+    ),
+    "optimum_vs_steps": (  # data with a known optimum (heterogeneous_regression)
+        "step",
+        "step",
+        [
+            ("optimum_distance", "distance to x* (averaged model)"),
+            ("peer_optimum_distance", "distance to x* (peers' models, rms)"),
+        ],
+        "Distance to the optimum against steps",
+    ),
+    "vs_wall_time": (
+        "wall_time_s",
+        "wall time (s)",
+        [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss (averaged model)")],
+        "Accuracy and loss against wall time",
+    ),
+    "vs_mb_sent": (
+        "mb_sent_per_peer",
+        "MB sent per peer",
+        [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss (averaged model)")],
+        "Accuracy and loss against MB sent per peer",
+    ),
+    "vs_emulated_time": (
+        "emulated_time_s",
+        "emulated time (s)",
+        [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss (averaged model)")],
+        "Accuracy and loss against emulated time",
+    ),
+}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    figures = {
-        "vs_steps": (
-            "step",
-            "step",
-            [
-                ("test_accuracy", "test accuracy (averaged model)"),
-                ("peer_test_accuracy_mean", "test accuracy (mean of peers' models)"),
-                ("test_loss", "test loss"),
-                ("consensus_distance", "consensus distance"),
-            ],
-        ),
-        "optimum_vs_steps": (  # data with a known optimum (heterogeneous_regression)
-            "step",
-            "step",
-            [
-                ("optimum_distance", "distance to x* (averaged model)"),
-                ("peer_optimum_distance", "distance to x* (peers' models, rms)"),
-            ],
-        ),
-        "vs_wall_time": (
-            "wall_time_s",
-            "wall time (s)",
-            [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
-        ),
-        "vs_mb_sent": (
-            "mb_sent_per_peer",
-            "MB sent per peer",
-            [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
-        ),
-        "vs_emulated_time": (
-            "emulated_time_s",
-            "emulated time (s, dpsgd.comm.netem)",
-            [("test_accuracy", "test accuracy (averaged model)"), ("test_loss", "test loss")],
-        ),
-    }
+def plot(
+    groups: list[list[dict]], keys: list[str], out: Path, copies: int = 0, notes: tuple[str, ...] = ()
+) -> list[Path]:
+    """One figure per FIGURES entry the runs have data for; one line per configuration: the mean over its
+    seeds, in a band of the 95% interval where it has several. `copies` and `notes`: runs collapsed as copies of
+    others (collapse_identical), said in each caption."""
     runs = [r for g in groups for r in g]
-    seeds = max(len(g) for g in groups)
+    seed_counts = [len(g) for g in groups]
     written = []
-    for name, (x_key, x_label, panels) in figures.items():
+    for name, (x_key, x_label, y_panels, title) in FIGURES.items():
         if not any(m.get(x_key) is not None for r in runs for m in r["metrics"]) or not any(
-            m.get(y_key) is not None for r in runs for m in r["metrics"] for y_key, _ in panels
+            m.get(y_key) is not None for r in runs for m in r["metrics"] for y_key, _ in y_panels
         ):
             continue  # e.g. no emulated network, or no known optimum, in these runs
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-        for ax, (y_key, y_label) in zip(axes[0], panels):
+        timed = [r for r in runs if _values(r, x_key)]  # the runs with this axis (emulated time: not all)
+        clock = " ".join(captions.clocks(timed, {x_key}))
+        bounds = limits_words([y for y, _ in y_panels])
+        caption = captions.figure_caption(runs, keys, seed_counts, clock, bounds, copies)
+        caption += "".join(f" Note: {n}." for n in notes)
+        if x_key in ("wall_time_s", "emulated_time_s"):
+            x_label = captions.clock_label(timed, x_key)
+            title = title.replace("emulated time", x_label.split(" (")[0])
+        page = Page(len(y_panels), title, caption, len(groups))
+        for ax, (y_key, y_label) in zip(page.axes, y_panels):
             for group in groups:
-                legend = label(group[0], keys) + (f" ({len(group)} seeds)" if seeds > 1 else "")
-                draw_band(ax, group, x_key, y_key, legend)
+                several = len(set(seed_counts)) > 1
+                draw_band(
+                    ax, group, x_key, y_key, label(group[0], keys) + (f" ({len(group)} seeds)" if several else "")
+                )
             xs = [x for r in runs for x in _values(r, x_key) if x > 0]
             if x_key == "mb_sent_per_peer" and xs and max(xs) / min(xs) > 100:
                 ax.set_xscale("log", nonpositive="mask")  # e.g. averaging periods spanning 1 to 64
@@ -175,36 +228,40 @@ def plot(groups: list[list[dict]], keys: list[str], out: Path) -> list[Path]:
                 elif any(y > 0 for y in ys):  # all-reduce runs sit at exactly 0
                     ax.set_yscale("symlog", linthresh=min(y for y in ys if y > 0))
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=8)
-        title = f"{len(runs)} run(s)" + (f", swept: {', '.join(keys)}" if keys else "")
-        fig.suptitle(title + (", bands: 95% interval over seeds" if seeds > 1 else ""))
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(page.save(out / f"{name}.png"))
     return written
-
-
-def draw_band(ax, runs: list[dict], x_key: str, y_key: str, legend: str) -> None:
-    """One configuration's runs (its seeds) as one line on `ax`: the mean of `y_key` against `x_key` (metrics.jsonl
-    fields), in a band of the 95% interval where there are several. Nothing when a run lacks the fields."""
-    curves = [
-        [(m[x_key], m[y_key]) for m in r["metrics"] if m.get(x_key) is not None and m.get(y_key) is not None]
-        for r in runs
-    ]
-    if not all(curves):
-        return
-    # the seeds' i-th records are taken together (same step; wall time and bytes as their mean)
-    x_mean, _ = band([[x for x, _ in c] for c in curves])
-    y_mean, ci = band([[y for _, y in c] for c in curves])
-    (line,) = ax.plot(x_mean, y_mean, marker=".", label=legend)
-    if len(curves) > 1:
-        ax.fill_between(x_mean, y_mean - ci, y_mean + ci, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
 def _values(run: dict, key: str):
     return [m[key] for m in run["metrics"] if m.get(key) is not None]
+
+
+def rows(groups: list[list[dict]], keys: list[str]) -> list[dict]:
+    """The table's rows: each configuration's summary over its seeds, its swept values, and "unused" for a
+    setting its algorithm does not read (all-reduce's topology) with `ignored` naming the collapsed copies."""
+    out = []
+    for group in groups:
+        first = group[0]
+        row = summarize([{**captions.settings(r), **r["summary"], **{k: value(r, k) for k in keys}} for r in group])
+        unused = [k for k in (*keys, "topology") if k in row and captions.ignored(first, [k])]
+        row.update({k: "unused" for k in unused})
+        if unused:
+            row.pop("spectral_gap", None)  # the unused topology's
+        collapsed = {k: v for k, v in first.get("ignored", {}).items() if len(v) > 1}
+        if collapsed:
+            row["ignored"] = "; ".join(f"{k}={','.join(map(str, v))}" for k, v in collapsed.items())
+        out.append(row)
+    return out
+
+
+def caption(
+    runs: list[dict], groups: list[list[dict]], keys: list[str], notes: list[str], columns: set[str], copies: int
+) -> str:
+    """The table's caption: what was run, what ± means, which clocks its times are on, what was collapsed."""
+    parts = [captions.what_was_run(runs, keys, copies), captions.interval_sentence([len(g) for g in groups])]
+    parts += captions.clocks(runs, columns)
+    parts += [f"Note: {n}." for n in notes]
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,14 +281,24 @@ def main(argv: list[str] | None = None) -> int:
             f"error: no run under {args.dir} has a summary.json (unfinished or failed runs have none)", file=sys.stderr
         )
         return 2
-    keys, groups = group_by_seed(runs, swept_keys(runs))
-    summaries = [summarize([{**r["summary"], **{k: value(r, k) for k in keys}} for r in g]) for g in groups]
+    swept = swept_keys(runs)
+    kept, notes = collapse_identical(runs, swept)
+    keys, groups = group_by_seed(kept, swept)
+    summaries = rows(groups, keys)
+    columns = {k for s in summaries for k, v in s.items() if v is not None}
+    text = caption(kept, groups, swept, notes, columns, len(runs) - len(kept))
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
     print(format_table(summaries, keys))
-    (out / "report.md").write_text(format_markdown(summaries, keys))
+    print("\n" + "\n\n".join(captions.wrap(p, 110) for p in text.split("\n\n")))
+    pngs = plot(groups, keys, out, len(runs) - len(kept), tuple(notes))
+    figures = "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)
+    (out / "report.md").write_text(
+        f"# Report of {len(runs)} run{'s' if len(runs) != 1 else ''} in {args.dir}\n\n{text}\n\n"
+        + format_markdown(summaries, keys)
+        + figures
+    )
     (out / "report.csv").write_text(format_csv(summaries, keys))
-    pngs = plot(groups, keys, out)
     print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, " + ", ".join(str(p) for p in pngs))
     return 0
 

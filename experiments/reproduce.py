@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments import reproductions
+from experiments import captions, reproductions
 from experiments.intervals import summarize
-from experiments.report import draw_band, group_by_seed, load_runs, swept_keys, value
+from experiments.plots import Page, draw_band, limits_words
+from experiments.report import group_by_seed, load_runs, swept_keys, value
 from experiments.sweeps import finished, run_sweep
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reproductions"
@@ -88,29 +89,26 @@ def plot_curves(
     log_x: bool = False,
 ) -> Path:
     """One panel per (metric, axis label) in `y_keys`, one line per configuration against `x_key` (a metrics.jsonl
-    field): the mean over its seeds in a band of the 95% interval. `label(config)` names a line (default: its
-    setting)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(y_keys), figsize=(5.2 * len(y_keys), 4.2), squeeze=False)
-    for ax, (y_key, y_label) in zip(axes[0], y_keys):
+    field): the mean over its seeds in a band of the 95% interval, cut where the quantity ends. `label(config)`
+    names a line (default: its setting in words). The figure's caption says what was run, what the bands are and
+    which clock a time axis is on (experiments.captions)."""
+    runs = [r for c in configs for r in c.runs]
+    seed_counts = [len(c.runs) for c in configs]
+    timed = [r for r in runs if any(m.get(x_key) is not None for m in r["metrics"])]
+    clock = " ".join(captions.clocks(timed, {x_key}))
+    bounds = limits_words([y for y, _ in y_keys])
+    caption = captions.figure_caption(runs, swept_keys(runs), seed_counts, clock, bounds)
+    page = Page(len(y_keys), title, caption, len(configs))
+    for ax, (y_key, y_label) in zip(page.axes, y_keys):
         for config in configs:
-            name = label(config) if label else ", ".join(f"{k}={v}" for k, v in config.setting.items())
+            name = label(config) if label else captions.legend(config.runs[0], config.setting)
             draw_band(ax, config.runs, x_key, y_key, name)
         if log_x:
             ax.set_xscale("log")
-        ax.set_xlabel(x_label or x_key)
+        ax.set_xlabel(x_label or (captions.clock_label(timed, x_key) if x_key.endswith("time_s") else x_key))
         ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return page.save(path)
 
 
 def fleet_threads(overrides: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ COLUMNS = [  # (header, summary key, format)
     ("dist to x* (peers, rms)", "peer_optimum_distance", "{:.3e}"),
     ("consensus dist", "consensus_distance", "{:.3e}"),
     ("MB sent/peer", "mb_sent_per_peer", "{:.2f}"),
-    ("wall s", "wall_time_s", "{:.1f}"),
+    ("wall s", "wall_time_s", "{:.3g}"),  # a fleet's runs take tenths of a second: significant digits
     ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.comm.netem)
 ]
 # columns left out when no row has them
@@ -45,7 +45,12 @@ def _cell(summary: dict, key: str, fmt: str) -> str:
     if summary.get(key) is None:
         return "-"
     ci = summary.get(f"{key}_ci95")
-    return fmt.format(summary[key]) + (f" ± {fmt.format(ci)}" if ci is not None else "")
+    text = fmt.format(summary[key])
+    if ci is None:
+        return text
+    if fmt.endswith("g}") and "." in text and "e" not in text:  # the half width to the mean's decimals
+        return f"{text} ± {ci:.{len(text.split('.')[1])}f}"
+    return f"{text} ± {fmt.format(ci)}"
 
 
 def format_table(summaries: list[dict], extra: list[str] = ()) -> str:
@@ -68,8 +73,11 @@ def format_markdown(summaries: list[dict], extra: list[str] = ()) -> str:
 
 
 def format_csv(summaries: list[dict], extra: list[str] = ()) -> str:
-    """Raw (unformatted) values: every summary key, swept parameters first."""
-    keys = list(extra) + sorted({k for s in summaries for k in s if k not in extra})
+    """Raw (unformatted) values: every summary key with a single value (not lists such as class histograms),
+    swept parameters first."""
+    keys = list(extra) + sorted(
+        {k for s in summaries for k, v in s.items() if k not in extra and not isinstance(v, list | dict)}
+    )
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()

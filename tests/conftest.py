@@ -14,15 +14,24 @@ collection, to the tests that
 `make test-fast` (`-m "not slow and not processes"`) runs the rest: the in-process tests. To check the
 split, `pytest --forbid-processes -m "not slow and not processes"` fails any selected test that starts a
 process (it stops fork, posix_spawn and subprocess in the tests left unmarked).
+
+Parallel runs: `make test` runs the suite in 2 pytest-xdist workers with `--dist loadgroup`; the tests that
+share a module-scoped fixture, and those that make test hosts, get an `xdist_group` mark here so that one
+worker runs each such group (see `_xdist_group`). A test never uses a fixed port, path or namespace name.
+
+Measuring: `--cpu-times FILE` writes each test's wall and CPU seconds (its own and its processes') to FILE.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
+import resource
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -123,9 +132,62 @@ def pytest_addoption(parser):
         action="store_true",
         help="fail a test not marked `processes` that starts an OS process (checks the marking)",
     )
+    parser.addoption(
+        "--cpu-times",
+        metavar="FILE",
+        help="append each test's wall and CPU seconds (set-up, call and tear-down; the CPU of pytest's process and"
+        " of the processes it started and reaped) to FILE as JSON lines: on a loaded machine CPU seconds are the"
+        " honest measure of a test's cost, wall minus CPU of the time it waits",
+    )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--cpu-times")
+    if not path:
+        yield
+        return
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    wall, used = time.perf_counter(), cpu()
+    yield
+    row = {
+        "test": item.nodeid,
+        "wall": round(time.perf_counter() - wall, 3),
+        "cpu": round(cpu() - used, 3),
+        "markers": sorted({m.name for m in item.iter_markers()} & {"slow", "processes", "gpu"}),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "load": round(os.getloadavg()[0], 2),
+    }
+    with open(path, "a") as out:  # one short write per line: lines from parallel workers do not interleave
+        out.write(json.dumps(row) + "\n")
+
+
+def _xdist_group(item) -> str | None:
+    """The worker group of a test under `make test`'s `pytest -n N --dist loadgroup` (pytest-xdist): one worker
+    runs a group's tests one after the other. Groups: the tests that share a module- or class-scoped fixture of
+    their module (it then runs once, not once per worker), and every test that makes test hosts (network
+    namespaces with rate-capped links whose timings a second set on the same cores would disturb)."""
+    module = getattr(item, "module", None)
+    if module is None:
+        return None
+    if "testhosts" in vars(module):
+        return "testhosts"
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        if defs and defs[-1].scope in ("module", "class") and defs[-1].baseid == item.nodeid.split("::")[0]:
+            return module.__name__
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _xdist_group(item)
+        if group and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
     verdicts: dict = {}
     for item in items:
         if item.get_closest_marker("processes"):

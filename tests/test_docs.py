@@ -153,6 +153,29 @@ def test_guides_name_existing_modules_and_config_options():
     assert not problems, "\n".join(problems)
 
 
+def test_manual_names_files_and_modules_that_exist():
+    """Paths (`dpsgd/optim/dpsgd.py`) and dotted names (`dpsgd.comm.netem.Link`) in backticks, in README, the
+    guides and the API pages, name files, modules and attributes that exist: a moved module shows up here."""
+    pages = [README, ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+    pages += sorted((ROOT / "docs" / "api").glob("*.md"))
+    problems = []
+    for page in pages:
+        text = page.read_text()
+        for path in set(re.findall(r"`((?:dpsgd|topologies|experiments|tests|tools|conf)/[\w/.\-]*)`", text)):
+            if "NAME" not in path and not (ROOT / path).exists():
+                problems.append(f"{page.name}: no file {path}")
+        for dotted in set(re.findall(r"`((?:dpsgd|topologies|experiments)(?:\.\w+)+)", text)):
+            parts = dotted.split(".")
+            k = max(i for i in range(1, len(parts) + 1) if module_exists(".".join(parts[:i])))
+            obj = importlib.import_module(".".join(parts[:k]))
+            for attr in parts[k:]:
+                if not hasattr(obj, attr):
+                    problems.append(f"{page.name}: {dotted}: {'.'.join(parts[:k])} has no {attr}")
+                    break
+                obj = getattr(obj, attr)
+    assert not problems, "\n".join(problems)
+
+
 def test_readme_library_example_runs_as_written(capsys):
     """The README's Python block, executed as a user would save and run it (4 peers as threads)."""
     (example,) = code_blocks(README.read_text(), "python")

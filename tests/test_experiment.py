@@ -12,6 +12,7 @@ import time
 import pytest
 from runs import assert_same_numbers, summary
 
+from dpsgd.backends.launch import free_port
 from dpsgd.backends.mpi import mpiexec
 
 SHORT = ["epochs=3", "log_every=5"]
@@ -58,7 +59,7 @@ LAUNCHES = {
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            "29533",
+            str(free_port()),  # not a fixed one: tests run in parallel (make test)
             "--no-python",
         ],
     ),
@@ -134,7 +135,8 @@ def test_world_size_must_match_peers(app, tmp_path):
 
 
 def test_killed_run_resumes_to_the_same_numbers(app, tmp_path):
-    args = ["backend=local", "epochs=20", "log_every=10", "checkpoint.every=20"]
+    # 8 epochs (88 steps): the kill comes at the first checkpoint (step 20); the rest is the resume's
+    args = ["backend=local", "epochs=8", "log_every=10", "checkpoint.every=20"]
     full = tmp_path / "full"
     assert app(args, full).returncode == 0
     run_dir = tmp_path / "killed"

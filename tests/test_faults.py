@@ -133,9 +133,10 @@ def test_killed_local_peer_stops_the_world_at_once(config):
             ["faults.kill_peer=2", "faults.at_step=5", "faults.kill_mode=hang"],
             ["PeerTimeoutError: neighbor_average timed out after 2 s waiting for peer(s) [2] at step 5"],
         ),
-        (
+        pytest.param(  # make soak: the same line as the hang's; in process, test_lost_messages_... checks it
             ["faults.drop_messages=1.0", "faults.at_step=5"],
             ["PeerTimeoutError: neighbor_average timed out after 2 s", "at step 5"],
+            marks=pytest.mark.slow,
         ),
     ],
 )

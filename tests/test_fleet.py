@@ -57,6 +57,11 @@ CASES = {
     "bmuf": ("bmuf", "ring", {}),
     "diloco": ("diloco", "ring", {}),
     "streaming_diloco": ("streaming_diloco", "ring", {"period": 4, "fragments": 2, "delay": 1}),
+    "streaming_diloco-adam-outer": (
+        "streaming_diloco",
+        "ring",
+        {"period": 4, "fragments": 2, "delay": 1, "outer": {"_target_": "torch.optim.Adam", "lr": 0.01}},
+    ),
     "sgp": ("sgp", "directed_exponential", {}),
     "choco-top_k": ("choco", "ring", {}),
     "choco-random_k": ("choco", "exponential", {"compressor": "random_k", "ratio": 0.2}),

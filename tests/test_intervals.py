@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from experiments.intervals import band, half_width, mean_interval, summarize
+from experiments.intervals import band, describe, half_width, mean_interval, summarize
 from experiments.train import expand_seeds
 from experiments.validate import ConfigError
 
@@ -58,6 +58,12 @@ def test_summary_of_seeds_and_band():
     means, halves = band([[1.0, 2.0, 3.0], [3.0, 4.0], [2.0, 3.0, 9.0]])  # over the common length
     assert means.tolist() == [2.0, 3.0]
     assert halves[0] == pytest.approx(stats.t.ppf(0.975, 2) * 1 / np.sqrt(3))
+
+
+def test_what_plus_minus_means():
+    assert describe([3, 3]).startswith("± is the half width of the 95% Student-t interval of the mean over a row's 3 ")
+    assert describe([1, 1]) == "One seed per row: values are single runs, with no interval."
+    assert "2 or 5 seeds" in describe([1, 2, 5]) and describe([1, 2, 5]).endswith("rows of one seed have no interval.")
 
 
 def test_seeds_is_one_override():

@@ -107,3 +107,46 @@ def test_the_import_graph_reads_relative_and_package_imports():
 
 def test_no_import_circle_in_dpsgd():
     assert cycles(import_graph(ROOT)) == []
+
+
+def name_comparisons(root: Path, names: set[str], own: dict[str, set[str]]) -> list[str]:
+    """`x == "mpi"`, `algorithm in ("adpsgd", ...)` and the like in dpsgd/: comparisons of a backend's or an
+    algorithm's name (the other side's code says backend, algorithm or name) outside that one's own modules."""
+    found = []
+    for path in sorted((root / "dpsgd").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant)} & names
+            code = " ".join(ast.get_source_segment(text, s) or "" for s in sides)
+            if any(w in code for w in ("backend", "algorithm", "name")):
+                found += [f"{rel}:{node.lineno} {code}" for c in consts if rel not in own.get(c, set())]
+    return found
+
+
+def test_name_comparisons_finds_one_and_passes_other_words(tmp_path):
+    (tmp_path / "dpsgd").mkdir()
+    (tmp_path / "dpsgd" / "x.py").write_text(
+        "def f(cfg, comm, words):\n"
+        '    return cfg["backend"]["name"] != "torch" or words[0] == "local" or comm.backend in ("mpi",)\n'
+    )
+    found = name_comparisons(tmp_path, {"torch", "local", "mpi"}, {"mpi": {"dpsgd/x.py"}})
+    assert found == ['dpsgd/x.py:2 cfg["backend"]["name"] "torch"']  # words[0] is no name; x.py is mpi's own
+
+
+def test_no_code_outside_its_own_module_names_a_backend_or_an_algorithm():
+    from dpsgd import backends
+    from dpsgd.optim import ALGORITHMS
+
+    own = {  # a backend's transport and driver; an algorithm's own file is where its class is
+        "local": {"dpsgd/comm/local.py", "dpsgd/backends/local.py"},
+        "mpi": {"dpsgd/comm/mpi.py", "dpsgd/backends/mpi.py"},
+        "torch": {"dpsgd/comm/torch_dist.py", "dpsgd/backends/torch_dist.py"},
+        "fleet": {"dpsgd/sim/fleet.py", "dpsgd/backends/fleet.py"},
+    }
+    for name, cls in ALGORITHMS.items():
+        own.setdefault(name, set()).add(str(Path(sys.modules[cls.__module__].__file__).relative_to(ROOT)))
+    assert name_comparisons(ROOT, set(backends.names()) | set(ALGORITHMS), own) == []

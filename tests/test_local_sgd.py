@@ -212,6 +212,22 @@ def test_state_dict_round_trip_resumes_identically(case):
         assert straight == resumed  # the same floats, not merely close
 
 
+def test_a_state_dict_from_before_torch_outer_optimizers_is_refused():
+    """Its bare momentum list cannot become a torch optimizer's state: a silent fresh anchor would not resume."""
+    from dpsgd.optim.base import STATE_KEY
+
+    def fn(comm):
+        params, loss = peer.model(comm)
+        opt = SlowMo(torch.optim.SGD(params, lr=0.05), comm=comm, period=2)
+        peer.take_steps(opt, params, loss, 2)
+        old = opt.state_dict()
+        old[STATE_KEY] = {"step_count": 2, "anchor": [p.detach() for p in params], "outer_buffer": None}
+        with pytest.raises(ValueError, match="predates torch outer optimizers"):
+            opt.load_state_dict(old)
+
+    run_local(N, fn)
+
+
 def test_period_one_with_averaged_momentum_is_allreduce():
     """Averaging models (and momentum) after every step == averaging gradients, from a common start."""
 

@@ -13,7 +13,9 @@ OPENING = {True: "holds", False: "does not hold", None: "partly holds"}
 def config(setting: dict, runs: list[dict] | None = None, **summary) -> Configuration:
     """One setting's measurements: the summary's means and 95% half widths (KEY_ci95), no curves unless given."""
     summary = {"steps": 100, "seeds": 3, "peers": 4, **summary}
-    return Configuration(setting, summary, runs or [{"metrics": [{"step": 100, **summary}]}])  # a one-point curve
+    # a run as experiments.report.load_runs reads one: its flat config, no recorded overrides, a one-point curve
+    one = {"dir": "run", "summary": summary, "config": dict(setting), "overrides": None}
+    return Configuration(setting, summary, [{**one, **r} for r in runs or [{"metrics": [{"step": 100, **summary}]}]])
 
 
 @pytest.mark.parametrize(("dpsgd_accuracy", "holds"), [(0.905, True), (0.895, True), (0.85, False), (0.95, False)])

@@ -81,3 +81,15 @@ def test_tune_selects_on_validation_then_runs_seeds(tmp_path):
         assert (config["algorithm"]["lr"], config["algorithm"]["period"]) == (best["lr"], best["period"])
     tuned_md = (out / "tuned.md").read_text()
     assert f"lr {best['lr']:g}, period {best['period']}" in tuned_md and "| 2 |" in tuned_md
+
+
+@pytest.mark.parametrize("algorithm", ["local_sgd", "bmuf", "slowmo", "diloco", "choco"])
+def test_each_knob_names_a_setting_of_its_algorithms_config(algorithm):
+    """The searched knob is a key the algorithm's config holds (a renamed option would search nothing: Hydra
+    refuses an override of a key that is not there)."""
+    from experiments import tune
+
+    name, values = tune.KNOBS[algorithm]
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "algorithm" / f"{algorithm}.yaml"))
+    assert isinstance(tune._get({"algorithm": cfg}, f"algorithm.{name}"), (int, float)), (algorithm, name)
+    assert len(values) > 1

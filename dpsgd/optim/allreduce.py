@@ -29,6 +29,8 @@ class AllReduce(DistributedOptimizer):
     gradients, 2 (n - 1) / n of the model.
     """
 
+    uses_topology = False
+
     elastic = True
 
     def __init__(

@@ -42,6 +42,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
+    uses_topology: ClassVar[bool] = True  # False: `topology=` is accepted and ignored (reports collapse such runs)
     # True: its per-peer state has a rule for a world that re-forms with another peer count (dpsgd.elastic)
     elastic: ClassVar[bool] = False
     overlap: bool = False  # True: the training loop calls start_communication() before the forward pass

@@ -69,7 +69,7 @@ from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
-from .outer import DILOCO, OuterOptimizer, factory
+from .outer import DILOCO, OuterOptimizer, factory, saved_outer
 
 INNER_STATES = ("keep", "reset", "average")
 SLOWMO = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.5)  # fairscale's slow lr and momentum
@@ -98,6 +98,7 @@ class LocalSGD(DistributedOptimizer):
     `outer_optimizer` is the torch optimizer that moves the anchor (None without one)."""
 
     elastic = True  # the anchor and outer state are the same on every peer: an added peer takes rank 0's
+    uses_topology = False  # averaging is exact (all-reduce)
 
     def __init__(
         self,
@@ -247,7 +248,7 @@ class LocalSGD(DistributedOptimizer):
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        saved = state.get("outer")
+        saved = saved_outer(state, type(self).__name__)
         self._anchored = saved is not None
         if saved is not None:
             if self._outer is None:

@@ -38,6 +38,15 @@ def factory(outer, who: str) -> Callable[..., torch.optim.Optimizer] | None:
         ) from None
 
 
+def saved_outer(state: dict, who: str) -> dict | None:
+    """The outer state an algorithm_state holds (None before the anchor is taken)."""
+    if "outer_buffer" in state:  # its momentum was a bare tensor list, not a torch optimizer's state
+        raise ValueError(
+            f"this {who} state_dict predates torch outer optimizers; resume it with the version that saved it"
+        )
+    return state.get("outer")
+
+
 class OuterOptimizer:
     """Anchor tensors in groups and the torch optimizer that moves them (None: anchors only)."""
 

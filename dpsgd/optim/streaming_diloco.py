@@ -30,7 +30,7 @@ from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
-from .outer import DILOCO, OuterOptimizer, factory
+from .outer import DILOCO, OuterOptimizer, factory, saved_outer
 
 
 class StreamingDiLoCo(DistributedOptimizer):
@@ -41,13 +41,16 @@ class StreamingDiLoCo(DistributedOptimizer):
 
     - starts a sync when t = (p + 1) h - tau (mod H): the mean over peers of its outer gradient
       Delta_p = x_anchor,p - x_p, while training goes on;
-    - completes it tau steps later, with DiLoCo's outer step (Nesterov momentum `outer_momentum`,
-      lr `outer_lr`): u_p <- beta u_p + Delta_p, x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p),
-      then x_p <- alpha x_p + (1 - alpha) x_anchor,p (alpha = `alpha`: the share of the tau local steps kept).
+    - completes it tau steps later: the outer optimizer `outer` (any torch optimizer; by default DiLoCo's
+      Nesterov SGD, lr 0.7, momentum beta 0.9) steps the anchor's fragment along the mean Delta_p, for
+      Nesterov SGD u_p <- beta u_p + Delta_p, x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p); then
+      x_p <- alpha x_p + (1 - alpha) x_anchor,p (alpha = `alpha`: the share of the tau local steps kept).
 
     One fragment syncs every h steps, so a peer's peak traffic is 1/P of the model. P = 1, tau = 0,
     alpha = 0 is `DiLoCo` with period H. The topology is accepted and ignored (averaging is exact).
     """
+
+    uses_topology = False  # fragments are averaged exactly (all-reduce)
 
     def __init__(
         self,
@@ -159,9 +162,10 @@ class StreamingDiLoCo(DistributedOptimizer):
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         p = self.params()[0]
-        self._anchored = state.get("outer") is not None
-        if self._anchored:
-            self._outer.load_state_dict(state["outer"])
+        saved = saved_outer(state, "StreamingDiLoCo")
+        self._anchored = saved is not None
+        if saved is not None:
+            self._outer.load_state_dict(saved)
         arrived = (state.get("arrived") or {}).items()
         self._in_flight = {int(k): [t.detach().to(p.device, p.dtype).clone() for t in v] for k, v in arrived}
 

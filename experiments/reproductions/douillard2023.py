@@ -157,7 +157,9 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     def label(c: Configuration) -> str:
         name = c.runs[0]["config"]["algorithm.name"]
         return (
-            "synchronous" if name == "allreduce" else f"{'DiLoCo' if name == 'diloco' else 'averaging'} H={period(c)}"
+            "synchronous"
+            if name == "allreduce"
+            else f"{'DiLoCo' if name == 'diloco' else 'averaging'}, every {period(c)} steps"
         )
 
     every = [sync, *diloco, averaging]

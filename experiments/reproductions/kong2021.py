@@ -7,7 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import captions
 from experiments.intervals import mean_interval
+from experiments.plots import Page
+from experiments.report import swept_keys
 from experiments.reproduce import Configuration, Finding
 
 PAPER = "Kong et al. 2021, Consensus Control for Decentralized Deep Learning"
@@ -110,7 +113,8 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         "Paper (paraphrased, ResNet-20 on CIFAR-10 and others, rings of 16-64): as long as the consensus distance "
         "stays below a critical value (tied to the gradients' size), decentralized training reaches the "
         "centralized accuracy; above it, accuracy falls, most in the early phase of training.\n",
-        f"Ours (16 peers, iid digits, MLP, {int(reference.summary['steps'])} steps, D-PSGD with lr 0.1 and "
+        f"Ours ({reference.summary['peers']} peers, iid digits, MLP, {int(reference.summary['steps'])} steps, "
+        "D-PSGD with lr 0.1 and "
         f"momentum 0.9; mean ± 95% interval over {int(reference.summary['seeds'])} seeds; against all-reduce: "
         "fell = below by more than both intervals, kept = inside all-reduce's interval):\n",
         "| graph | mean consensus distance | test accuracy (averaged model) | | peers' own accuracy | |",
@@ -125,29 +129,26 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
 
 
 def _plot(reference: Configuration, gossip: list[Configuration], distances: list[float], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
+    configs = [reference, *gossip]
+    runs = [r for c in configs for r in c.runs]
+    seeds = [len(c.runs) for c in configs]
+    caption = captions.figure_caption(runs, swept_keys(runs), seeds, None, "cut at 0 and 1", marks=("point", "bar"))
+    title = f"D-PSGD at {reference.summary['peers']} peers: final accuracy against the run's consensus distance"
+    page = Page(2, title, caption, len(configs))
     for ax, (key, label) in zip(
-        axes, [("test_accuracy", "test accuracy (averaged model)"), ("peer_test_accuracy_mean", "peers' own accuracy")]
+        page.axes,
+        [("test_accuracy", "test accuracy (averaged model)"), ("peer_test_accuracy_mean", "peers' own accuracy")],
     ):
         ref_mean, ref_ci = mean_interval([r["summary"][key] for r in reference.runs])
         ax.axhline(ref_mean, color="black", label="all-reduce (distance 0)")
         if ref_ci == ref_ci:  # nan with one seed
-            ax.axhspan(ref_mean - ref_ci, ref_mean + ref_ci, color="black", alpha=0.12, linewidth=0)
+            ax.axhspan(max(ref_mean - ref_ci, 0), min(ref_mean + ref_ci, 1), color="black", alpha=0.12, linewidth=0)
         for config, distance in zip(gossip, distances):
-            ax.errorbar(distance, config.mean(key), yerr=config.ci(key), marker="o", capsize=3, label=_name(config))
+            mean, ci = config.mean(key), config.ci(key)
+            yerr = [[min(ci, mean)], [min(ci, 1 - mean)]]  # an accuracy's interval, cut at 0 and 1
+            ax.errorbar(distance, mean, yerr=yerr, marker="o", capsize=3, label=_name(config))
         ax.set_xscale("log")
         ax.set_xlabel("mean consensus distance (1/n) sum ||x_i - x_bar||^2")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("D-PSGD at 16 peers: final accuracy against the run's consensus distance, 95% intervals")
-    fig.tight_layout()
-    path = out / "accuracy_vs_consensus.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return page.save(out / "accuracy_vs_consensus.png")

@@ -50,6 +50,5 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         out / "vs_mb_sent.png",
         f"D-PSGD against all-reduce, {peers} peers, mean and 95% interval over seeds",
         x_label="MB sent per peer",
-        label=lambda c: c.setting["algorithm"],
     )
     return Finding(table, verdict, holds=True if accuracy_holds else False, plots=[plot])

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from experiments import captions
 from experiments.bench.stragglers import ADPSGD_TARGET, ALLREDUCE_PACE_RANGE, slow_peer_pace
+from experiments.plots import Page
+from experiments.report import swept_keys
 from experiments.reproduce import Configuration, Finding, find
 
 PAPER = "Lian et al. 2018, Asynchronous Decentralized Parallel Stochastic Gradient Descent (AD-PSGD)"
@@ -89,21 +92,29 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
 
 
 def _bars(cells: dict, pace: float, floor_pace: float, path: Path, peers: int, scale: float) -> Path:
-    """Samples/s per algorithm without and with the straggler (mean and 95% interval); as lines, the pace of the
-    compute floor and the slow peer's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    """Samples/s per algorithm without and with the straggler (mean and 95% interval, cut at 0); as lines, the pace
+    of the compute floor and the slow peer's."""
+    runs = [r for c in cells.values() for r in c.runs]
+    seeds = [len(c.runs) for c in cells.values()]
+    caption = captions.figure_caption(
+        runs,
+        swept_keys(runs),
+        seeds,
+        " ".join(captions.clocks(runs, {"wall_time_s"})),
+        "cut at 0",
+        marks=("bar", "error bar"),
+    )
+    page = Page(1, f"Throughput, {peers} mpi peers, mean and 95% interval over seeds", caption, 4)
+    (ax,) = page.axes
     for i, (network, name) in enumerate((("loopback", "no straggler"), ("straggler", f"one peer {scale:g}x slower"))):
         algorithms = ("adpsgd", "allreduce")
+        means = [cells[(a, network)].mean("samples_per_s") for a in algorithms]
+        cis = [cells[(a, network)].ci("samples_per_s") for a in algorithms]
         ax.bar(
             [a + 0.38 * i for a in range(len(algorithms))],
-            [cells[(a, network)].mean("samples_per_s") for a in algorithms],
+            means,
             0.36,
-            yerr=[cells[(a, network)].ci("samples_per_s") for a in algorithms],
+            yerr=[[min(c, m) for c, m in zip(cis, means)], cis],
             capsize=4,
             label=name,
         )
@@ -111,10 +122,5 @@ def _bars(cells: dict, pace: float, floor_pace: float, path: Path, peers: int, s
     ax.axhline(pace, color="k", linestyle="--", linewidth=1, label="slow peer's pace")
     ax.set_xticks([0.19, 1.19], ["AD-PSGD", "all-reduce"])
     ax.set_ylabel("samples/s (all peers together)")
-    ax.set_title(f"Throughput, {peers} mpi peers, mean and 95% interval over seeds")
-    ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return page.save(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from experiments import captions
 from experiments.reproduce import Configuration, Finding, find, plot_curves
 from experiments.reproductions._verdicts import compare, overall, paired
 
@@ -133,7 +134,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
                 ],
                 out / f"n{n}_vs_steps.png",
                 f"D-PSGD on four graphs, {n} peers, mean and 95% interval over seeds",
-                label=lambda c: c.setting["topology"],
+                label=lambda c: captions.words("topology", c.setting["topology"]),
             )
         )
     n_max = max(sizes)
@@ -145,7 +146,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             out / f"n{n_max}_vs_mb_sent.png",
             f"Accuracy against bytes, {n_max} peers",
             x_label="MB sent per peer (log)",
-            label=lambda c: c.setting["topology"],
+            label=lambda c: captions.words("topology", c.setting["topology"]),
             log_x=True,
         )
     )
