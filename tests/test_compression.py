@@ -85,7 +85,7 @@ def allreduce_run(name, error_feedback=True):
             (out,) = msgs.allreduce_mean([g.view(2, 5)], stream="gradients")
             results.append(out.reshape(-1).numpy().copy())
         memory = msgs.streams["gradients"]
-        kept = [memory.get(k, torch.zeros(1)).numpy() for k in ("sent", "owned")]
+        kept = [memory.get(k, torch.zeros(1)).numpy().reshape(-1) for k in ("sent", "owned")]
         return inputs, results, *kept, comm.stats.bytes_sent
 
     return run_local(N, peer)

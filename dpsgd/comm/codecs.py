@@ -59,7 +59,7 @@ import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Handle, _Done, flatten, mixing_neighbors, unflatten
+from .base import Communicator, Handle, _Done, mixing_neighbors, unflatten
 from .pending import Exchange, Pending, Request
 
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
@@ -545,8 +545,6 @@ class Compressed(Communicator):
             return self._done("allreduce_mean", self.codec.mean(self.inner, tensors, memory))
         if self.size == 1:
             return self._done("allreduce_mean", list(tensors))
-        if self.peer_shape:
-            return self._done("allreduce_mean", self._fleet_mean(tensors, memory))
         return self._mean(tensors, memory)
 
     def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
@@ -572,67 +570,49 @@ class Compressed(Communicator):
         return e if e is not None and e.shape == like.shape else torch.zeros_like(like)
 
     def _mean(self, tensors: Sequence[torch.Tensor], memory: dict) -> Handle:
-        """A real peer's reduce-scatter messages leave now, its all-gather's at `wait()`."""
-        codec, comm, n, rank, call = self.codec, self.inner, self.size, self.rank, self._call()
+        """The encoded mean for the peers this process holds (one real peer, or every peer of a fleet): the
+        reduce-scatter's messages leave now, the all-gather's at `wait()`."""
+        started, codec, inner, n, call = time.perf_counter(), self.codec, self.inner, self.size, self._call()
         assert isinstance(codec, Codec)
-        v = flatten(tensors)
-        d = v.numel()
+        held = list(range(n)) if self.peer_shape else [self.rank]
+        v = inner.flatten(tensors).reshape(len(held), -1)
+        d, dtype = v.shape[1], v.dtype
         size = math.ceil(d / n)
-        u = torch.zeros(n * size, dtype=v.dtype, device=v.device)
-        u[:d] = v + self._memory(memory, "sent", v)
-        chunks = u.view(n, size)
-        sent = chunks.clone()
-        started = []
-        for r in range(1, n):  # round r: to rank + r, from rank - r; every message has the same size
-            to, frm = (rank + r) % n, (rank - r) % n
-            msg = codec.encode(chunks[to], (rank, call, r))
-            sent[to] = codec.decode(msg, size, v.dtype, (rank, call, r))
-            started.append((frm, r, comm.start_neighbor_exchange(msg, [to], [frm])))
-        self._keep(memory, "sent", (u - sent.view(-1))[:d])
+        u = torch.zeros(len(held), n * size, dtype=dtype, device=v.device)
+        u[:, :d] = v + self._memory(memory, "sent", v)
+        chunks = u.view(len(held), n, size)  # [held sender, chunk]
+        sent, arrived = chunks.clone(), {}
+        for a, i in enumerate(held):
+            for r in range(1, n):  # round r: to i + r, from i - r; every message has the same size
+                msg = codec.encode(chunks[a, (i + r) % n], (i, call, r))
+                sent[a, (i + r) % n] = codec.decode(msg, size, dtype, (i, call, r))
+                if not self.peer_shape:
+                    arrived[r] = inner.start_neighbor_exchange(msg, [(i + r) % n], [(i - r) % n])
+        self._keep(memory, "sent", (u - sent.view(len(held), -1))[:, :d])
+
+        def received(k: int, r: int) -> torch.Tensor:  # chunk k from peer k - r, decoded
+            if self.peer_shape:
+                return sent[(k - r) % n, k]
+            return codec.decode(arrived[r].wait()[0], size, dtype, ((k - r) % n, call, r))
 
         def finish():
-            total = chunks[rank].clone()
-            for frm, r, handle in started:
-                (got,) = handle.wait()
-                total += codec.decode(got, size, v.dtype, (frm, call, r))
-            owned = total / n + self._memory(memory, "owned", chunks[rank])
-            msg = codec.encode(owned, (rank, call, n))
-            others = [p for p in range(n) if p != rank]
-            received = dict(zip(others, comm.neighbor_exchange(msg, others, others)))
-            received[rank] = msg
-            out = torch.cat([codec.decode(received[p], size, v.dtype, (p, call, n)) for p in range(n)])
-            self._keep(memory, "owned", owned - out[rank * size : (rank + 1) * size])
-            return unflatten(out[:d], tensors)
+            owned = torch.stack(
+                [sum((received(k, r) for r in range(1, n)), chunks[a, k]) / n for a, k in enumerate(held)]
+            )
+            owned += self._memory(memory, "owned", owned)
+            msgs = {k: codec.encode(owned[a], (k, call, n)) for a, k in enumerate(held)}
+            if not self.peer_shape:
+                others = [p for p in range(n) if p != self.rank]
+                msgs.update(zip(others, inner.neighbor_exchange(msgs[self.rank], others, others)))
+            out = torch.cat([codec.decode(msgs[p], size, dtype, (p, call, n)) for p in range(n)])
+            self._keep(memory, "owned", owned - out.view(n, size)[held])
+            if not self.peer_shape:
+                return unflatten(out[:d], tensors)
+            per_peer = torch.full((n,), 2.0 * (n - 1) * codec.nbytes(size, dtype), dtype=torch.float64)
+            self._count_fleet(per_peer, per_peer, started)
+            return inner.unflatten(out[:d].expand(n, d).contiguous(), tensors)
 
-        return self._done("allreduce_mean", finish)
-
-    def _fleet_mean(self, tensors: Sequence[torch.Tensor], memory: dict) -> list[torch.Tensor]:
-        """`_mean` of every peer of a fleet: the same messages, keys and sums, peer by peer."""
-        started, codec, n, call = time.perf_counter(), self.codec, self.size, self._call()
-        assert isinstance(codec, Codec)
-        v = self.inner.flatten(tensors)  # (n, d)
-        d = v.shape[1]
-        size = math.ceil(d / n)
-        u = torch.zeros(n, n * size, dtype=v.dtype, device=v.device)
-        u[:, :d] = v + self._memory(memory, "sent", v)
-        chunks = u.view(n, n, size)  # [sender, chunk]
-        sent = chunks.clone()
-        for i in range(n):
-            for r in range(1, n):
-                sent[i, (i + r) % n] = codec.compress(chunks[i, (i + r) % n], (i, call, r))
-        self._keep(memory, "sent", (u - sent.view(n, -1))[:, :d])
-        owned = torch.empty(n, size, dtype=v.dtype, device=v.device)
-        for k in range(n):
-            total = chunks[k, k].clone()
-            for r in range(1, n):
-                total += sent[(k - r) % n, k]
-            owned[k] = total / n
-        owned += self._memory(memory, "owned", owned)
-        final = torch.stack([codec.compress(owned[k], (k, call, n)) for k in range(n)])
-        self._keep(memory, "owned", owned - final)
-        per_peer = torch.full((n,), 2.0 * (n - 1) * codec.nbytes(size, v.dtype), dtype=torch.float64)
-        self._count_fleet(per_peer, per_peer, started)
-        return self.inner.unflatten(final.reshape(1, -1)[:, :d].expand(n, d).contiguous(), tensors)
+        return self._done("allreduce_mean", finish() if self.peer_shape else finish)  # a fleet: all done now
 
     # --- mixes ----------------------------------------------------------------------------------
     def _start_encoded_mix(self, x: torch.Tensor, weights: Callable[[int], Neighbors], tag: int, what: str):
