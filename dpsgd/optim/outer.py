@@ -56,8 +56,6 @@ class OuterOptimizer:
             self.optimizer = None if make is None else make([{"params": group} for group in groups])
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{who} cannot build its outer optimizer: {exc}") from None
-        if not isinstance(self.optimizer, (torch.optim.Optimizer, type(None))):
-            raise ValueError(f"{who} outer must make a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
 
     def set_anchors(self, values) -> None:
         for anchor, value in zip(self.anchors, values):
@@ -90,11 +88,7 @@ class OuterOptimizer:
         return {"anchors": [a.clone() for a in self.anchors], "optimizer": optimizer}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["anchors"]) != len(self.anchors):
-            raise ValueError(
-                f"this state_dict holds {len(state['anchors'])} outer anchors but the optimizer has "
-                f"{len(self.anchors)}: it was saved from a different model or fragment count"
-            )
+        # a state of another model fails torch's own checks (the outer optimizer's groups, the base's)
         self.set_anchors(state["anchors"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
