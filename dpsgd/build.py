@@ -12,7 +12,6 @@ optimizer, `topology=` and `comm=`; a topology with the number of peers).
 from __future__ import annotations
 
 import importlib
-import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 
 import topologies
 from dpsgd import data, faults, metrics, models, placement, supervisor
-from dpsgd.comm import netem
+from dpsgd.comm import codecs, netem
 from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.seeds import batch_seed
 
@@ -155,19 +154,10 @@ def base_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
 
 
 def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
-    """The config's distributed optimizer (a registered name or a `_target_` class) over `params`."""
+    """The config's distributed optimizer (a registered name or a `_target_` class) over `params`, talking
+    through `comm` wearing the config's `compression` (dpsgd.comm.codecs.wrap): real peers and the fleet alike."""
     options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
-    compression = cfg.get("compression") or {}
-    if compression.get("name", "none") != "none":
-        algorithm = check_algorithm(cfg)
-        parameters = inspect.signature(algorithm).parameters.values()
-        if not any(p.name == "compression" or p.kind == p.VAR_KEYWORD for p in parameters):
-            raise ValueError(
-                f"algorithm={cfg['algorithm'].get('name')} sends no compressed messages; compression="
-                f"{compression['name']} works with allreduce, dpsgd, local_sgd, slowmo, diloco, bmuf and "
-                "streaming_diloco (or set compression=none)"
-            )
-        options["compression"] = dict(compression)
+    comm = codecs.wrap(comm, cfg.get("compression"))  # every algorithm's means and mixes, encoded
     return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **options)
 
 

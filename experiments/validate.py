@@ -99,13 +99,6 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     backend = cfg["backend"].get("name")
     _check_choice("backend", backend, backends.names())
     record = backends.get(backend)
-    compression = (cfg.get("compression") or {}).get("name", "none")
-    if compression != "none" and not record.compresses:
-        compressing = ", ".join(n for n in backends.names() if backends.get(n).compresses)
-        raise ConfigError(
-            f"compression={compression} encodes the messages of real peers; the {backend} simulates exact messages "
-            f"only: use backend={compressing.replace(', ', ', backend=')}, or compression=none"
-        )
     if not record.checkpoints and (every or cfg.get("resume")):
         keeping = ", ".join(n for n in backends.names() if backends.get(n).checkpoints)
         raise ConfigError(
@@ -142,7 +135,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
             placement.peer_device(cfg, 0, peers, nccl=placement.uses_nccl(cfg))
         else:  # peers in one process share its device
             placement.single_device(cfg)
-        FaultPlan.from_config(cfg.get("faults"), peers, backend)
+        FaultPlan.from_config(cfg.get("faults"), peers, record)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
     try:

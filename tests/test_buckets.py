@@ -7,7 +7,7 @@ import pytest
 import torch
 from runs import summary
 
-from dpsgd.comm import run_local
+from dpsgd.comm import codecs, run_local
 from dpsgd.optim import AllReduce
 from dpsgd.optim.buckets import plan_buckets
 
@@ -131,7 +131,7 @@ def test_overlap_with_compression_is_refused():
     def peer(comm):
         model = _model()
         with pytest.raises(ValueError, match="use compression=none or overlap=false"):
-            AllReduce(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=True, compression="int8")
+            AllReduce(torch.optim.SGD(model.parameters(), lr=0.1), comm=codecs.wrap(comm, "int8"), overlap=True)
         return True
 
     assert run_local(2, peer) == [True, True]

@@ -1,4 +1,4 @@
-"""Compressors of dpsgd.compress: what decode(encode(v)) gives, how many bytes go on the wire,
+"""Codecs of dpsgd.comm.codecs: what decode(encode(v)) gives, how many bytes go on the wire,
 that receivers decode what senders meant, and that QSGD is unbiased."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from dpsgd import compress
-from dpsgd.compress import QSGD, RandomK, ScaledSign, TopK
+from dpsgd.comm import codecs
+from dpsgd.comm.codecs import QSGD, RandomK, ScaledSign, TopK
 
 
 def vector(n=1000, dtype=torch.float64, seed=0):
@@ -97,20 +97,29 @@ def test_zero_vector_and_bad_buffers():
 
 
 def test_make_and_bad_options_are_refused():
-    assert isinstance(compress.make("top_k", ratio=0.5), TopK)
-    assert isinstance(compress.make("qsgd", levels=8, rescale=True), QSGD)
+    assert isinstance(codecs.make("top_k", ratio=0.5), TopK)
+    assert isinstance(codecs.make("qsgd", levels=8, rescale=True), QSGD)
     for bad in (0, -0.1, 1.01, None):
         with pytest.raises(ValueError, match=r"\(0, 1\]"):
-            compress.make("random_k", ratio=bad)
+            codecs.make("random_k", ratio=bad)
     with pytest.raises(ValueError, match="levels"):
         QSGD(0)
-    assert isinstance(compress.make("fp16"), compress.Cast) and isinstance(compress.make("int8"), compress.Int8)
+    assert codecs.make("fp16").dtype == torch.float16 and codecs.make("bf16").dtype == torch.bfloat16
+    assert isinstance(codecs.make("int8"), codecs.Int8)
     with pytest.raises(ValueError, match="valid: top_k"):
-        compress.make("int4")
+        codecs.make("int4")
 
 
 def test_pack_bits_round_trip():
     codes = torch.randint(0, 33, (101,), generator=torch.Generator().manual_seed(0))
-    packed = compress.pack_bits(codes, 6)
+    packed = codecs.pack_bits(codes, 6)
     assert packed.numel() == math.ceil(101 * 6 / 8)
-    assert torch.equal(compress.unpack_bits(packed, 101, 6), codes)
+    assert torch.equal(codecs.unpack_bits(packed, 101, 6), codes)
+
+
+def test_fp16_and_bf16_keep_what_their_formats_keep():
+    """fp16: 10 fraction bits, largest finite 65504; bf16: 7 fraction bits, float32's range."""
+    v = torch.tensor([1 + 2**-10, 1 + 2**-7, 1e5], dtype=torch.float64)
+    fp16, bf16 = codecs.make("fp16").compress(v), codecs.make("bf16").compress(v)
+    assert fp16[0] == 1 + 2**-10 and fp16[1] == 1 + 2**-7 and fp16[2] == float("inf")
+    assert bf16[0] == 1 and bf16[1] == 1 + 2**-7 and bf16[2] == 99840  # 1e5 to 8 significant bits

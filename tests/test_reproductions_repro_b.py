@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import topologies
-from dpsgd import compress
+from dpsgd.comm import codecs
 from experiments import reproduce
 from experiments.report import load_runs
 from experiments.reproduce import Configuration, find
@@ -77,7 +77,7 @@ def test_ying_findings_read_the_intervals():
 @pytest.mark.parametrize("numel", [50, 300, 4810, 50890, 200_000])
 @pytest.mark.parametrize("name", ["top_k", "sign"])
 def test_choco_byte_formula_matches_the_encoded_messages(name, numel):
-    compressor = compress.make(name, ratio=0.01)
+    compressor = codecs.make(name, ratio=0.01 if name == "top_k" else None)
     message = compressor.encode(torch.randn(numel))
     assert math.isclose(koloskova2019.expected_byte_ratio(name, numel), message.numel() / (4 * numel))
 

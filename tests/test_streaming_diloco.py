@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dpsgd.comm import run_local
-from dpsgd.compress import Int8
+from dpsgd.comm.codecs import Int8, wrap
 from dpsgd.optim import DiLoCo, StreamingDiLoCo
 
 N = 4
@@ -204,7 +204,7 @@ def test_one_fragment_without_delay_is_diloco_and_fragments_cut_the_peak():
 def test_int8_messages_are_a_quarter_of_the_bytes_and_close():
     def make(compression):
         return lambda params, comm: StreamingDiLoCo(
-            torch.optim.SGD(params, lr=0.1), comm=comm, period=4, fragments=2, delay=1, compression=compression
+            torch.optim.SGD(params, lr=0.1), comm=wrap(comm, compression), period=4, fragments=2, delay=1
         )
 
     exact, int8 = run_peers(make("none"), steps=16), run_peers(make("int8"), steps=16)

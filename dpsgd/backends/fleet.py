@@ -13,7 +13,6 @@ from .driver import Backend
 class FleetBackend(Backend):
     name = "fleet"
     checkpoints = False  # a fleet run is minutes
-    compresses = False  # exact messages only
 
     def options(self, cfg: Mapping) -> dict:
         return {"threads": threads(cfg["backend"])}

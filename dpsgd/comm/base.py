@@ -101,6 +101,16 @@ class Handle:
         return self._result
 
 
+def mixing_neighbors(topology: Topology, rank: int, step: int, lazy: bool = False) -> Neighbors:
+    """Peer `rank`'s weights of W(step), or of (I + W(step)) / 2 when `lazy`."""
+    nb = topology.neighbors(rank, step)
+    if not lazy:
+        return nb
+    return Neighbors(
+        {j: v / 2 for j, v in nb.recv.items()}, {j: v / 2 for j, v in nb.send.items()}, (1 + nb.self_weight) / 2
+    )
+
+
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding all tensors (one message per peer instead of many)."""
     if not tensors:
@@ -153,6 +163,11 @@ class Communicator(ABC):
             start, waited = self._device_overlap.pop(0)
             self.stats.overlap_s += start.elapsed_time(waited) / 1000
 
+    @property
+    def exact(self) -> Communicator:
+        """This communicator with exact messages: itself, or the one a compressing wrapper wears."""
+        return self
+
     def attach_network(self, network: NetworkEmulator) -> None:
         """Emulate `network` (a `dpsgd.comm.netem.NetworkEmulator`) in every counted operation: messages carry
         their emulated arrival time and waits advance (or, in sleep mode, really wait for) the clock."""
@@ -192,13 +207,15 @@ class Communicator(ABC):
         raise NotImplementedError(f"the {self.backend} backend has no point-to-point receive")
 
     # --- public operations --------------------------------------------------------------
-    def start_allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> Handle:
-        """Start averaging `tensors` over all peers; `.wait()` returns the averages."""
+    def start_allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> Handle:
+        """Start averaging `tensors` over all peers; `.wait()` returns the averages. `stream` names the
+        series of means this one belongs to (gradients, outer deltas): a compressing wrapper keeps one error
+        memory per stream (dpsgd.comm.codecs); exact communicators ignore it."""
         return self._start_allreduce(tensors, "allreduce_mean", mean=True)
 
-    def allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> list[torch.Tensor]:
         """The mean of `tensors` over all peers, (1/n) sum_j x_j, as new tensors (a ring all-reduce's bytes)."""
-        return self.start_allreduce_mean(tensors).wait()
+        return self.start_allreduce_mean(tensors, stream).wait()
 
     def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
         """Start summing `tensors` over all peers; `.wait()` returns the sums."""
@@ -318,12 +335,7 @@ class Communicator(ABC):
 
     def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
         """Start sum_j W(step)[i, j] x_j with the topology's mixing matrix (lazy: with (I + W) / 2)."""
-        nb = topology.neighbors(self.rank, step)
-        if lazy:
-            nb = Neighbors(
-                {j: v / 2 for j, v in nb.recv.items()}, {j: v / 2 for j, v in nb.send.items()}, (1 + nb.self_weight) / 2
-            )
-        return self.start_neighbor_average(tensors, nb)
+        return self.start_neighbor_average(tensors, mixing_neighbors(topology, self.rank, step, lazy))
 
     def mix(
         self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False
@@ -338,21 +350,6 @@ class Communicator(ABC):
         if not others:
             return list(tensors)
         return self.neighbor_average(tensors, Neighbors(others, dict(others), 1.0 / group_size))
-
-    def compressed_mix(
-        self, x: torch.Tensor, compressor, topology: Topology, step: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send Q(x) (the compressor's exact bytes) to this peer's out-neighbours of W(step); return
-        (Q(x), sum_j W[i, j] Q(x_j)) decoded, self included. Random compressors draw from (sender, step)."""
-        nb = topology.neighbors(self.rank, step)
-        msg = compressor.encode(x, (self.rank, step))
-        recv_from = sorted(nb.recv)
-        received = self.neighbor_exchange(msg, sorted(nb.send), recv_from)
-        q = compressor.decode(msg, x.numel(), x.dtype, (self.rank, step))
-        mixed = q * nb.self_weight
-        for peer, buf in zip(recv_from, received):  # rank order: the same sum on every backend
-            mixed.add_(compressor.decode(buf, x.numel(), x.dtype, (peer, step)), alpha=nb.recv[peer])
-        return q, mixed
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         """Every peer's `tensors` become `root`'s, in place (a set-up step: not counted as traffic).

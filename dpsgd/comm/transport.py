@@ -19,7 +19,6 @@ class Transport:
     threads = False  # peers are threads of one process: a killed one raises, messages can be dropped (faults)
     processes = False  # peers are processes of their own (which faults can kill or hang)
     checkpoints = True  # runs keep checkpoints and resume from them
-    compresses = True  # its peers' messages can be compressed (`compression=`)
     host_staging = False  # CUDA tensors can travel through pinned host buffers (the `backend.staging` option)
 
     @property

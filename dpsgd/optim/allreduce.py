@@ -5,16 +5,15 @@ Exact gradients travel as buckets of at most `bucket_mb` MiB (dpsgd.optim.bucket
 first (the order of the backward pass, and of DDP's buckets); with `overlap=True` each bucket's
 all-reduce starts as soon as the backward pass has filled it, as DDP's does.
 
-`compression` (dpsgd.comm.compression): the gradients travel as PowerSGD's low-rank factors or as
-fp16/bf16/int8 messages, with error feedback, encoded together after the backward pass; every peer
-still gets the same mean, so all stay identical."""
+With a compressing communicator (`compression=`, dpsgd.comm.codecs) the gradients travel as one
+encoded, error-fed mean of all of them after the backward pass, last parameter first (so PowerSGD
+draws the factors torch's hook draws for DDP's one bucket); every peer still gets the same mean."""
 
 from __future__ import annotations
 
 import torch
 
 from dpsgd.comm import Communicator
-from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -41,13 +40,11 @@ class AllReduce(DistributedOptimizer):
         topology: Topology | None = None,
         comm: Communicator,
         broadcast_initial: bool = True,
-        compression: str | dict | None = None,
         overlap: bool = False,
         bucket_mb: float = 25.0,
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
-        self.messages = compressions.make(comm, compression, who="AllReduce")
-        exact = isinstance(self.messages, compressions.Messages) and self.messages.codec is None
+        exact = comm.exact is comm
         if overlap and not exact:
             raise ValueError(
                 "AllReduce overlap=true all-reduces exact gradient buckets during the backward pass, but "
@@ -62,19 +59,10 @@ class AllReduce(DistributedOptimizer):
         if self.buckets is not None:
             self.buckets.average()
         else:
-            # last parameter first: the order DDP's bucket holds them in (the backward pass's), so
-            # PowerSGD draws the same random factors as torch's hook
-            grads = [p.grad for p in reversed(self.params()) if p.grad is not None]
+            grads = [p.grad for p in reversed(self.params()) if p.grad is not None]  # DDP's bucket order
             if grads:
-                for g, avg in zip(grads, self.messages.allreduce_mean(grads, "gradients")):
+                for g, avg in zip(grads, self.comm.allreduce_mean(grads, stream="gradients")):
                     g.copy_(avg)
         self.base.step()
         self.step_count += 1
         return loss
-
-    def algorithm_state(self):
-        return {**super().algorithm_state(), "compression": self.messages.state()}
-
-    def load_algorithm_state(self, state):
-        super().load_algorithm_state(state)
-        self.messages.load_state(state.get("compression"))

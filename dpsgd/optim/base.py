@@ -6,7 +6,7 @@ state_dict / load_state_dict with the algorithm's own state, LR schedulers.
 Constructors take the base first and then keywords: `topology=`, `comm=`, `broadcast_initial=` and
 the algorithm's options. With `broadcast_initial=True` every peer takes rank 0's parameters at
 construction, as DDP does. An algorithm talks to its peers only through the communicator's operations
-(`allreduce_mean`, `mix`, `group_mean`, `compressed_mix`, ...), so the one statement of its rule runs on
+(`allreduce_mean`, `mix`, `group_mean`, ...), so the one statement of its rule runs on
 real peers and, on tensors with a leading peer axis, on the fleet (dpsgd.sim).
 """
 
@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from dpsgd.comm import Communicator
+from dpsgd.comm.codecs import Compressed
 from topologies import Topology
 from topologies.analysis import is_column_stochastic, is_doubly_stochastic
 
@@ -111,6 +112,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         "column"), W(t) is checked for every t of one period (random schedules: `check_mixing(step)`)."""
         if self.topology is None:
             raise TypeError(f"{type(self).__name__} needs topology=topologies.make(NAME, comm.size)")
+        if isinstance(self.comm, Compressed):  # gossip sends whole models: a codec of one message must encode them
+            self.comm.elementwise(f"{type(self).__name__}'s gossip")
         self._stochastic, self._why = stochastic, why
         if stochastic is not None and self.topology.period is not None:
             for t in range(self.topology.period):
@@ -147,11 +150,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self) -> dict[str, Any]:
         """The algorithm's own state beyond the base optimizer's; subclasses extend it."""
-        return {"step_count": self.step_count}
+        state: dict[str, Any] = {"step_count": self.step_count}
+        if isinstance(self.comm, Compressed):  # its error memories: a resumed run continues bit for bit
+            state["compression"] = self.comm.memory()
+        return state
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
         """Restore what `algorithm_state()` returned; subclasses extend it."""
         self.step_count = int(state["step_count"])
+        if isinstance(self.comm, Compressed):
+            self.comm.load_memory(state.get("compression"))
 
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's state dict with the algorithm's own state under one more key."""

@@ -4,7 +4,7 @@ Algorithms with Compressed Communication"): gossip on compressed differences to 
 Every peer i keeps x_i (its model), x_hat_i (its public copy: what its neighbours know of x_i,
 updated identically on both sides) and s_i = sum_j W[i,j] x_hat_j (the memory-efficient variant
 of the paper's appendix: i never stores its neighbours' copies). W = topology.mixing_matrix()
-is static and doubly stochastic, Q a compressor of `dpsgd.compress`, gamma the consensus step.
+is static and doubly stochastic, Q a codec of `dpsgd.comm.codecs`, gamma the consensus step.
 At step t (Algorithm 1, with the base optimizer's increment d_i = base(x_i, g_i) - x_i in place
 of -eta grad F_i(x_i)):
 
@@ -13,10 +13,12 @@ of -eta grad F_i(x_i)):
     x_hat_i    += q_i,   s_i += sum_j W[i,j] q_j              (j over i and its neighbours)
     x_i^{t+1}   = x_i^{t+1/2} + gamma (s_i - x_hat_i)         (= + gamma sum_j W[i,j] (x_hat_j - x_hat_i))
 
-x_hat and s start at 0. The compressed message is the exact byte buffer of `Q.encode` (values plus
-indices or bits), sent with `neighbor_exchange`, so the bytes counted are the bytes a real
-network would carry; each peer decodes its own message too, so its x_hat_i is bit-for-bit the
-copy its neighbours hold. Random compressors draw from (seed, sender rank, step). The model is
+x_hat and s start at 0. The message is the exact byte buffer of `Q.encode` (values plus indices or
+bits), sent by `Compressed.gossip`, so the bytes counted are the bytes a real network would carry;
+each peer decodes its own message too, so its x_hat_i is bit-for-bit the copy its neighbours hold.
+Random codecs draw from (seed, sender rank, step). Q is `compressor` (a name of `codecs.CODECS` with
+`ratio`, `levels`, `rescale`, `seed`, or a Codec), or the codec of a compressing communicator
+(`compression=` in configs, with `algorithm.compressor=null`): one vocabulary. The model is
 compressed as one flat vector (top-k is global over all parameters).
 
 Since W is column stochastic, sum_i (s_i - x_hat_i) = 0: the consensus step never moves the
@@ -29,8 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd import compress
-from dpsgd.comm import Communicator
+from dpsgd.comm import Communicator, codecs
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -62,7 +63,7 @@ class Choco(DistributedOptimizer):
         topology: Topology,
         comm: Communicator,
         broadcast_initial: bool = True,
-        compressor: str | compress.Compressor | None = None,
+        compressor: str | codecs.Codec | None = None,
         gamma: float = 0.5,
         ratio: float | None = None,
         levels: int | None = None,
@@ -71,24 +72,24 @@ class Choco(DistributedOptimizer):
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology()
-        if compressor is None:
-            raise ValueError(
-                "Choco needs a compressor (compressor=top_k, random_k, sign or qsgd); without "
-                "compression use algorithm=dpsgd"
-            )
-        if isinstance(compressor, str):
-            if compressor in ("top_k", "random_k") and not (
-                isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1
-            ):
+        codec: codecs.Codec | codecs.PowerSGD | str | None = compressor
+        if isinstance(comm, codecs.Compressed):  # compression= names the codec
+            if compressor is not None:
                 raise ValueError(
-                    f"Choco with compressor={compressor} needs ratio, the fraction of entries sent, "
-                    f"in (0, 1]; got {ratio!r}"
+                    f"Choco encodes its gossip with compressor={compressor}, and the communicator is compressed "
+                    f"too ({comm.codec!r}): name the codec once (compression=none, or algorithm.compressor=null)"
                 )
-            compressor = compress.make(compressor, ratio=ratio, levels=levels, seed=seed, rescale=rescale)
-        elif not isinstance(compressor, compress.Compressor):
-            raise TypeError(
-                f"Choco compressor must be a name ({', '.join(compress.COMPRESSORS)}) or a "
-                f"dpsgd.compress.Compressor; got {type(compressor).__name__}"
+            codec = comm.codec
+        elif isinstance(compressor, str):
+            given = {"ratio": ratio, "levels": levels, "seed": seed, "rescale": rescale}
+            codec = codecs.make(
+                compressor, **{k: v for k, v in given.items() if k in codecs.OPTIONS.get(compressor, ())}
+            )
+        if not isinstance(codec, codecs.Codec):
+            raise ValueError(
+                f"Choco needs a compressor, a codec of one message "
+                f"({', '.join(c for c in codecs.CODECS if c != 'powersgd')}), got {compressor!r}; "
+                "without compression use algorithm=dpsgd"
             )
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
             raise ValueError(f"Choco gamma (the consensus step size) must be in (0, 1], got {gamma!r}")
@@ -99,7 +100,7 @@ class Choco(DistributedOptimizer):
                 f"static topology"
             )
         self.require_topology("doubly", why=" (the consensus step must keep the average model)")
-        self.compressor, self.gamma = compressor, float(gamma)
+        self.compressor, self.gamma = codec, float(gamma)
         self.x_hat: torch.Tensor | None = None  # public copy of this peer's model (flat)
         self.s: torch.Tensor | None = None  # sum_j W[i,j] x_hat_j (flat)
 
@@ -111,7 +112,9 @@ class Choco(DistributedOptimizer):
         x = self.comm.flatten(params)
         if self.x_hat is None or self.s is None:
             self.x_hat, self.s = torch.zeros_like(x), torch.zeros_like(x)
-        q, mixed = self.comm.compressed_mix(x - self.x_hat, self.compressor, self.topology, self.step_count)
+        if not isinstance(self.comm, codecs.Compressed):
+            self.comm = codecs.Compressed(self.comm, self.compressor)  # its gossip sends the codec's bytes
+        q, mixed = self.comm.gossip(x - self.x_hat, self.topology, self.step_count)
         self.x_hat.add_(q)
         self.s.add_(mixed)
         x.add_(self.s - self.x_hat, alpha=self.gamma)

@@ -19,17 +19,15 @@ the paper's experiments), m_hat_i = 0 at start and lr the current learning rate:
 The base must be torch.optim.SGD with momentum=0 (QGM is its momentum); its weight decay is added
 to m_i, as in the authors' code. The paper mixes after the local step (order "atc"); "cta"
 applies the same buffer rule to the cta update.
-Option `compression` (fp16, bf16, int8; dpsgd.comm.compression): each peer sends q_i = Q(x_i) and mixes
-x_i + sum_j W[i,j] (q_j - q_i), which keeps the average model; x_i - q_i stays in its own model
-and goes out with its next message.
+With a compressing communicator (`compression=`, dpsgd.comm.codecs) each peer sends q_i = Q(x_i) and
+mixes x_i + sum_j W[i,j] (q_j - q_i), which keeps the average model.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator
-from dpsgd.comm import compression as compressions
+from dpsgd.comm import Communicator, Handle
 from topologies import Topology
 
 from .base import DistributedOptimizer, snapshot
@@ -68,20 +66,16 @@ class DPSGD(DistributedOptimizer):
         qgm_beta: float = 0.9,
         qgm_mu: float | None = None,
         overlap: bool = False,
-        compression: str | dict | None = None,
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         self.require_topology("doubly", why=" (the average model must move only by the average increment)")
-        self.messages = compressions.quantized(comm, compression, type(self).__name__)
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
         if overlap and order != "cta":
             raise ValueError("DPSGD overlap=true needs order='cta': only x^k is known before the backward pass")
         self.order = order
         self.overlap = bool(overlap)
-        self._in_flight: tuple[list[torch.Tensor], compressions.Started] | None = (
-            None  # (x^k, handle) when started early
-        )
+        self._in_flight: tuple[list[torch.Tensor], Handle] | None = None  # (x^k, handle) when started early
         self.qgm = bool(qgm)
         self.qgm_buffer: list[torch.Tensor] | None = None  # m_hat, the quasi-global momentum buffer
         if self.qgm:
@@ -103,7 +97,7 @@ class DPSGD(DistributedOptimizer):
             raise RuntimeError("only order='cta' can start its exchange before the backward pass")
         if self._in_flight is None:
             x_k = snapshot(self.params())
-            self._in_flight = (x_k, self.messages.start_mix(x_k, self.topology, self.step_count))
+            self._in_flight = (x_k, self.comm.start_mix(x_k, self.topology, self.step_count))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -123,7 +117,7 @@ class DPSGD(DistributedOptimizer):
                 p.sub_(x).add_(m)  # x^{k+1} = sum_j W_ij x_j^k + d
         else:
             self.base.step()
-            for p, m in zip(params, self.messages.mix(params, self.topology, self.step_count)):
+            for p, m in zip(params, self.comm.mix(params, self.topology, self.step_count)):
                 p.copy_(m)
         if self.qgm:
             self._qgm_update(params, x_before)

@@ -48,10 +48,11 @@ averaging, group or global:
              mean model linearly, so at period 1 "keep" and "average" both equal AllReduce with
              momentum from a common start; they differ for period > 1 and for Adam.)
 
-Option `compression` (fp16, bf16, int8; dpsgd.comm.compression): at global averagings the peers send
-their outer deltas x_anchor - x_i as quantized, error-fed messages and x_avg = x_anchor - mean_i delta_i;
-the anchor is then kept with or without an outer optimizer. Group averagings and averaged
-inner states stay exact.
+With a compressing communicator (`compression=`, dpsgd.comm.codecs) global averagings send the outer
+deltas x_anchor - x_i, far smaller than the models, as encoded, error-fed messages, and
+x_avg = x_anchor - mean_i delta_i; the anchor is then kept with or without an outer optimizer.
+Group averagings, the first anchor and averaged inner states stay exact (`comm.exact`; error feedback
+could turn Adam's second moments negative).
 
 Against torch's PeriodicModelAverager(period, warmup_steps): torch averages after step t when
 t - 1 - warmup_steps is a multiple of period (so right after the first local step); here it is
@@ -65,7 +66,6 @@ import functools
 import torch
 
 from dpsgd.comm import Communicator
-from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -114,12 +114,10 @@ class LocalSGD(DistributedOptimizer):
         inner_state: str = "keep",
         group_size: int | None = None,
         global_period: int | None = None,
-        compression: str | dict | None = None,
     ):
         # the topology is accepted, and ignored: averaging is exact
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         name = type(self).__name__
-        self.messages = compressions.quantized(comm, compression, name)
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
         if inner_state not in INNER_STATES:
@@ -144,7 +142,7 @@ class LocalSGD(DistributedOptimizer):
         self._same_start = broadcast_initial  # every peer starts from rank 0's parameters
         self._anchored = False  # the anchor is taken when the local phase begins
         # the model at the last global averaging (and the outer optimizer moving it), kept when needed
-        needed = self._make is not None or self.messages.codec is not None
+        needed = self._make is not None or comm.exact is not comm
         self._outer = self._new_outer() if needed else None
 
     def _new_outer(self) -> OuterOptimizer:
@@ -163,7 +161,7 @@ class LocalSGD(DistributedOptimizer):
         if t <= self.warmup_steps:
             grads = [p.grad for p in self.params() if p.grad is not None]
             if grads:
-                for g, avg in zip(grads, self.comm.allreduce_mean(grads)):
+                for g, avg in zip(grads, self.comm.allreduce_mean(grads, stream="gradients")):
                     g.copy_(avg)
             self.base.step()
         else:
@@ -185,7 +183,7 @@ class LocalSGD(DistributedOptimizer):
         params = self.params()
         if len(self._outer.anchors) != len(params):  # a parameter group was added since the construction
             self._outer = self._new_outer()
-        self._outer.set_anchors(params if self._same_start else self.comm.allreduce_mean(params))
+        self._outer.set_anchors(params if self._same_start else self.comm.exact.allreduce_mean(params))
         self._anchored = True
 
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -204,18 +202,18 @@ class LocalSGD(DistributedOptimizer):
         params = self.params()
         state = self._state_tensors() if self.inner_state == "average" else []
         tensors = params + state
-        if not group and self.messages.codec is not None:
+        if not group and self.comm.exact is not self.comm:
             assert self._outer is not None  # the anchor is kept whenever deltas are compressed
             anchors = self._outer.anchors
             deltas = [a - p for a, p in zip(anchors, params)]
-            mean_delta = self.messages.allreduce_mean(deltas, "outer")
+            mean_delta = self.comm.allreduce_mean(deltas, stream="outer")
             averaged = [a - m for a, m in zip(anchors, mean_delta)]
-            averaged += self.comm.allreduce_mean(state) if state else []
+            averaged += self.comm.exact.allreduce_mean(state) if state else []
         elif not group:
             averaged = self.comm.allreduce_mean(tensors)
         else:
             assert self.group_size is not None  # group averaging is hierarchical averaging
-            averaged = self.comm.group_mean(tensors, self.group_size)
+            averaged = self.comm.exact.group_mean(tensors, self.group_size)
         for s, a in zip(state, averaged[len(params) :]):
             s.copy_(a)
         x_avg = averaged[: len(params)]
@@ -246,7 +244,6 @@ class LocalSGD(DistributedOptimizer):
         return {
             **super().algorithm_state(),
             "outer": None if self._outer is None or not self._anchored else self._outer.state_dict(),
-            "compression": self.messages.state(),
         }
 
     def load_algorithm_state(self, state) -> None:
@@ -259,7 +256,6 @@ class LocalSGD(DistributedOptimizer):
                     f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer"
                 )
             self._outer.load_state_dict(saved)
-        self.messages.load_state(state.get("compression"))
 
     def __repr__(self) -> str:
         groups = f", group_size={self.group_size}, global_period={self.global_period}" if self.group_size else ""

@@ -9,8 +9,8 @@ model. With H the period (inner steps between two syncs of one fragment), h = H 
 (0 <= tau < h), and an outer optimizer (dpsgd/optim/outer.py; by default DiLoCo's Nesterov SGD, lr 0.7,
 momentum 0.9) over the anchor's fragments, after the inner step t = 1, 2, ...:
 - fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
-  Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; quantized and error-fed with
-  `compression`), and keeps training;
+  Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; encoded and error-fed, one
+  stream per fragment, on a compressing communicator), and keeps training;
 - fragment p completes it tau steps later, t = (p + 1) h (mod H): the outer optimizer steps fragment p of
   the anchor with the mean Delta_p as its gradient (DiLoCo's: u_p <- beta u_p + Delta_p,
   x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p)), then
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from dpsgd.comm import Communicator
-from dpsgd.comm import compression as compressions
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -65,7 +64,6 @@ class StreamingDiLoCo(DistributedOptimizer):
         delay: int = 1,
         alpha: float = 0.5,
         outer=DILOCO,
-        compression: str | dict | None = None,
     ):
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
@@ -91,7 +89,6 @@ class StreamingDiLoCo(DistributedOptimizer):
         if make is None:
             raise ValueError("StreamingDiLoCo needs an outer optimizer (its default is DiLoCo's); got outer=None")
         self.period, self.n_fragments, self.delay, self.alpha = period, fragments, delay, float(alpha)
-        self.messages = compressions.quantized(comm, compression, "StreamingDiLoCo")
         cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
         self.ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]  # fragment -> [start, end) entries
         self._same_start = broadcast_initial
@@ -123,7 +120,7 @@ class StreamingDiLoCo(DistributedOptimizer):
         loss = self._closure_loss(closure)
         params = self.params()
         if not self._anchored:  # the peers' mean model: their common start with broadcast_initial
-            start = self.comm.flatten(params if self._same_start else self.comm.allreduce_mean(params))
+            start = self.comm.flatten(params if self._same_start else self.comm.exact.allreduce_mean(params))
             self._outer.set_anchors(start[..., self.fragment(p)] for p in range(self.n_fragments))
             self._anchored = True
         self.base.step()
@@ -132,7 +129,7 @@ class StreamingDiLoCo(DistributedOptimizer):
         if started is not None:
             part = self.fragment(started)
             delta = self._outer.anchors[started] - self.comm.flatten(params)[..., part]
-            self._in_flight[started] = self.messages.start_allreduce_mean([delta], f"fragment{started}")
+            self._in_flight[started] = self.comm.start_allreduce_mean([delta], stream=f"fragment{started}")
         done = self.completing(t)
         if done is not None:
             self._outer_step(done, self._arrived(done)[0])
@@ -160,7 +157,6 @@ class StreamingDiLoCo(DistributedOptimizer):
             **super().algorithm_state(),
             "outer": self._outer.state_dict() if self._anchored else None,
             "arrived": {p: [t.clone() for t in v] for p, v in self._in_flight.items()},  # type: ignore[attr-defined]
-            "compression": self.messages.state(),
         }
 
     def load_algorithm_state(self, state) -> None:
@@ -172,11 +168,10 @@ class StreamingDiLoCo(DistributedOptimizer):
             self._outer.load_state_dict(saved)
         arrived = (state.get("arrived") or {}).items()
         self._in_flight = {int(k): [t.detach().to(p.device, p.dtype).clone() for t in v] for k, v in arrived}
-        self.messages.load_state(state.get("compression"))
 
     def __repr__(self) -> str:
         outer = repr(self.outer_optimizer).replace("\n", " ")
         return (
             f"StreamingDiLoCo({self.base!r}, period={self.period}, fragments={self.n_fragments}, "
-            f"delay={self.delay}, alpha={self.alpha}, outer={outer}, {self.messages!r})"
+            f"delay={self.delay}, alpha={self.alpha}, outer={outer})"
         )

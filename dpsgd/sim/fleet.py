@@ -57,7 +57,7 @@ class FleetCommunicator(Communicator):
             self.stats.comm_time_s += time.perf_counter() - started
         return Handle(self, op, _Done(), lambda: result, [])
 
-    def _count_per_peer(self, sent, received) -> None:
+    def count_per_peer(self, sent, received) -> None:
         if self._counting:
             self.bytes_sent += sent
             self.bytes_received += received
@@ -66,7 +66,7 @@ class FleetCommunicator(Communicator):
     def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
         return sum(t[0].numel() * t.element_size() for t in tensors)
 
-    def start_allreduce_mean(self, tensors: Sequence[torch.Tensor]) -> Handle:
+    def start_allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> Handle:
         return self._allreduce(tensors, "allreduce_mean", torch.mean)
 
     def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
@@ -76,7 +76,7 @@ class FleetCommunicator(Communicator):
         started = time.perf_counter()
         out = [reduce(t, 0, keepdim=True).expand_as(t).contiguous() for t in tensors]
         ring = int(ring_allreduce_bytes(self._nbytes(tensors), self.size))  # as CommStats counts it
-        self._count_per_peer(ring, ring)
+        self.count_per_peer(ring, ring)
         return self._done(op, out, started)
 
     def mixing(self, topology: Topology, step: int, like: torch.Tensor, lazy: bool = False) -> Mixing:
@@ -97,7 +97,7 @@ class FleetCommunicator(Communicator):
         m = self.mixing(topology, step, tensors[0], lazy)
         out = [m.apply(t) for t in tensors]
         nbytes = self._nbytes(tensors)  # one message of all tensors per out-neighbour
-        self._count_per_peer(m.sends * nbytes, m.recvs * nbytes)
+        self.count_per_peer(m.sends * nbytes, m.recvs * nbytes)
         return self._done("neighbor_average", out, started)
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
@@ -106,21 +106,8 @@ class FleetCommunicator(Communicator):
             t.reshape(n // g, g, *t.shape[1:]).mean(1, keepdim=True).expand(n // g, g, *t.shape[1:]).reshape(t.shape)
             for t in tensors
         ]
-        self._count_per_peer(self._nbytes(tensors) * (g - 1), self._nbytes(tensors) * (g - 1))
+        self.count_per_peer(self._nbytes(tensors) * (g - 1), self._nbytes(tensors) * (g - 1))
         return self._done("neighbor_average", out, started).wait()
-
-    def compressed_mix(
-        self, x: torch.Tensor, compressor, topology: Topology, step: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        started = time.perf_counter()
-        # each peer's message is compressed with its own key (rank, step), as on a real peer
-        q = torch.stack([compressor.compress(x[i], (i, step)) for i in range(self.size)])
-        m = self.mixing(topology, step, x)
-        mixed = m.apply(q)
-        nbytes = compressor.nbytes(x.shape[1], x.dtype)
-        self._count_per_peer(m.sends * nbytes, m.recvs * nbytes)
-        self._done("neighbor_exchange", [], started)
-        return q, mixed
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         with torch.no_grad():

@@ -37,7 +37,7 @@ METRICS = (("test_accuracy", "averaged model"), ("peer_test_accuracy_mean", "pee
 
 
 def expected_byte_ratio(compressor: str, numel: int) -> float:
-    """Bytes of one compressed float32 message over the exact one's (4 bytes per entry), as dpsgd.compress packs it:
+    """Bytes of one compressed float32 message over the exact one's (4 bytes per entry), as dpsgd.comm.codecs packs it:
     top-1% sends k = ceil(d / 100) values plus their positions (uint8/uint16/int32 by d, or a d-bit mask if smaller);
     sign sends one float32 scale and d bits."""
     if compressor == "sign":

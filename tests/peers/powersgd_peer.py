@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import dpsgd.comm
+from dpsgd.comm import codecs
 from dpsgd.optim import AllReduce
 
 CASES = [(1, 2), (4, 3)]  # (rank, start_iter): rank 1 orthogonalizes by Gram-Schmidt, rank 4 by QR
@@ -61,7 +62,7 @@ def main() -> None:
         torch_params = train(ddp, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), comm.rank)
         net = model()
         spec = {"name": "powersgd", "rank": rank, "start_iter": start_iter}
-        opt = AllReduce(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), comm=comm, compression=spec)
+        opt = AllReduce(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), comm=codecs.wrap(comm, spec))
         sent_before = comm.stats.bytes_sent
         ours = train(net, opt, comm.rank)
         sent = comm.stats.bytes_sent - sent_before
