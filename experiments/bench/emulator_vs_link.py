@@ -171,7 +171,7 @@ def worker(out: Path, spec: dict) -> None:
         model = mlp(spec["hidden"])
         alone = slowest(compute_alone(comm, model, *x_y, steps))
         opt, overlap = make_optimizer(name, model, comm)
-        if name != "adpsgd":  # one step first: buffers allocated, every pair of ranks has talked
+        if not opt.asynchronous:  # one step first: buffers allocated, every pair of ranks has talked
             run_steps(opt, model, *x_y, 1, overlap)
         comm.barrier()
         before = (*tx_counts(), retransmitted())
