@@ -269,16 +269,28 @@ def _no_processes_unless_marked(request, monkeypatch):
 # --- test hosts (tools/testhosts.py): none may outlive the session ----------------------------------
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if os.geteuid() != 0:
-        return
-    sys.path.insert(0, str(ROOT / "tools"))
-    import testhosts
+_LEFT_BY_WORKERS: list[str] = []  # under xdist: the namespaces each worker found left behind (and removed)
 
-    # only this session's sets: another session on the machine (a benchmark, a second pytest) keeps its own
-    mine = testhosts.made_here()
-    left = testhosts.leftovers(mine) if mine and testhosts.unavailable() is None else []
-    if left:
-        testhosts.down(mine)  # remove them, and fail the session so the leak is fixed where it happened
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _LEFT_BY_WORKERS.extend(getattr(node, "workeroutput", {}).get("testhosts_left", []))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = list(_LEFT_BY_WORKERS)
+    if os.geteuid() == 0:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import testhosts
+
+        # only this process's sets: another session on the machine (a benchmark, a second pytest) keeps its own
+        mine = testhosts.made_here()
+        here = testhosts.leftovers(mine) if mine and testhosts.unavailable() is None else []
+        if here:
+            testhosts.down(mine)  # removed, and the session fails so that the leak is fixed where it happened
+        left += here
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its controller reports them (above)
+        session.config.workeroutput["testhosts_left"] = left
+    elif left:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print(f"\nERROR: test host namespaces were left behind by a test: {left} (removed now)")
