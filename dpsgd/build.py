@@ -185,6 +185,14 @@ class Plan:
     total_steps: int
     samples_per_epoch: int
     total_samples: int
+    seed: int
+
+    def batches(self, rank: int, device: torch.device | str = "cpu") -> data.Batches:
+        """Peer `rank`'s minibatches of its share on `device`, in the order that peer draws them (every kind of
+        run of the config draws the same)."""
+        share = self.shares[rank]
+        x, y = self.split.x_train[share].to(device), self.split.y_train[share].to(device)
+        return data.Batches(x, y, self.batch_size, seed=batch_seed(self.seed, rank))
 
     def epoch(self, samples: float) -> float:
         """The epochs `samples` training samples (by all peers together) make."""
@@ -210,6 +218,7 @@ def plan(cfg: dict, peers: int | None = None) -> Plan:
         total_steps=-(-int(cfg["epochs"]) * samples_per_epoch // (n * bs)),  # ceil
         samples_per_epoch=samples_per_epoch,
         total_samples=int(cfg["epochs"]) * samples_per_epoch,
+        seed=int(cfg["seed"]),
     )
 
 
@@ -275,18 +284,12 @@ def build_peer(comm, cfg: dict) -> Peer:
     comm.attach_network(network)  # before the optimizer: some exchange at construction
     device = placement.place(cfg, comm.rank, comm.size, in_process=comm.in_process)
     run = plan(cfg, comm.size)
-    split, share = run.split, run.shares[comm.rank]
-    batches = data.Batches(
-        split.x_train[share].to(device),
-        split.y_train[share].to(device),
-        run.batch_size,
-        seed=batch_seed(seed, comm.rank),
-    )
+    split = run.split
     model = build_model(cfg, split).to(device)
     topology = build_topology(cfg, comm.size)
     return Peer(
         plan=run,
-        batches=batches,
+        batches=run.batches(comm.rank, device),
         x_test=split.x_test.to(device),
         y_test=split.y_test.to(device),
         model=model,

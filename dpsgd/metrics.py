@@ -125,7 +125,7 @@ class Record(_WorkloadKeys):
     """One record of metrics.jsonl, the same keys for every kind of run (real peers, the fleet, the event
     simulator), None where a run cannot know a value, and the keys of its workload (_WorkloadKeys); the run's
     last record heads summary.json. A new key is one line here and its figure in `measure` (per peer, a
-    column of COLUMNS in `peer_row` and `stacked_columns`): this file only."""
+    column of COLUMNS in `peer_row` and `measure_stacked`): this file only."""
 
     step: int
     epoch: float
@@ -204,11 +204,19 @@ def peer_row(
 
 
 @torch.no_grad()
-def stacked_columns(
-    model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum, traffic: dict
-) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """COLUMNS of n peers whose parameters carry a leading peer axis (the fleet, the event simulator), and the
-    averaged model; `traffic`: each traffic column ((n,) or a number for every peer)."""
+def measure_stacked(
+    model,
+    names: list[str],
+    params: list[torch.Tensor],
+    x_test,
+    y_test,
+    train_loss: float,
+    optimum,
+    traffic: dict,
+    emulated: bool,
+) -> dict:
+    """`measure` of n peers whose parameters carry a leading peer axis (the fleet, the event simulator), from their
+    COLUMNS; `traffic`: each traffic column ((n,) or a number for every peer)."""
     n = params[0].shape[0]
     avg = [p.mean(0) for p in params]
     avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test, y_test)
@@ -230,7 +238,7 @@ def stacked_columns(
     }
     for k in COLUMNS[8:]:
         columns[k] = torch.as_tensor(traffic.get(k, 0.0), dtype=torch.float64).expand(n)
-    return columns, avg
+    return measure(columns, avg, y_test, optimum, emulated)
 
 
 def measure(

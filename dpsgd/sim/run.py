@@ -55,17 +55,23 @@ class FleetRun:
             "comm_time_s": self.comm.stats.comm_time_s,
             "peak_step_bytes": self.peak_step_bytes,
         }
-        optimum = fleet.plan.split.optimum
-        columns, avg = metrics.stacked_columns(
-            fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic
-        )
+        samples = step * fleet.plan.batch_size * fleet.n
         return metrics.record(
             step=step,
-            epoch=fleet.plan.epoch(step * fleet.batches.batch_size * fleet.n),
-            samples=step * fleet.batches.batch_size * fleet.n,
+            epoch=fleet.plan.epoch(samples),
+            samples=samples,
             wall_time_s=wall_s,
             scope="all peers",
-            **metrics.measure(columns, avg, self._test[1], optimum, emulated=False),
+            **metrics.measure_stacked(
+                fleet.model,
+                fleet.names,
+                fleet.params,
+                *self._test,
+                train_loss,
+                fleet.plan.split.optimum,
+                traffic,
+                False,
+            ),
         )
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
@@ -113,10 +119,17 @@ class EventsRun(FleetRun):
             "emulated_wait_s": waits,
             "clock_s": sim.now,
         }
-        columns, avg = metrics.stacked_columns(
-            sim.model, sim.names, sim.live_params(), split.x_test, split.y_test, train_loss, split.optimum, traffic
+        measured = metrics.measure_stacked(
+            sim.model,
+            sim.names,
+            sim.live_params(),
+            split.x_test,
+            split.y_test,
+            train_loss,
+            split.optimum,
+            traffic,
+            True,
         )
-        measured = metrics.measure(columns, avg, split.y_test, split.optimum, emulated=True)
         return metrics.record(
             step=round(sum(sim.steps) / sim.n),
             epoch=sim.plan.epoch(samples),
