@@ -258,9 +258,6 @@ class Peer:
         self.optimizer.step()
         return loss.item()
 
-    def describe(self, cfg: dict, comm) -> dict:
-        return describe(cfg, self.topology, comm)
-
 
 def describe(cfg: dict, topology, comm) -> dict:
     """What the run was: the first keys of every summary.json."""

@@ -12,14 +12,13 @@ from pathlib import Path
 import torch
 
 from dpsgd import metrics
-from dpsgd.build import describe
 from dpsgd.comm import Communicator
-from dpsgd.training import run_loop
+from dpsgd.training import Run, run_loop
 
 from .fleet import Fleet, FleetCommunicator
 
 
-class FleetRun:
+class FleetRun(Run):
     """A synchronous algorithm on the fleet, for dpsgd.training.run_loop: records cover every peer."""
 
     writer = True
@@ -27,18 +26,10 @@ class FleetRun:
 
     def __init__(self, cfg: dict):
         self.fleet = fleet = Fleet(cfg)
-        self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.plan.total_steps
+        self.plan, self.topology, self.comm = fleet.plan, fleet.topology, fleet.comm
+        self.step_count, self.total_steps = 0, fleet.plan.total_steps
         self.peak_step_bytes = 0.0  # the most bytes one peer sent in one step
         self._test = fleet.plan.split.x_test.to(fleet.device), fleet.plan.split.y_test.to(fleet.device)
-
-    def describe(self, cfg: dict) -> dict:
-        return describe(cfg, self.fleet.topology, self.comm)
-
-    def begin(self, state: dict | None) -> None:
-        return None
-
-    def done(self) -> bool:
-        return self.step_count >= self.total_steps
 
     def train_step(self) -> float | None:
         self.step_count += 1
@@ -74,15 +65,6 @@ class FleetRun:
             ),
         )
 
-    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
-        return last
-
-    def summary(self, final: dict, wall_s: float) -> dict:
-        return {"class_histograms": self.fleet.plan.class_histograms()}
-
-    def state(self, extra: dict) -> dict | None:
-        return None
-
 
 class EventsRun(FleetRun):
     """An asynchronous algorithm on the event simulator (virtual time), for dpsgd.training.run_loop: a record at every
@@ -92,11 +74,9 @@ class EventsRun(FleetRun):
         from .events import Simulation
 
         self.sim = sim = Simulation(cfg)
+        self.plan, self.topology = sim.plan, sim.topology
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
         self.step_count, self.total_steps = 0, sim.plan.total_steps
-
-    def describe(self, cfg: dict) -> dict:
-        return describe(cfg, self.sim.topology, self.comm)
 
     def done(self) -> bool:
         return self.sim.done()
