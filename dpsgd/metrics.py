@@ -205,15 +205,7 @@ def peer_row(
 
 @torch.no_grad()
 def measure_stacked(
-    model,
-    names: list[str],
-    params: list[torch.Tensor],
-    x_test,
-    y_test,
-    train_loss: float,
-    optimum,
-    traffic: dict,
-    emulated: bool,
+    model, names, params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum, traffic: dict, emulated: bool
 ) -> dict:
     """`measure` of n peers whose parameters carry a leading peer axis (the fleet, the event simulator), from their
     COLUMNS; `traffic`: each traffic column ((n,) or a number for every peer)."""

@@ -46,23 +46,17 @@ class FleetRun(Run):
             "comm_time_s": self.comm.stats.comm_time_s,
             "peak_step_bytes": self.peak_step_bytes,
         }
-        samples = step * fleet.plan.batch_size * fleet.n
+        samples, optimum = step * fleet.plan.batch_size * fleet.n, fleet.plan.split.optimum
+        measured = metrics.measure_stacked(
+            fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic, False
+        )
         return metrics.record(
             step=step,
             epoch=fleet.plan.epoch(samples),
             samples=samples,
             wall_time_s=wall_s,
             scope="all peers",
-            **metrics.measure_stacked(
-                fleet.model,
-                fleet.names,
-                fleet.params,
-                *self._test,
-                train_loss,
-                fleet.plan.split.optimum,
-                traffic,
-                False,
-            ),
+            **measured,
         )
 
 
