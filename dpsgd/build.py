@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +25,6 @@ from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.seeds import batch_seed
 
 BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov", "_target_")
-_TARGET_INIT_LOCK = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
 
 
 def import_target(target: str, what: str):
@@ -112,13 +110,8 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
     target = cfg["model"].get("_target_")
     if target:
         cls = import_target(target, "model")
-        with _TARGET_INIT_LOCK:
-            state = torch.random.get_rng_state()
-            torch.manual_seed(seed)
-            try:
-                model = cls(**options)
-            finally:
-                torch.random.set_rng_state(state)
+        with models.seeded(seed):
+            model = cls(**options)
     else:
         model = models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **options)
     if not any(True for _ in model.parameters()):
