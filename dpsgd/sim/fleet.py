@@ -213,11 +213,3 @@ class Fleet:
     def flat(self) -> torch.Tensor:
         """The (n, D) matrix of every peer's parameters, in model.parameters() order."""
         return self.comm.flatten(self.params)
-
-    @property
-    def bytes_sent(self) -> torch.Tensor:
-        return self.comm.bytes_sent
-
-    @property
-    def bytes_received(self) -> torch.Tensor:
-        return self.comm.bytes_received

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from dpsgd import metrics
-from dpsgd.comm import Communicator
 from dpsgd.training import Run, run_loop
 
 from .fleet import Fleet, FleetCommunicator
@@ -22,7 +21,7 @@ class FleetRun(Run):
     """A synchronous algorithm on the fleet, for dpsgd.training.run_loop: records cover every peer."""
 
     writer = True
-    comm: Communicator
+    comm: FleetCommunicator
 
     def __init__(self, cfg: dict):
         self.fleet = fleet = Fleet(cfg)
@@ -33,16 +32,16 @@ class FleetRun(Run):
 
     def train_step(self) -> float | None:
         self.step_count += 1
-        sent = self.fleet.bytes_sent.clone()
+        sent = self.comm.bytes_sent.clone()
         loss = float(self.fleet.train_step().double().mean())
-        self.peak_step_bytes = max(self.peak_step_bytes, float((self.fleet.bytes_sent - sent).max()))
+        self.peak_step_bytes = max(self.peak_step_bytes, float((self.comm.bytes_sent - sent).max()))
         return loss
 
     def record(self, train_loss: float, wall_s: float) -> dict:
         fleet, step = self.fleet, self.step_count
         traffic = {
-            "bytes_sent": fleet.bytes_sent,
-            "bytes_received": fleet.bytes_received,
+            "bytes_sent": self.comm.bytes_sent,
+            "bytes_received": self.comm.bytes_received,
             "comm_time_s": self.comm.stats.comm_time_s,
             "peak_step_bytes": self.peak_step_bytes,
         }
