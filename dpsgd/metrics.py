@@ -108,13 +108,6 @@ def squared_optimum_distances(
     return (rows.double() - optimum.double()).pow(2).sum(1)
 
 
-@torch.no_grad()
-def own_optimum_distances(model: nn.Module, optimum: torch.Tensor | None) -> dict:
-    """`optimum_distances` of one peer's own model (an asynchronous run's records while its peers train)."""
-    own = [p.detach() for p in model.parameters()]
-    return optimum_distances(own, squared_optimum_distances(own, optimum), optimum)
-
-
 class _WorkloadKeys(TypedDict, total=False):
     test_perplexity: float  # a language model's (token sequences) only
     optimum_distance: float | None  # where the data's minimizer x* is known (optimum_distances)

@@ -310,22 +310,22 @@ class AsynchronousRun(SynchronousRun):
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         if not self.writer:
             return None
-        peer, step = self.peer, self.step_count
+        peer, optimum = self.peer, self.peer.plan.split.optimum
         loss, correct, count = metrics.evaluate(
             peer.model, dict(peer.model.named_parameters()), peer.x_test, peer.y_test
         )
-        samples = step * peer.batches.batch_size * self.comm.size  # estimated: peers run at their own pace
+        own = [p.detach() for p in peer.model.parameters()]
         return metrics.record(  # rank 0's own model: the average needs collectives
-            step=step,
-            epoch=peer.plan.epoch(samples),
-            samples=samples,
+            step=self.step_count,
+            epoch=peer.plan.epoch(self.samples),
+            samples=self.samples,  # estimated: peers run at their own pace
             wall_time_s=wall_s,
             emulated_time_s=peer.network.clock.elapsed() if peer.network.active else None,
             test_loss=loss / count,
             test_accuracy=correct / count,
             train_loss=train_loss,
             **metrics.language_metrics(loss / count, peer.y_test),
-            **metrics.own_optimum_distances(peer.model, peer.plan.split.optimum),
+            **metrics.optimum_distances(own, metrics.squared_optimum_distances(own, optimum), optimum),
             scope="rank 0",
         )
 
