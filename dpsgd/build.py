@@ -12,7 +12,6 @@ optimizer, `topology=` and `comm=`; a topology with the number of peers).
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +24,6 @@ from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.seeds import batch_seed
 
 BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov", "_target_")
-_TARGET_INIT_LOCK = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
 
 
 def import_target(target: str, what: str):
@@ -111,13 +109,8 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
     target = cfg["model"].get("_target_")
     if target:
         cls = import_target(target, "model")
-        with _TARGET_INIT_LOCK:
-            state = torch.random.get_rng_state()
-            torch.manual_seed(seed)
-            try:
-                model = cls(**options)
-            finally:
-                torch.random.set_rng_state(state)
+        with models.seeded(seed):
+            model = cls(**options)
     else:
         model = models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **options)
     if not any(True for _ in model.parameters()):
@@ -175,6 +168,14 @@ class Plan:
     total_steps: int
     samples_per_epoch: int
     total_samples: int
+    seed: int
+
+    def batches(self, rank: int, device: torch.device | str = "cpu") -> data.Batches:
+        """Peer `rank`'s minibatches of its share on `device`, in the order that peer draws them (every kind of
+        run of the config draws the same)."""
+        share = self.shares[rank]
+        x, y = self.split.x_train[share].to(device), self.split.y_train[share].to(device)
+        return data.Batches(x, y, self.batch_size, seed=batch_seed(self.seed, rank))
 
     def epoch(self, samples: float) -> float:
         """The epochs `samples` training samples (by all peers together) make."""
@@ -200,6 +201,7 @@ def plan(cfg: dict, peers: int | None = None) -> Plan:
         total_steps=-(-int(cfg["epochs"]) * samples_per_epoch // (n * bs)),  # ceil
         samples_per_epoch=samples_per_epoch,
         total_samples=int(cfg["epochs"]) * samples_per_epoch,
+        seed=int(cfg["seed"]),
     )
 
 
@@ -239,9 +241,6 @@ class Peer:
         self.optimizer.step()
         return loss.item()
 
-    def describe(self, cfg: dict, comm) -> dict:
-        return describe(cfg, self.topology, comm)
-
 
 def describe(cfg: dict, topology, comm) -> dict:
     """What the run was: the first keys of every summary.json."""
@@ -265,18 +264,12 @@ def build_peer(comm, cfg: dict) -> Peer:
     comm.attach_network(network)  # before the optimizer: some exchange at construction
     device = placement.place(cfg, comm.rank, comm.size, in_process=comm.in_process)
     run = plan(cfg, comm.size)
-    split, share = run.split, run.shares[comm.rank]
-    batches = data.Batches(
-        split.x_train[share].to(device),
-        split.y_train[share].to(device),
-        run.batch_size,
-        seed=batch_seed(seed, comm.rank),
-    )
+    split = run.split
     model = build_model(cfg, split).to(device)
     topology = build_topology(cfg, comm.size)
     return Peer(
         plan=run,
-        batches=batches,
+        batches=run.batches(comm.rank, device),
         x_test=split.x_test.to(device),
         y_test=split.y_test.to(device),
         model=model,

@@ -17,7 +17,7 @@ import gzip
 import itertools
 import math
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -246,10 +246,7 @@ def heterogeneous_regression(
     y_tr = np.concatenate([t[:train] for t in targets])
     x_te = np.concatenate([z[train:, :-1] for z in inputs])
     y_te = np.concatenate([t[train:] for t in targets])
-    split = _split(x_tr, y_tr, x_te, y_te, 0)
-    return Split(
-        split.x_train, split.y_train, split.x_test, split.y_test, 0, torch.tensor(optimum, dtype=torch.float32)
-    )
+    return replace(_split(x_tr, y_tr, x_te, y_te, 0), optimum=torch.tensor(optimum, dtype=torch.float32))
 
 
 # --- file-based datasets ----------------------------------------------------------------------

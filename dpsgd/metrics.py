@@ -108,13 +108,6 @@ def squared_optimum_distances(
     return (rows.double() - optimum.double()).pow(2).sum(1)
 
 
-@torch.no_grad()
-def own_optimum_distances(model: nn.Module, optimum: torch.Tensor | None) -> dict:
-    """`optimum_distances` of one peer's own model (an asynchronous run's records while its peers train)."""
-    own = [p.detach() for p in model.parameters()]
-    return optimum_distances(own, squared_optimum_distances(own, optimum), optimum)
-
-
 class _WorkloadKeys(TypedDict, total=False):
     test_perplexity: float  # a language model's (token sequences) only
     optimum_distance: float | None  # where the data's minimizer x* is known (optimum_distances)
@@ -125,7 +118,7 @@ class Record(_WorkloadKeys):
     """One record of metrics.jsonl, the same keys for every kind of run (real peers, the fleet, the event
     simulator), None where a run cannot know a value, and the keys of its workload (_WorkloadKeys); the run's
     last record heads summary.json. A new key is one line here and its figure in `measure` (per peer, a
-    column of COLUMNS in `peer_row` and `stacked_columns`): this file only."""
+    column of COLUMNS in `peer_row` and `measure_stacked`): this file only."""
 
     step: int
     epoch: float
@@ -204,11 +197,11 @@ def peer_row(
 
 
 @torch.no_grad()
-def stacked_columns(
-    model, names: list[str], params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum, traffic: dict
-) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """COLUMNS of n peers whose parameters carry a leading peer axis (the fleet, the event simulator), and the
-    averaged model; `traffic`: each traffic column ((n,) or a number for every peer)."""
+def measure_stacked(
+    model, names, params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum, traffic: dict, emulated: bool
+) -> dict:
+    """`measure` of n peers whose parameters carry a leading peer axis (the fleet, the event simulator), from their
+    COLUMNS; `traffic`: each traffic column ((n,) or a number for every peer)."""
     n = params[0].shape[0]
     avg = [p.mean(0) for p in params]
     avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test, y_test)
@@ -230,7 +223,7 @@ def stacked_columns(
     }
     for k in COLUMNS[8:]:
         columns[k] = torch.as_tensor(traffic.get(k, 0.0), dtype=torch.float64).expand(n)
-    return columns, avg
+    return measure(columns, avg, y_test, optimum, emulated)
 
 
 def measure(

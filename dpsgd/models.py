@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from math import prod
 from typing import cast
 
@@ -21,6 +22,15 @@ from torch import nn
 
 MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer")
 _init_lock = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
+
+
+@contextmanager
+def seeded(seed: int):
+    """torch's global CPU generator seeded with `seed` while a model is made, restored afterwards; one model at a
+    time (local-backend peers are threads sharing the generator)."""
+    with _init_lock, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def build(
@@ -46,8 +56,7 @@ def build(
             f"model {name} needs images (channels, height, width), got inputs of shape {input_shape}; "
             f"use model=mlp or model=linear"
         )
-    with _init_lock, torch.random.fork_rng(devices=[]):  # the global CPU generator is restored afterwards
-        torch.manual_seed(seed)
+    with seeded(seed):
         if name in ("linear", "mlp"):
             return _mlp(prod(input_shape), list(hidden or [64]) if name == "mlp" else [], num_outputs)
         if name == "cnn":

@@ -22,29 +22,45 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from dpsgd import checkpoint, elastic, loggers, metrics
-from dpsgd.build import Peer, build_peer
+from dpsgd.build import Peer, Plan, build_peer, describe
 from dpsgd.comm import Communicator
 from dpsgd.optim import AsynchronousOptimizer
 from dpsgd.seeds import reshuffle_seed
+from topologies import Topology
 
 
 class Run(Protocol):
     """What the loop asks of a kind of run. `step_count` counts the steps that `log_every` and
-    checkpoints refer to (global steps; an asynchronous peer's own; the simulator's peer 0's)."""
+    checkpoints refer to (global steps; an asynchronous peer's own; the simulator's peer 0's). The methods
+    with a body are the defaults of a run that subclasses Run: global steps, no state of its own."""
 
     comm: Communicator
+    plan: Plan
+    topology: Topology
     step_count: int
     total_steps: int
     writer: bool  # this process writes the run's files
 
-    def describe(self, cfg: dict) -> dict: ...
-    def begin(self, state: dict | None) -> None: ...  # restore a checkpoint's state, start the clocks
-    def done(self) -> bool: ...
     def train_step(self) -> float | None: ...  # the step's training loss (None: no step of ours)
     def record(self, train_loss: float, wall_s: float) -> dict | None: ...  # a progress record
-    def final(self, last: dict, train_loss: float, wall_s: float) -> dict: ...  # the run's last record
-    def summary(self, final: dict, wall_s: float) -> dict: ...  # keys beyond the final record's
-    def state(self, extra: dict) -> dict | None: ...  # a checkpoint's state (None: this run keeps none)
+
+    def describe(self, cfg: dict) -> dict:
+        return describe(cfg, self.topology, self.comm)
+
+    def begin(self, state: dict | None) -> None:  # restore a checkpoint's state, start the clocks
+        return None
+
+    def done(self) -> bool:
+        return self.step_count >= self.total_steps
+
+    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:  # the run's last record
+        return last
+
+    def summary(self, final: dict, wall_s: float) -> dict:  # keys beyond the final record's
+        return {"class_histograms": self.plan.class_histograms()}
+
+    def state(self, extra: dict) -> dict | None:  # a checkpoint's state (None: this run keeps none)
+        return None
 
 
 class RunLog:
@@ -187,16 +203,13 @@ def _progress(run: Run):
 
 
 # --- real peers ---------------------------------------------------------------------------------
-class SynchronousRun:
+class SynchronousRun(Run):
     """One real peer taking global steps; every record is taken with collectives over all peers."""
 
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
-        self.peer, self.comm, self.writer = peer, comm, writer
+        self.peer, self.comm, self.writer, self.plan, self.topology = peer, comm, writer, peer.plan, peer.topology
         self.step_count, self.total_steps = 0, peer.plan.total_steps
         self.samples = 0  # by all peers: a step takes batch_size from each peer of the world of that time
-
-    def describe(self, cfg: dict) -> dict:
-        return self.peer.describe(cfg, self.comm)
 
     def begin(self, state: dict | None) -> None:
         peer = self.peer
@@ -216,9 +229,6 @@ class SynchronousRun:
                 setattr(self.comm.stats, key, value)
         self.comm.barrier()  # start the clock together
         peer.network.clock.reset((state or {}).get("emulated_time_s", 0.0))
-
-    def done(self) -> bool:
-        return self.step_count >= self.total_steps
 
     def train_step(self) -> float:
         self.step_count += 1
@@ -244,12 +254,6 @@ class SynchronousRun:
                 self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
             ),
         )
-
-    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
-        return last
-
-    def summary(self, final: dict, wall_s: float) -> dict:
-        return {"class_histograms": self.peer.plan.class_histograms()}
 
     def state(self, extra: dict) -> dict | None:
         peer = self.peer
@@ -306,22 +310,22 @@ class AsynchronousRun(SynchronousRun):
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         if not self.writer:
             return None
-        peer, step = self.peer, self.step_count
+        peer, optimum = self.peer, self.peer.plan.split.optimum
         loss, correct, count = metrics.evaluate(
             peer.model, dict(peer.model.named_parameters()), peer.x_test, peer.y_test
         )
-        samples = step * peer.batches.batch_size * self.comm.size  # estimated: peers run at their own pace
+        own = [p.detach() for p in peer.model.parameters()]
         return metrics.record(  # rank 0's own model: the average needs collectives
-            step=step,
-            epoch=peer.plan.epoch(samples),
-            samples=samples,
+            step=self.step_count,
+            epoch=peer.plan.epoch(self.samples),
+            samples=self.samples,  # estimated: peers run at their own pace
             wall_time_s=wall_s,
             emulated_time_s=peer.network.clock.elapsed() if peer.network.active else None,
             test_loss=loss / count,
             test_accuracy=correct / count,
             train_loss=train_loss,
             **metrics.language_metrics(loss / count, peer.y_test),
-            **metrics.own_optimum_distances(peer.model, peer.plan.split.optimum),
+            **metrics.optimum_distances(own, metrics.squared_optimum_distances(own, optimum), optimum),
             scope="rank 0",
         )
 

@@ -113,8 +113,8 @@ def test_bytes_are_counted_as_the_communicators_count_them():
             return comm.stats.bytes_sent, comm.stats.bytes_received
 
         real = torch.tensor(run_local(8, peer, timeout_s=60), dtype=torch.float64)
-        torch.testing.assert_close(fleet.bytes_sent, real[:, 0].floor(), atol=1.0, rtol=0)
-        torch.testing.assert_close(fleet.bytes_received, real[:, 1].floor(), atol=1.0, rtol=0)
+        torch.testing.assert_close(fleet.comm.bytes_sent, real[:, 0].floor(), atol=1.0, rtol=0)
+        torch.testing.assert_close(fleet.comm.bytes_received, real[:, 1].floor(), atol=1.0, rtol=0)
 
 
 def test_invalid_options_fail_as_in_real_runs():

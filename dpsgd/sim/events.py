@@ -28,13 +28,11 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad_and_value
 
-from dpsgd import data
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
 from dpsgd.comm.base import Communicator
 from dpsgd.comm.netem import NetworkEmulator
 from dpsgd.metrics import loss_function
 from dpsgd.optim import AsynchronousOptimizer
-from dpsgd.seeds import batch_seed
 
 DISTRIBUTIONS = ("constant", "exponential", "lognormal", "pareto")
 
@@ -106,15 +104,12 @@ class Simulation:
     batches, initial model, topology, optimizer and partner draws as the real run)."""
 
     def __init__(self, cfg: dict, link=None, compute: ComputeTimes | None = None):
-        n, seed, bs = int(cfg["peers"]), int(cfg["seed"]), int(cfg["batch_size"])
+        n, bs = int(cfg["peers"]), int(cfg["batch_size"])
         self.n, self.batch_size = n, bs
         self.link = link if link is not None else NetworkEmulator.from_config(cfg.get("network")).link
         self.compute = compute if compute is not None else compute_times(cfg, n)
         self.plan = run = plan(cfg, n)
-        self.batches = [
-            data.Batches(run.split.x_train[s], run.split.y_train[s], bs, seed=batch_seed(seed, r))
-            for r, s in enumerate(run.shares)
-        ]
+        self.batches = [run.batches(r) for r in range(n)]
         self.model = build_model(cfg, run.split)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.topology = build_topology(cfg, n)

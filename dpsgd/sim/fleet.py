@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,7 +28,35 @@ from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
 from topologies import Topology
 
 from .batches import FleetBatches
-from .gossip import Mixing, mixing
+
+SPARSE_BELOW = 0.25  # density of W under which the product is taken with a sparse matrix
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """W(k) ready to apply: `matrix` (in the tensors' dtype), and per peer the number of
+    peers it sends to (`sends`, off-diagonal nonzeros of its column) and receives from (`recvs`, of its row)."""
+
+    matrix: torch.Tensor  # dense, or sparse (COO) when W has few nonzeros
+    sends: torch.Tensor
+    recvs: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """sum_j W[i, j] x_j for every peer i, x with a leading peer axis."""
+        flat = x.reshape(x.shape[0], -1)
+        out = torch.sparse.mm(self.matrix, flat) if self.matrix.is_sparse else self.matrix @ flat
+        return out.reshape(x.shape)
+
+
+def mixing(w: np.ndarray, dtype: torch.dtype, device) -> Mixing:
+    """W ready to apply to tensors of `dtype` on `device`: sparse on a CPU when it has few nonzeros."""
+    w = np.asarray(w, dtype=np.float64)
+    off = (w != 0) & ~np.eye(len(w), dtype=bool)
+    sends = torch.as_tensor(off.sum(0), dtype=torch.float64)
+    recvs = torch.as_tensor(off.sum(1), dtype=torch.float64)
+    dense = torch.as_tensor(w, dtype=dtype, device=device)
+    sparse = np.count_nonzero(w) < SPARSE_BELOW * w.size and device.type == "cpu"
+    return Mixing(dense.to_sparse().coalesce() if sparse else dense, sends, recvs)
 
 
 class FleetCommunicator(Communicator):
@@ -171,11 +200,3 @@ class Fleet:
     def flat(self) -> torch.Tensor:
         """The (n, D) matrix of every peer's parameters, in model.parameters() order."""
         return self.comm.flatten(self.params)
-
-    @property
-    def bytes_sent(self) -> torch.Tensor:
-        return self.comm.bytes_sent
-
-    @property
-    def bytes_received(self) -> torch.Tensor:
-        return self.comm.bytes_received

@@ -12,70 +12,51 @@ from pathlib import Path
 import torch
 
 from dpsgd import metrics
-from dpsgd.build import describe
-from dpsgd.comm import Communicator
-from dpsgd.training import run_loop
+from dpsgd.training import Run, run_loop
 
 from .fleet import Fleet, FleetCommunicator
 
 
-class FleetRun:
+class FleetRun(Run):
     """A synchronous algorithm on the fleet, for dpsgd.training.run_loop: records cover every peer."""
 
     writer = True
-    comm: Communicator
+    comm: FleetCommunicator
 
     def __init__(self, cfg: dict):
         self.fleet = fleet = Fleet(cfg)
-        self.comm, self.step_count, self.total_steps = fleet.comm, 0, fleet.plan.total_steps
+        self.plan, self.topology, self.comm = fleet.plan, fleet.topology, fleet.comm
+        self.step_count, self.total_steps = 0, fleet.plan.total_steps
         self.peak_step_bytes = 0.0  # the most bytes one peer sent in one step
         self._test = fleet.plan.split.x_test.to(fleet.device), fleet.plan.split.y_test.to(fleet.device)
 
-    def describe(self, cfg: dict) -> dict:
-        return describe(cfg, self.fleet.topology, self.comm)
-
-    def begin(self, state: dict | None) -> None:
-        return None
-
-    def done(self) -> bool:
-        return self.step_count >= self.total_steps
-
     def train_step(self) -> float | None:
         self.step_count += 1
-        sent = self.fleet.bytes_sent.clone()
+        sent = self.comm.bytes_sent.clone()
         loss = float(self.fleet.train_step().double().mean())
-        self.peak_step_bytes = max(self.peak_step_bytes, float((self.fleet.bytes_sent - sent).max()))
+        self.peak_step_bytes = max(self.peak_step_bytes, float((self.comm.bytes_sent - sent).max()))
         return loss
 
     def record(self, train_loss: float, wall_s: float) -> dict:
         fleet, step = self.fleet, self.step_count
         traffic = {
-            "bytes_sent": fleet.bytes_sent,
-            "bytes_received": fleet.bytes_received,
+            "bytes_sent": self.comm.bytes_sent,
+            "bytes_received": self.comm.bytes_received,
             "comm_time_s": self.comm.stats.comm_time_s,
             "peak_step_bytes": self.peak_step_bytes,
         }
-        optimum = fleet.plan.split.optimum
-        columns, avg = metrics.stacked_columns(
-            fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic
+        samples, optimum = step * fleet.plan.batch_size * fleet.n, fleet.plan.split.optimum
+        measured = metrics.measure_stacked(
+            fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic, False
         )
         return metrics.record(
             step=step,
-            epoch=fleet.plan.epoch(step * fleet.batches.batch_size * fleet.n),
-            samples=step * fleet.batches.batch_size * fleet.n,
+            epoch=fleet.plan.epoch(samples),
+            samples=samples,
             wall_time_s=wall_s,
             scope="all peers",
-            **metrics.measure(columns, avg, self._test[1], optimum, emulated=False),
+            **measured,
         )
-
-    def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
-        return last
-
-    def summary(self, final: dict, wall_s: float) -> dict:
-        return {"class_histograms": self.fleet.plan.class_histograms()}
-
-    def state(self, extra: dict) -> dict | None:
-        return None
 
 
 class EventsRun(FleetRun):
@@ -86,11 +67,9 @@ class EventsRun(FleetRun):
         from .events import Simulation
 
         self.sim = sim = Simulation(cfg)
+        self.plan, self.topology = sim.plan, sim.topology
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
         self.step_count, self.total_steps = 0, sim.plan.total_steps
-
-    def describe(self, cfg: dict) -> dict:
-        return describe(cfg, self.sim.topology, self.comm)
 
     def done(self) -> bool:
         return self.sim.done()
@@ -113,10 +92,17 @@ class EventsRun(FleetRun):
             "emulated_wait_s": waits,
             "clock_s": sim.now,
         }
-        columns, avg = metrics.stacked_columns(
-            sim.model, sim.names, sim.live_params(), split.x_test, split.y_test, train_loss, split.optimum, traffic
+        measured = metrics.measure_stacked(
+            sim.model,
+            sim.names,
+            sim.live_params(),
+            split.x_test,
+            split.y_test,
+            train_loss,
+            split.optimum,
+            traffic,
+            True,
         )
-        measured = metrics.measure(columns, avg, split.y_test, split.optimum, emulated=True)
         return metrics.record(
             step=round(sum(sim.steps) / sim.n),
             epoch=sim.plan.epoch(samples),
