@@ -73,12 +73,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = base.defaults
         self.param_groups = base.param_groups
         self.step_count = 0  # global steps taken: selects the topology's matrix at each step
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        for hooks in ("step", "state_dict", "load_state_dict"):  # the registries torch's Optimizer.__init__ makes
+            setattr(self, f"_optimizer_{hooks}_pre_hooks", OrderedDict())
+            setattr(self, f"_optimizer_{hooks}_post_hooks", OrderedDict())
         self._patch_step_function()  # torch's step pre/post hooks fire around our step()
         if broadcast_initial:
             comm.broadcast_(self.params(), root=0)
