@@ -142,7 +142,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
             placement.peer_device(cfg, 0, peers, nccl=placement.uses_nccl(cfg))
         else:  # peers in one process share its device
             placement.single_device(cfg)
-        FaultPlan.from_config(cfg.get("faults"), peers, backend)
+        FaultPlan.from_config(cfg.get("faults"), peers, record)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
     try:
