@@ -93,8 +93,7 @@ class _TorchRequest(Request):
             self._wait_in_library()
         elif not self._done.wait(timeout=max(0.0, deadline - time.monotonic())):
             raise PeerTimeoutError("deadline passed")
-        if self._error is not None:
-            raise PeerTimeoutError(str(self._error)) from self._error
+        self.test()  # done: raises the library's error, if any
 
     def peers_outstanding(self) -> list[int]:
         return [] if self._done.is_set() or self._peer is None else [self._peer]
