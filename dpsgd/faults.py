@@ -67,11 +67,11 @@ class FaultPlan:
             if not backend.real_peers:
                 raise ValueError(
                     f"faults need real peers and backend={backend.name} simulates them; "
-                    f"use backend={_having('real_peers')}"
+                    f"use backend={transport.having('real_peers')}"
                 )
             if plan.drop_messages and not backend.threads:
                 raise ValueError(
-                    f"faults.drop_messages works on backend={_having('threads')} only (got "
+                    f"faults.drop_messages works on backend={transport.having('threads')} only (got "
                     f"backend={backend.name}); on processes, kill or hang a peer instead (faults.kill_peer)"
                 )
         return plan
@@ -125,9 +125,3 @@ class FaultInjector:
 
 def _is_number(value, whole: bool = False) -> bool:
     return isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)
-
-
-def _having(capability: str) -> str:
-    """'local, mpi or torch': the backends whose transport has `capability`."""
-    choices = transport.having(capability)
-    return " or ".join(filter(None, (", ".join(choices[:-1]), choices[-1])))

@@ -55,8 +55,7 @@ class Backend(Transport):
         """Run `argv` (a python command line without the interpreter) on n processes of one world, on this
         machine or, with a `launcher` naming hosts, on `launcher["hosts"]` (dpsgd.backends.hosts: placement,
         runner, environment); rank r's stderr to log_dir/rank{r}.log; the exit code (the first failure stops all)."""
-        valid = " or ".join(f"backend={n}" for n in transport.having("processes"))
-        raise ValueError(f"backend={self.name} starts no peer processes (here or on launcher.hosts); use {valid}")
+        raise ValueError(f"backend={self.name} starts no peer processes; use backend={transport.having('processes')}")
 
     def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
