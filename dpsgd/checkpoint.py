@@ -100,7 +100,7 @@ def load_latest(run_dir: Path, rank: int, peers: int) -> dict | None:
     """This peer's state at the newest complete checkpoint, or None when there is none. Every peer
     reaches the same answer (each checks all files); newer torn steps are skipped, never mixed in."""
     steps = complete_steps(run_dir, peers)
-    return None if not steps else torch.load(_step_dir(run_dir, steps[-1]) / f"rank{rank}.pt", weights_only=True)
+    return load(run_dir, steps[-1], rank) if steps else None
 
 
 def newest(run_dir: Path) -> tuple[int, int] | None:

@@ -1,10 +1,8 @@
 """Elastic runs (`elastic=true`): when the world re-forms with another number of peers, every peer of the
 new world continues from the newest complete checkpoint, whatever peer count wrote it.
 
-The launcher re-forms the world, never this toolkit: torchrun's elastic agent (`--nnodes MIN:MAX`, c10d
-rendezvous) restarts every worker when a node is lost or joins, and for a run the app started itself
-(backend=mpi or torch) its driver relaunches the survivors (experiments.train). What each peer of a world
-of n peers that resumes a checkpoint of m peers starts from:
+The launcher re-forms the world (torchrun's elastic agent, or the app's driver relaunching the survivors:
+docs/guide/reliability.md). What each peer of a world of n peers that resumes a checkpoint of m peers starts from:
 
 - rank r < min(n, m), a survivor: old rank r's model, base state (momentum, Adam moments), algorithm
   state and traffic counters;
@@ -15,9 +13,8 @@ of n peers that resumes a checkpoint of m peers starts from:
   seeded order; the run's sample count carries on, so it still ends after `epochs` passes of the data.
   The models of old ranks >= n are lost, as are the steps since the checkpoint.
 
-The topology is rebuilt for n and its mixing weights checked by the optimizer, as at any start. Only
-algorithms whose per-peer state has such a rule declare `elastic = True` (D-PSGD, AllReduce, LocalSGD and
-its outer optimizers); the others are refused by the config check.
+The topology is rebuilt for n, as at any start. Only algorithms whose per-peer state has such a rule declare
+`elastic = True`; the config check refuses the others.
 """
 
 from __future__ import annotations

@@ -53,11 +53,11 @@ class FaultPlan:
         plan = cls(**{k: v for k, v in section.items() if v is not None or k.endswith("_peer")})
         for key in ("kill_peer", "delay_peer"):
             rank = getattr(plan, key)
-            if rank is not None and (not _is_int(rank) or not 0 <= rank < peers):
+            if rank is not None and (not _is_number(rank, whole=True) or not 0 <= rank < peers):
                 raise ValueError(f"faults.{key} must be a peer rank in [0, {peers}) or null, got {rank!r}")
         if plan.kill_mode not in KILL_MODES:
             raise ValueError(f"faults.kill_mode must be one of {', '.join(KILL_MODES)}, got {plan.kill_mode!r}")
-        if not _is_int(plan.at_step) or plan.at_step < 1:
+        if not _is_number(plan.at_step, whole=True) or plan.at_step < 1:
             raise ValueError(f"faults.at_step must be an integer >= 1, got {plan.at_step!r}")
         if not _is_number(plan.delay_s) or plan.delay_s < 0:
             raise ValueError(f"faults.delay_s must be a number of seconds >= 0, got {plan.delay_s!r}")
@@ -67,11 +67,11 @@ class FaultPlan:
             if not backend.real_peers:
                 raise ValueError(
                     f"faults need real peers and backend={backend.name} simulates them; "
-                    f"use backend={_having('real_peers')}"
+                    f"use backend={transport.having('real_peers')}"
                 )
             if plan.drop_messages and not backend.threads:
                 raise ValueError(
-                    f"faults.drop_messages works on backend={_having('threads')} only (got "
+                    f"faults.drop_messages works on backend={transport.having('threads')} only (got "
                     f"backend={backend.name}); on processes, kill or hang a peer instead (faults.kill_peer)"
                 )
         return plan
@@ -123,15 +123,5 @@ class FaultInjector:
             time.sleep(0.05)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _having(capability: str) -> str:
-    """'local, mpi or torch': the backends whose transport has `capability`."""
-    choices = transport.having(capability)
-    return " or ".join(filter(None, (", ".join(choices[:-1]), choices[-1])))
+def _is_number(value, whole: bool = False) -> bool:
+    return isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)

@@ -21,15 +21,13 @@ class Sink(Protocol):
     def close(self, summary: dict | None) -> None: ...
 
 
-def scalars(record: dict, prefix: str = "") -> dict[str, float]:
+def scalars(record: dict) -> dict[str, float]:
     """The record's numbers by name; nested dicts as `block/key`; None, text and lists left out."""
-    out: dict[str, float] = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            out.update(scalars(value, f"{prefix}{key}/"))
-        elif isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
-            out[f"{prefix}{key}"] = float(value)
-    return out
+    return {
+        key: float(value)
+        for key, value in dotted_keys(record, "/").items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and key.rpartition("/")[2] != "step"
+    }
 
 
 class TensorBoardSink:
@@ -95,38 +93,35 @@ class MLflowSink:
 
 
 def open_sinks(cfg: dict, out_dir: Path, resumed_step: int = 0) -> list[Sink]:
-    """The sinks `cfg["logger"]` names, opened in `out_dir`."""
+    """The sinks `cfg["logger"]` names, opened in `out_dir` (ValueError: one it does not know or cannot open)."""
+    problem = missing_package(cfg)
+    if problem:
+        raise ValueError(problem)
     options = cfg.get("logger") or {}
-    sinks: list[Sink] = []
-    for name in options.get("sinks") or []:
-        if name == "tensorboard":
-            sinks.append(TensorBoardSink(out_dir, resumed_step))
-        elif name == "mlflow":
-            sinks.append(MLflowSink(cfg, out_dir, options))
-        else:
-            raise ValueError(f"unknown logger sink {name!r}; valid sinks: {', '.join(SINKS)}")
-    return sinks
+    return [
+        TensorBoardSink(out_dir, resumed_step) if name == "tensorboard" else MLflowSink(cfg, out_dir, options)
+        for name in options.get("sinks") or []
+    ]
 
 
 def missing_package(cfg: dict) -> str | None:
-    """What the configured sinks need and is not installed, as one line (None: all there)."""
+    """What the configured sinks need and is not installed, or an unknown sink, as one line (None: all there)."""
     import importlib.util
 
-    needs = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
     for name in (cfg.get("logger") or {}).get("sinks") or []:
-        if name not in needs:
+        if name not in SINKS:
             return f"unknown logger sink {name!r}; valid sinks: {', '.join(SINKS)}"
-        if importlib.util.find_spec(needs[name]) is None:
-            return f"logger sink {name} needs the {needs[name]} package, which is not installed: {INSTALL_HINT}"
+        if importlib.util.find_spec(name) is None:  # each sink's package has its name
+            return f"logger sink {name} needs the {name} package, which is not installed: {INSTALL_HINT}"
     return None
 
 
-def dotted_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+def dotted_keys(tree: dict, separator: str = ".", prefix: str = "") -> dict[str, Any]:
     """A nested config as one level of dotted keys (`algorithm.lr`)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(dotted_keys(value, f"{prefix}{key}."))
+            out.update(dotted_keys(value, separator, f"{prefix}{key}{separator}"))
         else:
             out[f"{prefix}{key}"] = value
     return out

@@ -22,10 +22,6 @@ def resolve(host: str) -> str:
         raise RuntimeError(f"cannot resolve the master address {host!r} ({e}); give an IP address instead") from e
 
 
-def is_loopback(host: str) -> bool:
-    return host in ("localhost",) or ipaddress.ip_address(resolve(host)).is_loopback
-
-
 def interface_to(host: str) -> str:
     """Name of the interface this host sends to `host` through (`ip route get`), e.g. 'eth0' or 'lo'."""
     addr = resolve(host)

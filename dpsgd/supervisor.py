@@ -44,14 +44,11 @@ class Supervisor(contextlib.AbstractContextManager):
         self._thread = threading.Thread(target=self._serve, name="dpsgd-supervisor", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._server.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()

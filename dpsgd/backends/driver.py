@@ -30,7 +30,7 @@ class RunFailed(RuntimeError):
 
 class Backend(Transport):
     """One backend's driver, on top of its transport record. Subclasses override what differs from these
-    defaults: the peers as processes (`spawn`, `spawn_on_hosts`) or a `start` of their own."""
+    defaults: the peers as processes (`spawn`) or a `start` of their own."""
 
     def exit(self) -> None:
         """End a launched rank whose results are written (default: the interpreter's own exit)."""
@@ -50,25 +50,12 @@ class Backend(Transport):
         env: dict | None = None,
         log_dir: Path | None = None,
         codes_out: list | None = None,
+        launcher: dict | None = None,
     ) -> int:
-        """Run `argv` (a python command line without the interpreter) on n processes of one world on this
-        machine, rank r's stderr to log_dir/rank{r}.log; the exit code (the first failure stops all)."""
-        valid = ", ".join(transport.having("processes"))
-        raise ValueError(f"cannot spawn processes for backend {self.name!r}; valid: {valid}")
-
-    def spawn_on_hosts(
-        self,
-        launcher: dict,
-        n: int,
-        argv: list[str],
-        timeout_s: float | None = None,
-        env: dict | None = None,
-        log_dir: Path | None = None,
-        codes_out: list | None = None,
-    ) -> int:
-        """`spawn`, the n ranks on `launcher["hosts"]` (dpsgd.backends.hosts: placement, runner, environment)."""
-        valid = " or ".join(f"backend={n}" for n in transport.having("processes"))
-        raise ValueError(f"launcher.hosts needs {valid} (processes on hosts), got backend={self.name}")
+        """Run `argv` (a python command line without the interpreter) on n processes of one world, on this
+        machine or, with a `launcher` naming hosts, on `launcher["hosts"]` (dpsgd.backends.hosts: placement,
+        runner, environment); rank r's stderr to log_dir/rank{r}.log; the exit code (the first failure stops all)."""
+        raise ValueError(f"backend={self.name} starts no peer processes; use backend={transport.having('processes')}")
 
     def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
@@ -76,6 +63,7 @@ class Backend(Transport):
         cfg["peers"]; an elastic run's relaunch has fewer). Raises RunFailed: one line naming the peer
         that failed first (followed by dpsgd.supervisor), the step and why."""
         n = int(cfg["peers"]) if peers is None else peers
+        launcher = cfg.get("launcher") if (cfg.get("launcher") or {}).get("hosts") else None
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
@@ -87,27 +75,19 @@ class Backend(Transport):
             with Watchdog(
                 cfg["comm"]["timeout_s"], lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
             ) as dog:
-                code = self._spawn_here_or_on_hosts(cfg, n, argv, env, logs, codes)
+                code = self.spawn(n, argv, env=env, log_dir=logs, codes_out=codes, launcher=launcher)
             if dog.line is not None:
                 raise RunFailed(f"{dog.line}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})")
             if code != 0:
                 settle = time.monotonic() + 1.0  # the supervisor's thread reads closings: let it see the last
                 while len(sup.ended) + len(sup.finished) < len(sup.steps) and time.monotonic() < settle:
                     time.sleep(0.01)
-                hosts = (cfg.get("launcher") or {}).get("hosts")
-                on = placement(list(hosts), n) if hosts else None
+                on = placement(list(launcher["hosts"]), n) if launcher else None
                 failure, died = failure_cause(logs, sup, code, n, codes, on)
                 raise RunFailed(
                     f"{failure}; all peers stopped after {time.monotonic() - start:.1f} s (logs: {logs})", died
                 )
         return json.loads((run_dir / "summary.json").read_text())
-
-    def _spawn_here_or_on_hosts(self, cfg: dict, n: int, argv: list[str], env: dict, logs: Path, codes: list) -> int:
-        """The n peers on this machine, or on `launcher.hosts` (dpsgd.backends.hosts) when the config names hosts."""
-        launcher = cfg.get("launcher") or {}
-        if launcher.get("hosts"):
-            return self.spawn_on_hosts(launcher, n, argv, env=env, log_dir=logs, codes_out=codes)
-        return self.spawn(n, argv, env=env, log_dir=logs, codes_out=codes)
 
 
 def error_line(rank: int, exc: BaseException) -> str:

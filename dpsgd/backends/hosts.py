@@ -1,5 +1,5 @@
 """A run's peers on several hosts (`launcher.hosts=[node1,node2]`): the driver starts them itself (each
-backend's `spawn_on_hosts`, with the pieces here), so a user with ssh between nodes writes no mpiexec or
+backend's `spawn` with a launcher, from the pieces here), so a user with ssh between nodes writes no mpiexec or
 torchrun line.
 
 Each host gets an equal block of ranks (or `host:slots` of them). A rank is started by the runner,

@@ -35,9 +35,7 @@ def stop_on_signals() -> Iterator[None]:
     def handler(signum, frame):
         seen.append(signum)
         if len(seen) > 1:
-            for group in list(launch.LIVE):
-                with contextlib.suppress(OSError):
-                    os.killpg(group, signal.SIGKILL)
+            launch.stop_live(signal.SIGKILL)
             os._exit(128 + signum)
         raise Interrupted(signum)
 

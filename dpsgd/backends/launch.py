@@ -19,9 +19,8 @@ from dpsgd.supervisor import Supervisor
 
 ERROR_FILE = "rank{rank}.error"  # a peer that fails writes its one-line error here (experiments.peer)
 GRACE_S = 3.0  # a peer sent SIGTERM is killed (SIGKILL) after this long
-LIVE: set[int] = (
-    set()
-)  # the process groups of the peers running now (dpsgd.backends.interrupt kills them on a 2nd signal)
+# the process groups of the peers running now (dpsgd.backends.interrupt kills them on a 2nd signal)
+LIVE: set[int] = set()
 _PR_SET_PDEATHSIG = 1
 
 
@@ -70,11 +69,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         LIVE.discard(p.pid)
 
 
-def stop_live() -> None:
-    """SIGTERM to every peer group running now; `run_processes` sees them end and stops the rest."""
+def stop_live(signum: int = signal.SIGTERM) -> None:
+    """`signum` to every peer group running now; `run_processes` sees them end and stops the rest."""
     for group in list(LIVE):
         with contextlib.suppress(OSError):
-            os.killpg(group, signal.SIGTERM)
+            os.killpg(group, signum)
 
 
 def run_processes(

@@ -37,9 +37,11 @@ class MPIBackend(MPITransport, Backend):
             return str(exc)
         return None
 
-    def spawn(self, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+    def spawn(self, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None, launcher=None) -> int:
         """One mpiexec process (no exit code per rank); with `log_dir`, rank r's stderr goes to
         log_dir/rank{r}.log and mpiexec's own output (and the ranks' stdout) to log_dir/launcher.log."""
+        if launcher:
+            return self._spawn_on_hosts(launcher, n, argv, timeout_s, env, log_dir)
         launcher = mpiexec()
         cmd = [launcher, "-n", str(n)]
         if log_dir is not None:
@@ -51,7 +53,7 @@ class MPIBackend(MPITransport, Backend):
         log = Path(log_dir) / "launcher.log" if log_dir is not None else None
         return launch.run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
 
-    def spawn_on_hosts(self, launcher, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+    def _spawn_on_hosts(self, launcher, n, argv, timeout_s, env, log_dir) -> int:
         """mpiexec from here, its proxies started on the hosts by the runner instead of plain ssh; UCX over
         tcp on the interface to the first host (shared memory would join the ranks of one machine directly,
         which on test hosts, namespaces of one machine, bypasses their links)."""

@@ -32,7 +32,9 @@ class TorchBackend(TorchTransport, Backend):
             )
         return None
 
-    def spawn(self, n: int, argv: list[str], timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+    def spawn(self, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None, launcher=None) -> int:
+        if launcher:
+            return self._spawn_on_hosts(launcher, n, argv, timeout_s, env, log_dir, codes_out)
         ranks = _rank_envs("127.0.0.1", launch.free_port(), ["localhost"] * n)
         local = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
         commands: list[tuple[list[str], dict | None, Path | None]] = [
@@ -40,7 +42,7 @@ class TorchBackend(TorchTransport, Backend):
         ]
         return launch.run_processes(commands, timeout_s, codes_out)
 
-    def spawn_on_hosts(self, launcher, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None) -> int:
+    def _spawn_on_hosts(self, launcher, n, argv, timeout_s, env, log_dir, codes_out) -> int:
         where = hosts.placement(list(launcher["hosts"]), n)
         port = int(launcher.get("port") or 0) or launch.free_port()
         base, runner = hosts.forwarded(launch.peer_env(env)), hosts.runner(launcher)

@@ -26,7 +26,7 @@ class Watchdog:
         timeout_s: float,
         last_progress: Callable[[], float | None],
         on_stall: Callable[[str], None],
-        steps: Callable[[], dict[int, int]] | None = None,
+        steps: Callable[[], dict[int, int]],
     ):
         self.limit_s = float(timeout_s) + MARGIN_S
         self._last, self._on_stall, self._steps = last_progress, on_stall, steps
@@ -56,8 +56,7 @@ class Watchdog:
 
     def _describe(self, idle: float, before_first: bool) -> str:
         where = "before any peer began its first step"
-        steps = self._steps() if self._steps is not None else {}
-        if not before_first and steps:
+        if not before_first and (steps := self._steps()):
             where = "last steps begun: " + ", ".join(f"peer {r} step {s}" for r, s in sorted(steps.items()))
         return (
             f"no peer made progress for {idle:.0f} s (the driver's watchdog allows comm.timeout_s + "

@@ -62,12 +62,6 @@ def _as_buffer(t: torch.Tensor):
     return t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _mpi_op_buffer(t: torch.Tensor):
-    if t.dtype in (torch.bfloat16, torch.float16) and not t.is_cuda:
-        raise TypeError(f"the mpi backend reduces float32/float64 on the CPU, got {t.dtype}; cast first")
-    return _as_buffer(t)
-
-
 class _Requests(Exchange):
     """MPI requests, each with its peer (-1 for a collective's); an exchange's `received` buffers."""
 
@@ -166,8 +160,10 @@ class MPICommunicator(Communicator):
         return _MPIRequest(self._MPI, self._comm.Irecv(_as_buffer(buf), source=src, tag=tag), source)
 
     def _start_allreduce_sum(self, buf) -> Pending:
+        if buf.dtype in (torch.bfloat16, torch.float16) and not buf.is_cuda:
+            raise TypeError(f"the mpi backend reduces float32/float64 on the CPU, got {buf.dtype}; cast first")
         _ready(buf)
-        req = self._comm.Iallreduce(self._MPI.IN_PLACE, _mpi_op_buffer(buf), op=self._MPI.SUM)
+        req = self._comm.Iallreduce(self._MPI.IN_PLACE, _as_buffer(buf), op=self._MPI.SUM)
         return _Requests(self._MPI, [req], [-1])
 
     def barrier(self) -> None:

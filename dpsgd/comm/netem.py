@@ -133,10 +133,6 @@ class ComputeSlowdown:
     def scale(self) -> float:
         return self.compute_scale if self.rank in self.slow_peers else 1.0
 
-    @property
-    def active(self) -> bool:
-        return self.scale != 1.0 or self.compute_time > 0
-
     def start(self) -> None:
         self._t0 = time.perf_counter()
 
@@ -201,13 +197,10 @@ class NetworkEmulator:
         )
 
     @property
-    def emulates_links(self) -> bool:
-        """Whether messages cost anything beyond the real transport (else the communicator skips stamping)."""
-        return not self.link.free or self.jitter_s > 0
-
-    @property
     def active(self) -> bool:
-        return self.emulates_links or self.slowdown.active
+        """Whether anything is emulated: messages cost more than on the real transport, or compute is slowed."""
+        slowdown = self.slowdown
+        return not self.link.free or self.jitter_s > 0 or slowdown.scale != 1.0 or slowdown.compute_time > 0
 
     def jitter(self) -> float:
         return self._rng.uniform(0.0, self.jitter_s) if self.jitter_s > 0 else 0.0

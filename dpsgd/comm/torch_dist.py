@@ -25,6 +25,13 @@ from .staging import HostStaging, check_mode
 from .transport import Transport, register
 
 
+def _init_group(dist_backend: str, timeout_s: float, init_method: str | None = None) -> None:
+    """The default process group, gloo bound to the interface on the route to the master (`lo` on one host)."""
+    if "MASTER_ADDR" in os.environ:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
+    dist.init_process_group(dist_backend, init_method=init_method or "env://", timeout=timedelta(seconds=timeout_s))
+
+
 class _Works(Exchange):
     """torch.distributed works, each with its peer (-1 for a collective's); an exchange's `received` buffers."""
 
@@ -86,8 +93,7 @@ class _TorchRequest(Request):
             self._wait_in_library()
         elif not self._done.wait(timeout=max(0.0, deadline - time.monotonic())):
             raise PeerTimeoutError("deadline passed")
-        if self._error is not None:
-            raise PeerTimeoutError(str(self._error)) from self._error
+        self.test()  # done: raises the library's error, if any
 
     def peers_outstanding(self) -> list[int]:
         return [] if self._done.is_set() or self._peer is None else [self._peer]
@@ -122,12 +128,7 @@ class TorchCommunicator(Communicator):
                         f"`torchrun --nproc-per-node N python -m experiments.train backend=torch`, let "
                         f"experiments.train spawn them, or call torch.distributed.init_process_group first"
                     )
-            if "MASTER_ADDR" in os.environ:  # the interface on the route to the master; `lo` on one host
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
-            dist_backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(
-                dist_backend, init_method=init_method or "env://", timeout=timedelta(seconds=timeout_s)
-            )
+            _init_group(dist_backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout_s, init_method)
             # a group left alive at interpreter exit aborts the process (SIGABRT in gloo)
             atexit.register(self.close)
         super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
@@ -205,11 +206,7 @@ class TorchTransport(Transport):
 
     def share(self, data: bytes, timeout_s: float) -> bytes:
         if not dist.is_initialized():
-            if "MASTER_ADDR" in os.environ:  # the interface on the route to the master; `lo` on one host
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
-            dist.init_process_group(
-                "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
-            )
+            _init_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout_s)
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
         dist.broadcast(t, src=0)
         return bytes(t.tolist())

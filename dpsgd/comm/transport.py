@@ -66,6 +66,7 @@ def get(name: str) -> Transport:
     return _REGISTRY[name]
 
 
-def having(capability: str) -> list[str]:
-    """The names of the transports whose record has `capability` (for error messages)."""
-    return [n for n, t in _REGISTRY.items() if getattr(t, capability)]
+def having(capability: str) -> str:
+    """'local, mpi or torch': the names of the transports whose record has `capability` (for error messages)."""
+    choices = [n for n, t in _REGISTRY.items() if getattr(t, capability)]
+    return " or ".join(filter(None, (", ".join(choices[:-1]), choices[-1])))

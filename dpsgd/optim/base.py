@@ -1,13 +1,6 @@
-"""The contract every distributed optimizer keeps. It holds a local torch optimizer (the "base",
-whose step defines the increment d_i = base(x_i, g_i) - x_i), a topology and a communicator, and
-behaves like a torch optimizer itself: step (with torch's step hooks), zero_grad, param_groups,
-state_dict / load_state_dict with the algorithm's own state, LR schedulers.
-
-Constructors take the base first and then keywords: `topology=`, `comm=`, `broadcast_initial=` and
-the algorithm's options. With `broadcast_initial=True` every peer takes rank 0's parameters at
-construction, as DDP does. An algorithm talks to its peers only through the communicator's operations
-(`allreduce_mean`, `mix`, `group_mean`, ...), so the one statement of its rule runs on
-real peers and, on tensors with a leading peer axis, on the fleet (dpsgd.sim).
+"""The contracts every distributed optimizer keeps (`DistributedOptimizer`, and `AsynchronousOptimizer` for
+those with no global step). A rule talks to its peers only through the communicator's operations, so the one
+statement of it runs on real peers and, on tensors with a leading peer axis, on the fleet (dpsgd.sim).
 """
 
 from __future__ import annotations
@@ -74,12 +67,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = base.defaults
         self.param_groups = base.param_groups
         self.step_count = 0  # global steps taken: selects the topology's matrix at each step
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        for hooks in ("step", "state_dict", "load_state_dict"):  # the registries torch's Optimizer.__init__ makes
+            setattr(self, f"_optimizer_{hooks}_pre_hooks", OrderedDict())
+            setattr(self, f"_optimizer_{hooks}_post_hooks", OrderedDict())
         self._patch_step_function()  # torch's step pre/post hooks fire around our step()
         if broadcast_initial:
             comm.broadcast_(self.params(), root=0)
