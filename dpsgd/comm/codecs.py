@@ -52,7 +52,7 @@ import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Handle, _Done, mixing_neighbors, unflatten
+from .base import Communicator, Handle, _Done, group_neighbors, mixing_neighbors, unflatten
 from .pending import Exchange, Pending, Request
 
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
@@ -659,13 +659,7 @@ class Compressed(Communicator):
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
         if group_size == 1:
             return list(tensors)
-
-        def weights(i: int) -> Neighbors:
-            first = i // group_size * group_size
-            others = {m: 1.0 / group_size for m in range(first, first + group_size) if m != i}
-            return Neighbors(others, dict(others), 1.0 / group_size)
-
-        return self._start_mix(tensors, weights).wait()
+        return self._start_mix(tensors, lambda i: group_neighbors(i, group_size)).wait()
 
     def gossip(self, x: torch.Tensor, topology: Topology, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Choco's exchange: send Q(x) to this peer's out-neighbours of W(step); return (Q(x), sum_j W[i,j]
