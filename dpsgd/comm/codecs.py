@@ -53,7 +53,7 @@ import torch
 from topologies import Neighbors, Topology
 
 from .base import Communicator, Handle, _Done, group_neighbors, mixing_neighbors, unflatten
-from .pending import Exchange, Pending, Request
+from .pending import Exchange, Pending
 
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
 
@@ -693,35 +693,20 @@ class Compressed(Communicator):
     def barrier(self) -> None:
         self.inner.barrier()
 
-    def duplicate(self) -> Communicator:
-        return self.inner.duplicate()
-
-    def start_neighbor_exchange(self, buf, send_to, recv_from) -> Handle:
-        return self.inner.start_neighbor_exchange(buf, send_to, recv_from)
-
-    def start_exchange(self, tensors, peer) -> Handle:
-        return self.inner.start_exchange(tensors, peer)
-
-    def start_send(self, buf, peer, tag) -> Request:
-        return self.inner.start_send(buf, peer, tag)
-
-    def start_recv(self, buf, source=None, tag=0) -> Request:
-        return self.inner.start_recv(buf, source, tag)
-
-    def wait_request(self, op, request, peers) -> None:
-        self.inner.wait_request(op, request, peers)
-
-    def broadcast_(self, tensors, root=0) -> None:
-        self.inner.broadcast_(tensors, root)
-
-    def flatten(self, tensors) -> torch.Tensor:
-        return self.inner.flatten(tensors)
-
-    def unflatten(self, flat, like) -> list[torch.Tensor]:
-        return self.inner.unflatten(flat, like)
-
-    def uncounted(self):
-        return self.inner.uncounted()
-
     def __repr__(self) -> str:
         return f"Compressed({self.inner!r}, {self.codec!r}, error_feedback={self.error_feedback})"
+
+
+def _delegated(name: str):
+    def method(self: Compressed, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__, method.__qualname__ = name, f"Compressed.{name}"
+    return method
+
+
+# Point-to-point operations carry what their caller encoded, and the exact communicator counts them.
+for _name in ("duplicate", "start_neighbor_exchange", "start_exchange", "start_send", "start_recv", "wait_request"):
+    setattr(Compressed, _name, _delegated(_name))
+for _name in ("broadcast_", "flatten", "unflatten", "uncounted"):  # the inner's (a fleet's: with the peer axis)
+    setattr(Compressed, _name, _delegated(_name))
