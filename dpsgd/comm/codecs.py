@@ -41,6 +41,7 @@ the fleet computes the real peers' numbers and counts their bytes.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from abc import ABC, abstractmethod
@@ -436,15 +437,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "fp16": (),
     "bf16": (),
     "int8": (),
-    "powersgd": (
-        "rank",
-        "start_iter",
-        "min_compression_rate",
-        "error_feedback",
-        "warm_start",
-        "orthogonalization_epsilon",
-        "seed",
-    ),
+    "powersgd": tuple(inspect.signature(PowerSGD).parameters),  # every argument of its constructor
 }
 CODECS = tuple(OPTIONS)
 
@@ -458,14 +451,12 @@ def make(name: str, **options) -> Codec | PowerSGD:
     if unknown:
         takes = ", ".join(OPTIONS[name]) or "no options"
         raise ValueError(f"codec {name} takes {takes}; got {', '.join(unknown)}")
-    if name in ("top_k", "random_k"):
-        ratio = _check_ratio(name, options.pop("ratio", None))
-        return TopK(ratio) if name == "top_k" else RandomK(ratio, **options)
-    if name == "powersgd":
-        return PowerSGD(**options)
     if name in ("fp16", "bf16"):
         return Cast(torch.float16 if name == "fp16" else torch.bfloat16)
-    return {"sign": ScaledSign, "qsgd": QSGD, "int8": Int8}[name](**options)
+    if name in ("top_k", "random_k"):
+        options.setdefault("ratio", None)  # missing: the codec's own check says what a ratio is
+    classes = {"top_k": TopK, "random_k": RandomK, "sign": ScaledSign, "qsgd": QSGD, "int8": Int8, "powersgd": PowerSGD}
+    return classes[name](**options)
 
 
 def wrap(comm: Communicator, compression: str | dict | Codec | PowerSGD | None) -> Communicator:
@@ -546,12 +537,7 @@ class Compressed(Communicator):
 
     def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
         mean = self.start_allreduce_mean([buf])
-
-        def finish():
-            buf.copy_(mean.wait()[0]).mul_(self.size)
-            return [buf]
-
-        return self._done("allreduce_sum", finish)
+        return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
 
     def _keep(self, memory: dict, name: str, error: torch.Tensor) -> None:
         if self.error_feedback:
