@@ -143,29 +143,13 @@ class QGM(DPSGD):
     the momentum follows the model's own displacement, gossip included, not the local gradient, so it
     approximates the global direction on heterogeneous data (the paper's Algorithm 1, QG-DSGDm). The base
     must be `torch.optim.SGD` with momentum 0 (QGM is its momentum); its weight decay is added to m_i, as in
-    the authors' code. `order="cta"` applies the same buffer rule to the cta update.
+    the authors' code. `order="cta"` applies the same buffer rule to the cta update. Other keywords are
+    `DPSGD`'s (`topology`, `comm`, `broadcast_initial`, `overlap`).
     """
 
     elastic = False  # its momentum buffer is each peer's own estimate of the global direction: no rule for a new peer
 
     def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        order: str = "atc",
-        beta: float = 0.9,
-        mu: float | None = None,
+        self, base: torch.optim.Optimizer, *, order: str = "atc", beta: float = 0.9, mu: float | None = None, **options
     ):
-        super().__init__(
-            base,
-            topology=topology,
-            comm=comm,
-            broadcast_initial=broadcast_initial,
-            order=order,
-            qgm=True,
-            qgm_beta=beta,
-            qgm_mu=mu,
-        )
+        super().__init__(base, order=order, qgm=True, qgm_beta=beta, qgm_mu=mu, **options)

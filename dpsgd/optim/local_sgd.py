@@ -77,7 +77,6 @@ class LocalSGD(DistributedOptimizer):
         group_size: int | None = None,
         global_period: int | None = None,
     ):
-        # the topology is accepted, and ignored: averaging is exact
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         name = type(self).__name__
         self.period = _positive_int("period", period)
