@@ -218,7 +218,7 @@ class Communicator(ABC):
         """Start averaging `tensors` over all peers; `.wait()` returns the averages. `stream` names the
         series of means this one belongs to (gradients, outer deltas): a compressing wrapper keeps one error
         memory per stream (dpsgd.comm.codecs); exact communicators ignore it."""
-        return self._start_allreduce(tensors, "allreduce_mean", mean=True)
+        return self._start_allreduce_flat(flatten(tensors), tensors, "allreduce_mean", mean=True)
 
     def allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> list[torch.Tensor]:
         """The mean of `tensors` over all peers, (1/n) sum_j x_j, as new tensors (a ring all-reduce's bytes)."""
@@ -226,7 +226,7 @@ class Communicator(ABC):
 
     def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
         """Start summing `tensors` over all peers; `.wait()` returns the sums."""
-        return self._start_allreduce(tensors, "allreduce_sum", mean=False)
+        return self._start_allreduce_flat(flatten(tensors), tensors, "allreduce_sum", mean=False)
 
     def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The sum of `tensors` over all peers, sum_j x_j, as new tensors."""
@@ -243,11 +243,9 @@ class Communicator(ABC):
             )
         return self._start_allreduce_flat(buf, [buf], "allreduce_sum", mean=False)
 
-    def _start_allreduce(self, tensors: Sequence[torch.Tensor], op: str, mean: bool) -> Handle:
-        # a fresh copy: the reduction never touches the caller's tensors
-        return self._start_allreduce_flat(flatten(tensors), tensors, op, mean)
-
     def _start_allreduce_flat(self, buf: torch.Tensor, like: Sequence[torch.Tensor], op: str, mean: bool) -> Handle:
+        """Sum (or average) `buf` in place and return it shaped like `like`; the public operations pass a fresh
+        copy (`flatten`), so the reduction never touches the caller's tensors."""
         ring = ring_allreduce_bytes(buf.nbytes, self.size)
         self._count(op, sent=ring, received=ring, messages=2 * (self.size - 1))
         pending = self._allreduce_sum(buf) if self.size > 1 else _Done()

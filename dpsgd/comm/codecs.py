@@ -339,6 +339,8 @@ class PowerSGD:
     the same products run batched over the peers."""
 
     name = "powersgd"
+    options = ("rank", "start_iter", "error_feedback", "warm_start")  # the attributes __repr__ shows
+    __repr__ = Codec.__repr__
 
     def __init__(
         self,
@@ -420,12 +422,6 @@ class PowerSGD:
         if self.error_feedback:
             memory["error"] = v - comm.flatten(out)
         return out
-
-    def __repr__(self) -> str:
-        return (
-            f"PowerSGD(rank={self.rank}, start_iter={self.start_iter}, error_feedback={self.error_feedback}, "
-            f"warm_start={self.warm_start})"
-        )
 
 
 # --- one vocabulary: the names configs and Choco use ---------------------------------------------------
