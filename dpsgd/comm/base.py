@@ -111,6 +111,13 @@ def mixing_neighbors(topology: Topology, rank: int, step: int, lazy: bool = Fals
     )
 
 
+def group_neighbors(rank: int, group_size: int) -> Neighbors:
+    """Peer `rank`'s weights of the mean over its group, peers [g k, g (k + 1)) for group size g."""
+    first = rank // group_size * group_size
+    others = {m: 1.0 / group_size for m in range(first, first + group_size) if m != rank}
+    return Neighbors(others, dict(others), 1.0 / group_size)
+
+
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding all tensors (one message per peer instead of many)."""
     if not tensors:
@@ -211,7 +218,7 @@ class Communicator(ABC):
         """Start averaging `tensors` over all peers; `.wait()` returns the averages. `stream` names the
         series of means this one belongs to (gradients, outer deltas): a compressing wrapper keeps one error
         memory per stream (dpsgd.comm.codecs); exact communicators ignore it."""
-        return self._start_allreduce(tensors, "allreduce_mean", mean=True)
+        return self._start_allreduce_flat(flatten(tensors), tensors, "allreduce_mean", mean=True)
 
     def allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> list[torch.Tensor]:
         """The mean of `tensors` over all peers, (1/n) sum_j x_j, as new tensors (a ring all-reduce's bytes)."""
@@ -219,7 +226,7 @@ class Communicator(ABC):
 
     def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
         """Start summing `tensors` over all peers; `.wait()` returns the sums."""
-        return self._start_allreduce(tensors, "allreduce_sum", mean=False)
+        return self._start_allreduce_flat(flatten(tensors), tensors, "allreduce_sum", mean=False)
 
     def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The sum of `tensors` over all peers, sum_j x_j, as new tensors."""
@@ -236,11 +243,9 @@ class Communicator(ABC):
             )
         return self._start_allreduce_flat(buf, [buf], "allreduce_sum", mean=False)
 
-    def _start_allreduce(self, tensors: Sequence[torch.Tensor], op: str, mean: bool) -> Handle:
-        # a fresh copy: the reduction never touches the caller's tensors
-        return self._start_allreduce_flat(flatten(tensors), tensors, op, mean)
-
     def _start_allreduce_flat(self, buf: torch.Tensor, like: Sequence[torch.Tensor], op: str, mean: bool) -> Handle:
+        """Sum (or average) `buf` in place and return it shaped like `like`; the public operations pass a fresh
+        copy (`flatten`), so the reduction never touches the caller's tensors."""
         ring = ring_allreduce_bytes(buf.nbytes, self.size)
         self._count(op, sent=ring, received=ring, messages=2 * (self.size - 1))
         pending = self._allreduce_sum(buf) if self.size > 1 else _Done()
@@ -265,15 +270,8 @@ class Communicator(ABC):
         `.wait()`) return self_weight * x_i + sum_j recv[j] * x_j. The weights are applied on
         the receiving side, so one buffer goes to every out-neighbour."""
         buf = flatten(tensors)
-        send_to, recv_from = sorted(weights.send), sorted(weights.recv)
-        self._check_peers("neighbor_average", send_to + recv_from)
-        self._count(
-            "neighbor_average",
-            sent=buf.nbytes * len(send_to),
-            received=buf.nbytes * len(recv_from),
-            messages=len(send_to),
-        )
-        ex, received, arrival = self._start_stamped_exchange(buf, send_to, recv_from)
+        recv_from = sorted(weights.recv)
+        ex, received, arrival = self._start_counted_exchange("neighbor_average", buf, sorted(weights.send), recv_from)
 
         def finish():
             # buf is our own copy and its sends are complete: the sum is built in it, and the
@@ -296,15 +294,8 @@ class Communicator(ABC):
         `send_to` and receive a buffer of the same shape and dtype from each of `recv_from`;
         `.wait()` returns them as a list in the order of `recv_from`. Bytes are counted as sent."""
         buf = buf.detach().reshape(-1).contiguous()
-        send_to, recv_from = list(send_to), list(recv_from)
-        self._check_peers("neighbor_exchange", send_to + recv_from)
-        self._count(
-            "neighbor_exchange",
-            sent=buf.nbytes * len(send_to),
-            received=buf.nbytes * len(recv_from),
-            messages=len(send_to),
-        )
-        ex, received, arrival = self._start_stamped_exchange(buf, send_to, recv_from)
+        recv_from = list(recv_from)
+        ex, received, arrival = self._start_counted_exchange("neighbor_exchange", buf, list(send_to), recv_from)
         return Handle(
             self, "neighbor_exchange", ex, lambda: [received(p) for p in recv_from], recv_from, arrival, buf.device
         )
@@ -319,9 +310,7 @@ class Communicator(ABC):
         """Pairwise exchange (AD-PSGD's primitive): send `tensors` to `peer` and return the
         peer's tensors, shaped like ours."""
         buf = flatten(tensors)
-        self._check_peers("exchange", [peer])
-        self._count("exchange", sent=buf.nbytes, received=buf.nbytes, messages=1)
-        ex, received, arrival = self._start_stamped_exchange(buf, [peer], [peer])
+        ex, received, arrival = self._start_counted_exchange("exchange", buf, [peer], [peer])
         return Handle(self, "exchange", ex, lambda: unflatten(received(peer), tensors), [peer], arrival, buf.device)
 
     def exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> list[torch.Tensor]:
@@ -345,11 +334,9 @@ class Communicator(ABC):
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
         """The mean over this peer's group: peers [g k, g (k + 1)) for group size g."""
-        first = self.rank // group_size * group_size
-        others = {m: 1.0 / group_size for m in range(first, first + group_size) if m != self.rank}
-        if not others:
+        if group_size == 1:
             return list(tensors)
-        return self.neighbor_average(tensors, Neighbors(others, dict(others), 1.0 / group_size))
+        return self.neighbor_average(tensors, group_neighbors(self.rank, group_size))
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         """Every peer's `tensors` become `root`'s, in place (a set-up step: not counted as traffic).
@@ -422,6 +409,14 @@ class Communicator(ABC):
             self._counting = saved
 
     # --- shared machinery ---------------------------------------------------------------
+    def _start_counted_exchange(self, op: str, buf: torch.Tensor, send_to: list[int], recv_from: list[int]):
+        """`_start_stamped_exchange` after checking the peers and counting one `buf` to each of `send_to`
+        and from each of `recv_from`."""
+        self._check_peers(op, send_to + recv_from)
+        n_sent, n_received = len(send_to), len(recv_from)
+        self._count(op, sent=buf.nbytes * n_sent, received=buf.nbytes * n_received, messages=n_sent)
+        return self._start_stamped_exchange(buf, send_to, recv_from)
+
     def _emulation(self) -> NetworkEmulator | None:
         return self.network if self.network is not None and self._counting and self.network.active else None
 

@@ -41,6 +41,7 @@ the fleet computes the real peers' numbers and counts their bytes.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from abc import ABC, abstractmethod
@@ -52,8 +53,8 @@ import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Handle, _Done, mixing_neighbors, unflatten
-from .pending import Exchange, Pending, Request
+from .base import Communicator, Handle, _Done, group_neighbors, mixing_neighbors, unflatten
+from .pending import Exchange, Pending
 
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
 
@@ -338,6 +339,8 @@ class PowerSGD:
     the same products run batched over the peers."""
 
     name = "powersgd"
+    options = ("rank", "start_iter", "error_feedback", "warm_start")  # the attributes __repr__ shows
+    __repr__ = Codec.__repr__
 
     def __init__(
         self,
@@ -420,12 +423,6 @@ class PowerSGD:
             memory["error"] = v - comm.flatten(out)
         return out
 
-    def __repr__(self) -> str:
-        return (
-            f"PowerSGD(rank={self.rank}, start_iter={self.start_iter}, error_feedback={self.error_feedback}, "
-            f"warm_start={self.warm_start})"
-        )
-
 
 # --- one vocabulary: the names configs and Choco use ---------------------------------------------------
 OPTIONS: dict[str, tuple[str, ...]] = {
@@ -436,15 +433,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "fp16": (),
     "bf16": (),
     "int8": (),
-    "powersgd": (
-        "rank",
-        "start_iter",
-        "min_compression_rate",
-        "error_feedback",
-        "warm_start",
-        "orthogonalization_epsilon",
-        "seed",
-    ),
+    "powersgd": tuple(inspect.signature(PowerSGD).parameters),  # every argument of its constructor
 }
 CODECS = tuple(OPTIONS)
 
@@ -458,14 +447,12 @@ def make(name: str, **options) -> Codec | PowerSGD:
     if unknown:
         takes = ", ".join(OPTIONS[name]) or "no options"
         raise ValueError(f"codec {name} takes {takes}; got {', '.join(unknown)}")
-    if name in ("top_k", "random_k"):
-        ratio = _check_ratio(name, options.pop("ratio", None))
-        return TopK(ratio) if name == "top_k" else RandomK(ratio, **options)
-    if name == "powersgd":
-        return PowerSGD(**options)
     if name in ("fp16", "bf16"):
         return Cast(torch.float16 if name == "fp16" else torch.bfloat16)
-    return {"sign": ScaledSign, "qsgd": QSGD, "int8": Int8}[name](**options)
+    if name in ("top_k", "random_k"):
+        options.setdefault("ratio", None)  # missing: the codec's own check says what a ratio is
+    classes = {"top_k": TopK, "random_k": RandomK, "sign": ScaledSign, "qsgd": QSGD, "int8": Int8, "powersgd": PowerSGD}
+    return classes[name](**options)
 
 
 def wrap(comm: Communicator, compression: str | dict | Codec | PowerSGD | None) -> Communicator:
@@ -546,12 +533,7 @@ class Compressed(Communicator):
 
     def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
         mean = self.start_allreduce_mean([buf])
-
-        def finish():
-            buf.copy_(mean.wait()[0]).mul_(self.size)
-            return [buf]
-
-        return self._done("allreduce_sum", finish)
+        return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
 
     def _keep(self, memory: dict, name: str, error: torch.Tensor) -> None:
         if self.error_feedback:
@@ -659,13 +641,7 @@ class Compressed(Communicator):
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
         if group_size == 1:
             return list(tensors)
-
-        def weights(i: int) -> Neighbors:
-            first = i // group_size * group_size
-            others = {m: 1.0 / group_size for m in range(first, first + group_size) if m != i}
-            return Neighbors(others, dict(others), 1.0 / group_size)
-
-        return self._start_mix(tensors, weights).wait()
+        return self._start_mix(tensors, lambda i: group_neighbors(i, group_size)).wait()
 
     def gossip(self, x: torch.Tensor, topology: Topology, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Choco's exchange: send Q(x) to this peer's out-neighbours of W(step); return (Q(x), sum_j W[i,j]
@@ -699,35 +675,20 @@ class Compressed(Communicator):
     def barrier(self) -> None:
         self.inner.barrier()
 
-    def duplicate(self) -> Communicator:
-        return self.inner.duplicate()
-
-    def start_neighbor_exchange(self, buf, send_to, recv_from) -> Handle:
-        return self.inner.start_neighbor_exchange(buf, send_to, recv_from)
-
-    def start_exchange(self, tensors, peer) -> Handle:
-        return self.inner.start_exchange(tensors, peer)
-
-    def start_send(self, buf, peer, tag) -> Request:
-        return self.inner.start_send(buf, peer, tag)
-
-    def start_recv(self, buf, source=None, tag=0) -> Request:
-        return self.inner.start_recv(buf, source, tag)
-
-    def wait_request(self, op, request, peers) -> None:
-        self.inner.wait_request(op, request, peers)
-
-    def broadcast_(self, tensors, root=0) -> None:
-        self.inner.broadcast_(tensors, root)
-
-    def flatten(self, tensors) -> torch.Tensor:
-        return self.inner.flatten(tensors)
-
-    def unflatten(self, flat, like) -> list[torch.Tensor]:
-        return self.inner.unflatten(flat, like)
-
-    def uncounted(self):
-        return self.inner.uncounted()
-
     def __repr__(self) -> str:
         return f"Compressed({self.inner!r}, {self.codec!r}, error_feedback={self.error_feedback})"
+
+
+def _delegated(name: str):
+    def method(self: Compressed, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__, method.__qualname__ = name, f"Compressed.{name}"
+    return method
+
+
+# Point-to-point operations carry what their caller encoded, and the exact communicator counts them.
+for _name in ("duplicate", "start_neighbor_exchange", "start_exchange", "start_send", "start_recv", "wait_request"):
+    setattr(Compressed, _name, _delegated(_name))
+for _name in ("broadcast_", "flatten", "unflatten", "uncounted"):  # the inner's (a fleet's: with the peer axis)
+    setattr(Compressed, _name, _delegated(_name))

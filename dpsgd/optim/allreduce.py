@@ -1,13 +1,4 @@
-"""AllReduce: average the gradients over all peers, then take the base step. Every peer stays
-identical; with equal local batches this is large-batch SGD on the union of the batches.
-
-Exact gradients travel as buckets of at most `bucket_mb` MiB (dpsgd.optim.buckets), last parameter
-first (the order of the backward pass, and of DDP's buckets); with `overlap=True` each bucket's
-all-reduce starts as soon as the backward pass has filled it, as DDP's does.
-
-With a compressing communicator (`compression=`, dpsgd.comm.codecs) the gradients travel as one
-encoded, error-fed mean of all of them after the backward pass, last parameter first (so PowerSGD
-draws the factors torch's hook draws for DDP's one bucket); every peer still gets the same mean."""
+"""AllReduce: all-reduce data parallelism, as DDP does it; see `AllReduce`."""
 
 from __future__ import annotations
 
@@ -23,14 +14,18 @@ from .buckets import GradientBuckets
 class AllReduce(DistributedOptimizer):
     """All-reduce data parallelism: g = mean_j g_j, then the base step on every peer (large-batch SGD).
 
-    Every peer stays identical, as under DDP. `overlap=True` all-reduces the gradients in buckets of
-    `bucket_mb` MiB from gradient hooks during the backward pass, as DDP's reducer does. The topology is
-    accepted, and ignored, so that configs can swap algorithms. Bytes per step: a ring all-reduce of the
-    gradients, 2 (n - 1) / n of the model.
+    Every peer stays identical, as under DDP; with equal local batches this is large-batch SGD on the union
+    of the batches. Exact gradients travel as buckets of at most `bucket_mb` MiB (dpsgd.optim.buckets), last
+    parameter first (the order of the backward pass, and of DDP's buckets); `overlap=True` starts each
+    bucket's all-reduce from gradient hooks as soon as the backward pass has filled it, as DDP's reducer
+    does. With a compressing communicator (`compression=`, dpsgd.comm.codecs) the gradients travel as one
+    encoded, error-fed mean of all of them after the backward pass, last parameter first (so PowerSGD draws
+    the factors torch's hook draws for DDP's one bucket). The topology is accepted, and ignored, so that
+    configs can swap algorithms. Bytes per step: a ring all-reduce of the gradients, 2 (n - 1) / n of the
+    model.
     """
 
     uses_topology = False
-
     elastic = True
 
     def __init__(

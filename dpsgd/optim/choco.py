@@ -1,31 +1,5 @@
 """Choco-SGD (Koloskova, Stich, Jaggi, ICML 2019, "Decentralized Stochastic Optimization and Gossip
-Algorithms with Compressed Communication"): gossip on compressed differences to public copies.
-
-Every peer i keeps x_i (its model), x_hat_i (its public copy: what its neighbours know of x_i,
-updated identically on both sides) and s_i = sum_j W[i,j] x_hat_j (the memory-efficient variant
-of the paper's appendix: i never stores its neighbours' copies). W = topology.mixing_matrix()
-is static and doubly stochastic, Q a codec of `dpsgd.comm.codecs`, gamma the consensus step.
-At step t (Algorithm 1, with the base optimizer's increment d_i = base(x_i, g_i) - x_i in place
-of -eta grad F_i(x_i)):
-
-    x_i^{t+1/2} = x_i^t + d_i
-    q_i         = Q(x_i^{t+1/2} - x_hat_i^t)                 sent to every neighbour, as bytes
-    x_hat_i    += q_i,   s_i += sum_j W[i,j] q_j              (j over i and its neighbours)
-    x_i^{t+1}   = x_i^{t+1/2} + gamma (s_i - x_hat_i)         (= + gamma sum_j W[i,j] (x_hat_j - x_hat_i))
-
-x_hat and s start at 0. The message is the exact byte buffer of `Q.encode` (values plus indices or
-bits), sent by `Compressed.gossip`, so the bytes counted are the bytes a real network would carry;
-each peer decodes its own message too, so its x_hat_i is bit-for-bit the copy its neighbours hold.
-Random codecs draw from (seed, sender rank, step). Q is `compressor` (a name of `codecs.CODECS` with
-`ratio`, `levels`, `rescale`, `seed`, or a Codec), or the codec of a compressing communicator
-(`compression=` in configs, with `algorithm.compressor=null`): one vocabulary. The model is
-compressed as one flat vector (top-k is global over all parameters).
-
-Since W is column stochastic, sum_i (s_i - x_hat_i) = 0: the consensus step never moves the
-average model, which moves only by the average increment (with lr = 0 it stays put).
-The paper's guarantees need a contractive Q (top-k, random-k, scaled sign, rescaled QSGD) and a
-gamma small enough for its delta; too large a gamma diverges.
-"""
+Algorithms with Compressed Communication"): see `Choco`."""
 
 from __future__ import annotations
 
@@ -49,9 +23,17 @@ class Choco(DistributedOptimizer):
         x_hat_i += q_i;   s_i += sum_j W[i,j] q_j
         x_i     = x_i^{+} + gamma (s_i - x_hat_i)
 
-    The consensus step never moves the average model. Options: the compressor Q (top-k or random-k with
-    the fraction of entries sent, scaled sign, QSGD with its levels), the consensus step `gamma` in (0, 1]
-    (too large a gamma for Q's contraction diverges), and a `seed` for random compressors.
+    x_hat and s start at 0; s is the memory-efficient variant of the paper's appendix (i never stores its
+    neighbours' copies). q_i travels as the exact bytes of `Q.encode` (`Compressed.gossip`), so the bytes
+    counted are a real network's, and each peer decodes its own message too, so x_hat_i is bit for bit the
+    copy its neighbours hold. The model is compressed as one flat vector (top-k is global). Since W is
+    column stochastic, sum_i (s_i - x_hat_i) = 0: the consensus step never moves the average model.
+
+    Options: the compressor Q, a name of `codecs.CODECS` with `ratio`, `levels`, `rescale`, `seed` (random
+    codecs draw from (seed, sender rank, step)) or a Codec, or else the codec of a compressing communicator
+    (`compression=` with `algorithm.compressor=null`: one vocabulary); the consensus step `gamma` in (0, 1].
+    The paper's guarantees need a contractive Q (top-k, random-k, scaled sign, rescaled QSGD) and a gamma
+    small enough for its delta; too large a gamma diverges.
     """
 
     topology: Topology  # required: gossip needs its mixing matrices

@@ -1,27 +1,4 @@
-"""D^2 (Tang, Lian, Yan, Zhang, Liu, ICML 2018, "D^2: Decentralized Training over Decentralized
-Data"): D-PSGD with a correction that removes the dependence on how different the peers' data are.
-
-Peer i at step k, W = topology.mixing_matrix(k) symmetric doubly stochastic, g_i^k taken at x_i^k,
-d_i^k = base(x_i^k, g_i^k) - x_i^k the local optimizer's increment (-lr g_i^k for plain SGD):
-
-    k = 0:   x_i^1     = sum_j W[i,j] (x_j^0 + d_j^0)                          (plain D-PSGD, atc)
-    k >= 1:  x_i^{k+1} = sum_j W[i,j] (2 x_j^k - x_j^{k-1} + d_j^k - d_j^{k-1})
-                       = sum_j W[i,j] (2 x_j^k - x_j^{k-1} - lr g_j^k + lr g_j^{k-1})   (SGD)
-
-which is the paper's Algorithm 1 with x^{-1} = x^0 and g^{-1} = 0. With a base optimizer other
-than plain SGD the "increment" is the base's own step d = base(x, g) - x (e.g. -lr times the
-momentum buffer, or Adam's step): D^2 then corrects by the difference of consecutive
-increments, d^k - d^{k-1}, in place of -lr (g^k - g^{k-1}); the paper's analysis covers plain
-SGD only. The optimizer keeps one vector, m_i = x_i^{k-1} + d_i^{k-1} (x^0 before the first
-step), so x^{k+1/2} = (x^k + d^k) + x^k - m.
-
-Mixing: the paper needs lambda_min(W) > -1/3. Matrices that break it are refused, unless
-`lazy_mixing` is set: True mixes with (I + W) / 2 (eigenvalues (1 + lambda) / 2 >= 0, half the
-speed of mixing), "auto" does so only for matrices whose lambda_min(W) <= -1/3 (e.g. a ring of
-an even number of peers with Metropolis-Hastings weights, whose lambda_min is exactly -1/3).
-Every matrix of a periodic schedule is checked at construction, random ones as they are used.
-The average model moves only by the average increment: mean x^{k+1} = mean x^k + mean d^k.
-"""
+"""D^2 (Tang, Lian, Yan, Zhang, Liu, ICML 2018, "D^2: Decentralized Training over Decentralized Data"): see `D2`."""
 
 from __future__ import annotations
 
@@ -50,8 +27,15 @@ class D2(DistributedOptimizer):
         x^1     = W (x^0 + d^0)                                  (the first step is D-PSGD's atc)
         x^{k+1} = W (2 x^k - x^{k-1} + d^k - d^{k-1})            (k >= 1)
 
+    This is the paper's Algorithm 1 with x^{-1} = x^0 and g^{-1} = 0: for plain SGD d^k - d^{k-1} =
+    -lr (g^k - g^{k-1}); other bases correct by the difference of their own increments (the paper's
+    analysis covers plain SGD only). The optimizer keeps one vector, m = x^{k-1} + d^{k-1} (x^0 at first).
+    The average model moves only by the average increment.
+
     The paper needs lambda_min(W) > -1/3; a matrix that breaks it is refused in one line unless
-    `lazy_mixing` is True (mix with (I + W) / 2) or "auto" (only where needed). One model per neighbour
+    `lazy_mixing` is True (mix with (I + W) / 2, half the speed of mixing) or "auto" (only where needed,
+    e.g. an even ring with Metropolis-Hastings weights, whose lambda_min is exactly -1/3). Every matrix of
+    a periodic schedule is checked at construction, random ones as they are used. One model per neighbour
     per step, as D-PSGD.
     """
 

@@ -1,27 +1,4 @@
-"""D-PSGD (Lian et al., NeurIPS 2017): gossip averaging with the topology's mixing matrix W.
-
-Peer i at step k, with d_i = base(x_i, g_i) - x_i its local increment (g_i taken at x_i^k):
-- order "cta" (combine-then-adapt, the paper's):  x_i <- sum_j W[i,j] x_j^k + d_i.
-  x^k is known before the backward pass, so `start_communication()` may send it early and let
-  the exchange overlap the gradient computation; `step()` then only waits for it.
-- order "atc" (adapt-then-combine):               x_i <- sum_j W[i,j] (x_j^k + d_j).
-
-Option `qgm=True`: quasi-global momentum (Lin, Karimireddy, Stich, Jaggi, ICML 2021, Algorithm 1,
-QG-DSGDm), registered as the algorithm "qgm". The momentum buffer is built from the model's
-actual movement, gossip included, instead of the local gradient, so it approximates the global
-direction on heterogeneous data. With beta = `qgm_beta`, mu = `qgm_mu` (beta by default, as in
-the paper's experiments), m_hat_i = 0 at start and lr the current learning rate:
-
-    m_i         = g_i + beta m_hat_i                 (handed to the base SGD as its gradient)
-    x_i^{k+1}   = the order's update with d_i = base(x_i, m_i) - x_i = -lr (m_i + weight_decay x_i)
-    m_hat_i    <- mu m_hat_i + (1 - mu) (x_i^k - x_i^{k+1}) / lr
-
-The base must be torch.optim.SGD with momentum=0 (QGM is its momentum); its weight decay is added
-to m_i, as in the authors' code. The paper mixes after the local step (order "atc"); "cta"
-applies the same buffer rule to the cta update.
-With a compressing communicator (`compression=`, dpsgd.comm.codecs) each peer sends q_i = Q(x_i) and
-mixes x_i + sum_j W[i,j] (q_j - q_i), which keeps the average model.
-"""
+"""D-PSGD (Lian et al., NeurIPS 2017) and its quasi-global momentum variant QGM: see the classes."""
 
 from __future__ import annotations
 
@@ -48,7 +25,9 @@ class DPSGD(DistributedOptimizer):
     W(k) must be doubly stochastic (refused otherwise), so the average model moves only by the average
     increment. `qgm=True` adds quasi-global momentum (see `QGM`). Options: `order`, `overlap`, `qgm`,
     `qgm_beta`, `qgm_mu`, and the keywords every optimizer takes (`topology`, `comm`, `broadcast_initial`).
-    Bytes per step: the model to each neighbour of W(k).
+    Bytes per step: the model to each neighbour of W(k). With a compressing communicator (`compression=`,
+    dpsgd.comm.codecs) each peer sends q_i = Q(x_i) and mixes x_i + sum_j W[i,j] (q_j - q_i), which keeps
+    the average model.
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
@@ -161,30 +140,16 @@ class QGM(DPSGD):
     With beta = `beta`, mu = `mu` (beta by default), m_hat_i = 0 at start and lr the current learning rate:
     m_i = g_i + beta m_hat_i is handed to the base SGD as its gradient, the order's gossip update follows
     (`atc` by default, as in the paper), then m_hat_i <- mu m_hat_i + (1 - mu) (x_i^k - x_i^{k+1}) / lr:
-    the momentum follows the model's own displacement, gossip included, not the local gradient. The base
-    must be `torch.optim.SGD` with momentum 0 (QGM is its momentum).
+    the momentum follows the model's own displacement, gossip included, not the local gradient, so it
+    approximates the global direction on heterogeneous data (the paper's Algorithm 1, QG-DSGDm). The base
+    must be `torch.optim.SGD` with momentum 0 (QGM is its momentum); its weight decay is added to m_i, as in
+    the authors' code. `order="cta"` applies the same buffer rule to the cta update. Other keywords are
+    `DPSGD`'s (`topology`, `comm`, `broadcast_initial`, `overlap`).
     """
 
     elastic = False  # its momentum buffer is each peer's own estimate of the global direction: no rule for a new peer
 
     def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        order: str = "atc",
-        beta: float = 0.9,
-        mu: float | None = None,
+        self, base: torch.optim.Optimizer, *, order: str = "atc", beta: float = 0.9, mu: float | None = None, **options
     ):
-        super().__init__(
-            base,
-            topology=topology,
-            comm=comm,
-            broadcast_initial=broadcast_initial,
-            order=order,
-            qgm=True,
-            qgm_beta=beta,
-            qgm_mu=mu,
-        )
+        super().__init__(base, order=order, qgm=True, qgm_beta=beta, qgm_mu=mu, **options)

@@ -1,23 +1,6 @@
 """Gradient tracking (DIGing / Pu & Nedic 2021 "Distributed stochastic gradient tracking methods";
 analysis of Koloskova, Lin, Stich, NeurIPS 2021 "An improved analysis of gradient tracking for
-decentralized machine learning"): each peer follows a tracker y_i of the average gradient instead
-of its own gradient, which removes the effect of heterogeneous data on the fixed point.
-
-Peer i at step k, W = topology.mixing_matrix(k) doubly stochastic, g_i^k taken at x_i^k:
-
-    y_i^0     = g_i^0
-    y_i^k     = sum_j W(k-1)[i,j] y_j^{k-1} + g_i^k - g_i^{k-1}          (k >= 1)
-    x_i^{k+1} = sum_j W(k)[i,j] (x_j^k - lr y_j^k)
-              = sum_j W(k)[i,j] base(x_j^k, y_j^k)                     (any base optimizer)
-
-With a base optimizer, y_i^k is handed to it as the gradient (it replaces p.grad), so its
-increment base(x, y) - x replaces -lr y: momentum is taken on the tracked direction, and weight
-decay is added by the base on top of y (untracked, it is the same function on every peer).
-x^{k+1/2} = base(x^k, y^k) and y^k travel in one message per step; the mixed y, W y^k, is kept
-(as c_i = W y^k - g^k, one vector) for the next step. Since W is column stochastic,
-mean_i y_i^k = mean_i g_i^k, so the average model moves by the average increment
-(mean x^{k+1} = mean x^k - lr mean g^k for SGD).
-"""
+decentralized machine learning"): see `GradientTracking`."""
 
 from __future__ import annotations
 
@@ -38,9 +21,11 @@ class GradientTracking(DistributedOptimizer):
         y_i^k     = sum_j W(k-1)[i,j] y_j^{k-1} + g_i^k - g_i^{k-1}
         x_i^{k+1} = sum_j W(k)[i,j] base(x_j^k, y_j^k)
 
-    The base optimizer takes y_i as its gradient (momentum acts on the tracked direction). The mean of the
-    trackers equals the mean gradient, so heterogeneous data leave no bias in the fixed point. Two vectors
-    (x and y) per neighbour per step.
+    For SGD, base(x, y) = x - lr y. The base optimizer takes y_i as its gradient (momentum acts on the
+    tracked direction; weight decay is added on top of y, untracked, the same function on every peer). The
+    mean of the trackers equals the mean gradient (W is column stochastic), so the average model moves by
+    the average increment and heterogeneous data leave no bias in the fixed point. Two vectors (x^{k+1/2}
+    and y) per neighbour per step, in one message; W y^k is kept as c_i = W y^k - g^k for the next step.
     """
 
     topology: Topology  # required: gossip needs its mixing matrices

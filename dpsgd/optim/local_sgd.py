@@ -1,63 +1,5 @@
-"""Local SGD / periodic model averaging, with warm-up, outer optimizers and hierarchical groups.
-
-Every peer runs its base optimizer alone; every `period` steps the peers average their models
-exactly (all-reduce), and an outer optimizer turns the averaged increment into the next model.
-One class covers the family; `SlowMo`, `DiLoCo` and `BMUF` are the same class with their papers'
-defaults.
-
-Peer i, global step t = 1, 2, ... (t counts `step()` calls), base(x, g) the wrapped optimizer's
-new point, gamma the base learning rate (of the parameter's group, read at the averaging step),
-x_anchor the model at the last global averaging (all peers hold the same anchor):
-
-1. Warm-up, t <= warmup_steps (post-local SGD, Lin et al. 2020): g_i <- mean_j g_j, then the base
-   step: exactly `AllReduce`.
-2. Local phase, s = t - warmup_steps >= 1: x_i <- base(x_i, g_i); then
-   - if s % period == 0 (and no groups), a global averaging: x_avg = mean_j x_j; then, with no outer
-     optimizer (outer=None, plain model averaging), x_i <- x_avg; with one (dpsgd/optim/outer.py: any torch
-     optimizer over the anchor), it steps with the outer gradient G = x_anchor - x_avg as the anchor's
-     gradient and x_i <- x_anchor. The presets:
-       SlowMo (Wang et al. 2020, Alg. 1, slow momentum beta, slow lr alpha): SGD(lr=alpha, momentum=beta)
-                        with scale_by_base_lr, the base lr gamma read at the averaging step:
-                        u <- beta u + G / gamma;   x_i <- x_anchor <- x_anchor - alpha gamma u
-         With a constant gamma this is BMUF's block momentum (Chen & Huo 2016) with block lr
-         alpha: v <- beta v + alpha (x_avg - x_anchor), x <- x_anchor + v (v = -alpha gamma u).
-         beta = 0, alpha = 1 is plain averaging.
-       DiLoCo (Douillard et al. 2023): SGD(lr=alpha, momentum=beta, nesterov=True):
-                        u <- beta u + G;   x_i <- x_anchor <- x_anchor - alpha (G + beta u)
-     The anchor starts as the mean of the peers' models when the local phase starts
-     (one all-reduce of the model, so peers that start apart still share one anchor; none with
-     broadcast_initial, where every peer holds the same model then).
-   - Hierarchical (group_size g, global_period P): peers form groups of g consecutive ranks
-     {0..g-1}, {g..2g-1}, ...; if s % P == 0 a global averaging as above, else if s % period == 0
-     the group averages plainly, x_i <- (1/g) sum_{j in group(i)} x_j (point-to-point messages to
-     the g-1 other members). The outer optimizer acts only at global averagings, where the anchor
-     is common to all peers.
-
-inner_state, what happens to the base optimizer's state (momentum buffer, Adam moments) at every
-averaging, group or global:
-   "keep"    each peer keeps its own buffers (torch's PostLocalSGDOptimizer does this). Cheapest;
-             each peer's momentum still carries its own recent gradients, so the peers start
-             drifting apart again from the first step after an averaging.
-   "reset"   the state is cleared (base.state.clear()): SGD momentum restarts from the next
-             gradient and Adam restarts its step count, so its bias correction makes the first
-             steps after averaging full-size. Loses the momentum's memory at each averaging.
-   "average" the buffers are averaged over the same peers as the models (in the same message, so
-             one all-reduce), all but Adam's step counter: after an averaging the peers hold the
-             same model and the same state, as one optimizer would. It costs twice (SGD momentum)
-             or three times (Adam) the bytes of an averaging. (SGD momentum buffers enter the
-             mean model linearly, so at period 1 "keep" and "average" both equal AllReduce with
-             momentum from a common start; they differ for period > 1 and for Adam.)
-
-With a compressing communicator (`compression=`, dpsgd.comm.codecs) global averagings send the outer
-deltas x_anchor - x_i, far smaller than the models, as encoded, error-fed messages, and
-x_avg = x_anchor - mean_i delta_i; the anchor is then kept with or without an outer optimizer.
-Group averagings, the first anchor and averaged inner states stay exact (`comm.exact`; error feedback
-could turn Adam's second moments negative).
-
-Against torch's PeriodicModelAverager(period, warmup_steps): torch averages after step t when
-t - 1 - warmup_steps is a multiple of period (so right after the first local step); here it is
-when t - warmup_steps is, i.e. after `period` local steps, as in the local SGD papers.
-"""
+"""Local SGD / periodic model averaging, with warm-up, outer optimizers and hierarchical groups: one class,
+`LocalSGD`, covers the family; `SlowMo`, `DiLoCo` and `BMUF` are the same class with their papers' defaults."""
 
 from __future__ import annotations
 
@@ -84,13 +26,33 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 class LocalSGD(DistributedOptimizer):
     """Local SGD / model averaging: base steps locally, and every H = `period` steps an exact average.
 
-    Every H steps the peers all-reduce their models, x_avg = mean_j x_j, and an outer step moves from the
-    anchor x_a (the model after the previous averaging) along the outer gradient G = x_a - x_avg:
-    plain averaging sets x = x_avg; SlowMo's and BMUF's block momentum and DiLoCo's Nesterov step are
-    torch optimizers stepping on G (see `SlowMo`, `BMUF`, `DiLoCo` and the module). `warmup_steps` all-reduce
-    the gradients first (post-local SGD, Lin et al. 2020); `group_size` with `global_period` averages within
-    groups every H steps and across all peers every `global_period` steps; `inner_state` keeps, resets or
-    averages the base optimizer's state at each averaging. The topology is accepted and ignored.
+    Global step t = 1, 2, ... (`step()` calls); gamma the base lr of the parameter's group at the averaging.
+    1. Warm-up, t <= `warmup_steps` (post-local SGD, Lin et al. 2020): g_i <- mean_j g_j, then the base step
+       (exactly `AllReduce`).
+    2. Local phase, s = t - warmup_steps >= 1: x_i <- base(x_i, g_i); if s % H == 0, a global averaging
+       x_avg = mean_j x_j. With no outer optimizer (`outer=None`), x_i <- x_avg; with one (any torch
+       optimizer over the anchor x_a, the model at the last global averaging, the same on every peer), it
+       steps with the outer gradient G = x_a - x_avg as the anchor's gradient and x_i <- x_a. SlowMo (Wang
+       et al. 2020): SGD(lr=alpha, momentum=beta) with `scale_by_base_lr`, u <- beta u + G / gamma,
+       x_a <- x_a - alpha gamma u (at a constant gamma, BMUF's block momentum, Chen & Huo 2016; beta = 0,
+       alpha = 1 is plain averaging). DiLoCo (Douillard et al. 2023): Nesterov SGD, u <- beta u + G,
+       x_a <- x_a - alpha (G + beta u). The anchor starts as the peers' mean model when the local phase
+       starts (one all-reduce; none with broadcast_initial, where every peer holds the same model).
+    3. Hierarchical (`group_size` g, `global_period` P): groups of g consecutive ranks; if s % P == 0 a
+       global averaging as above, else if s % H == 0 the group averages plainly (point-to-point messages).
+       The outer optimizer acts only at global averagings.
+
+    `inner_state`, the base optimizer's state (momentum, Adam moments) at every averaging: "keep" (each
+    peer its own, as torch's PostLocalSGDOptimizer; the peers drift apart again at once), "reset" (cleared:
+    momentum restarts, Adam's bias correction makes the first steps full-size), "average" (averaged with
+    the models in one all-reduce, all but Adam's step count, as one optimizer would hold; two or three times
+    the bytes of an averaging). The topology is accepted and ignored.
+
+    With a compressing communicator (`compression=`, dpsgd.comm.codecs) global averagings send the outer
+    deltas x_a - x_i as encoded, error-fed messages, and x_avg = x_a - mean_i delta_i; group averagings, the
+    first anchor and averaged inner states stay exact (`comm.exact`: error feedback could turn Adam's second
+    moments negative). Unlike torch's PeriodicModelAverager, which averages right after the first local
+    step (t - 1 - warmup_steps a multiple of H), this averages after H local steps, as the papers do.
 
     outer: None (plain model averaging), a factory params -> torch.optim.Optimizer such as
     functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), or a config dict with
@@ -115,7 +77,6 @@ class LocalSGD(DistributedOptimizer):
         group_size: int | None = None,
         global_period: int | None = None,
     ):
-        # the topology is accepted, and ignored: averaging is exact
         super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
         name = type(self).__name__
         self.period = _positive_int("period", period)
@@ -284,7 +245,7 @@ class BMUF(LocalSGD):
     """Blockwise model-update filtering (Chen & Huo 2016): block momentum as outer SGD (lr = the block lr,
     1; momentum = the block momentum, by default the paper's 1 - 1/n for n peers; a config's
     `outer.momentum: null` means the same), scaled by the base lr, which at a constant base lr is BMUF's
-    block momentum exactly (see the module; scale_by_base_lr=False gives it under any lr schedule)."""
+    block momentum exactly (see `LocalSGD`; scale_by_base_lr=False gives it under any lr schedule)."""
 
     def __init__(
         self,

@@ -1,23 +1,4 @@
-"""SGP, Stochastic Gradient Push (Assran, Loizou, Ballas, Rabbat, ICML 2019): push-sum gossip,
-which needs only column stochastic mixing (directed or time-varying graphs).
-
-Peer i keeps a numerator x_i and a push-sum weight w_i (x_i^0 = the initial model, w_i^0 = 1).
-At step k, with W = topology.mixing_matrix(k) column stochastic (sum_i W[i,j] = 1):
-
-    z_i^k       = x_i^k / w_i^k                  (the de-biased model; g_i is taken here)
-    d_i         = base(z_i^k, g_i) - z_i^k       (the local optimizer's increment; -lr g_i for SGD)
-    x_i^{k+1/2} = x_i^k + d_i                    (Algorithm 1: x - gamma grad F(z))
-    x_i^{k+1}   = sum_j W[i,j] x_j^{k+1/2}       (push: i sends W[j,i] x_i, w_i to each out-neighbour j;
-    w_i^{k+1}   = sum_j W[i,j] w_j^k              here the receiver applies the weights, same sum)
-    z_i^{k+1}   = x_i^{k+1} / w_i^{k+1}
-
-x and w travel in one message (w appended to the flat buffer). Column stochasticity keeps
-sum_i x_i (up to the increments) and sum_i w_i = n exactly, so the z_i agree on the average.
-
-The model's parameters always hold z (what evaluation, consensus metrics and checkpoints of
-the model see); x and w are this optimizer's state (`state_dict()`), created at the first step
-from the parameters then. Momentum and other base state act on the increments of z.
-"""
+"""SGP, Stochastic Gradient Push (Assran, Loizou, Ballas, Rabbat, ICML 2019): see `SGP`."""
 
 from __future__ import annotations
 
@@ -40,7 +21,11 @@ class SGP(DistributedOptimizer):
         z_i^{k+1} = x_i^{k+1} / w_i^{k+1}
 
     Only column stochasticity is needed (directed and time-varying graphs such as
-    `one_peer_directed_exponential`); x and w travel in one message and are this optimizer's state.
+    `one_peer_directed_exponential`): it keeps sum_i x_i (up to the increments) and sum_i w_i = n exactly,
+    so the z_i agree on the average. The paper pushes W[j,i] x_i to each out-neighbour j; here the receiver
+    applies the weights (the same sum). x and w travel in one message (w appended to the flat buffer) and
+    are this optimizer's state, created at the first step; evaluation, consensus metrics and checkpoints of
+    the model see z, and momentum and other base state act on the increments of z.
     """
 
     topology: Topology  # required: gossip needs its mixing matrices

@@ -1,25 +1,5 @@
-"""Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"): DiLoCo
-whose model is split into fragments that synchronize at staggered steps, each sync overlapped with
-inner steps, so a peer's peak traffic is one fragment's instead of the whole model's.
-
-The parameters, flattened in order (layer by layer), form P fragments: consecutive ranges of entries
-of equal size (numpy.array_split: the first d mod P one entry longer), so a fragment is a block of
-layers, as in the paper, that may begin or end inside a tensor, and each sync carries 1/P of the
-model. With H the period (inner steps between two syncs of one fragment), h = H / P and tau the delay
-(0 <= tau < h), and an outer optimizer (dpsgd/optim/outer.py; by default DiLoCo's Nesterov SGD, lr 0.7,
-momentum 0.9) over the anchor's fragments, after the inner step t = 1, 2, ...:
-- fragment p starts a sync when t = (p + 1) h - tau (mod H): it sends its outer gradient
-  Delta_p = x_anchor,p - x_p(t), averaged over the peers (all-reduce; encoded and error-fed, one
-  stream per fragment, on a compressing communicator), and keeps training;
-- fragment p completes it tau steps later, t = (p + 1) h (mod H): the outer optimizer steps fragment p of
-  the anchor with the mean Delta_p as its gradient (DiLoCo's: u_p <- beta u_p + Delta_p,
-  x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p)), then
-      x_p <- alpha x_p(t) + (1 - alpha) x_anchor,p   (alpha: how much of the tau local steps it keeps)
-So every h steps one fragment syncs; P = 1, tau = 0, alpha = 0 is DiLoCo with period H (torchft's
-DiLoCo with fragment_sync_delay = tau and fragment_update_alpha = alpha follows the same schedule).
-The anchor starts as the peers' mean model at the first step (their common start, without a message,
-with broadcast_initial). The inner optimizer's state is kept.
-"""
+"""Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"): see
+`StreamingDiLoCo`."""
 
 from __future__ import annotations
 
@@ -36,18 +16,24 @@ from .outer import DILOCO, OuterOptimizer, factory, saved_outer
 class StreamingDiLoCo(DistributedOptimizer):
     """Streaming DiLoCo (Douillard et al. 2025): DiLoCo whose model syncs in fragments, staggered and overlapped.
 
-    The parameters, flattened in layer order, form P = `fragments` equal blocks. With H = `period`,
-    h = H / P and tau = `delay` (0 <= tau < h), after inner step t fragment p:
+    The parameters, flattened in layer order, form P = `fragments` consecutive ranges of equal size
+    (numpy.array_split: the first d mod P one entry longer), so a fragment is a block of layers, as in the
+    paper, that may begin or end inside a tensor. With H = `period`, h = H / P and tau = `delay`
+    (0 <= tau < h), after inner step t = 1, 2, ... fragment p:
 
     - starts a sync when t = (p + 1) h - tau (mod H): the mean over peers of its outer gradient
-      Delta_p = x_anchor,p - x_p, while training goes on;
+      Delta_p = x_anchor,p - x_p, while training goes on (on a compressing communicator encoded and
+      error-fed, one stream per fragment);
     - completes it tau steps later: the outer optimizer `outer` (any torch optimizer; by default DiLoCo's
       Nesterov SGD, lr 0.7, momentum beta 0.9) steps the anchor's fragment along the mean Delta_p, for
       Nesterov SGD u_p <- beta u_p + Delta_p, x_anchor,p <- x_anchor,p - lr (Delta_p + beta u_p); then
       x_p <- alpha x_p + (1 - alpha) x_anchor,p (alpha = `alpha`: the share of the tau local steps kept).
 
     One fragment syncs every h steps, so a peer's peak traffic is 1/P of the model. P = 1, tau = 0,
-    alpha = 0 is `DiLoCo` with period H. The topology is accepted and ignored (averaging is exact).
+    alpha = 0 is `DiLoCo` with period H (torchft's DiLoCo with fragment_sync_delay = tau and
+    fragment_update_alpha = alpha follows the same schedule). The anchor starts as the peers' mean model at
+    the first step (their common start, without a message, with broadcast_initial); the inner optimizer's
+    state is kept. The topology is accepted and ignored (averaging is exact).
     """
 
     uses_topology = False  # fragments are averaged exactly (all-reduce)
