@@ -11,8 +11,9 @@ optimizer, `topology=` and `comm=`; a topology with the number of peers).
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,18 @@ def import_target(target: str, what: str):
             f"{what}._target_={target!r} cannot be imported ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0]}); give 'package.module.Class' importable here"
         ) from None
+
+
+def factories(options: dict) -> dict:
+    """The algorithm's options with each `_target_` dict (e.g. `outer: {_target_: torch.optim.SGD, lr: 0.7}`)
+    made the factory it names: the class with the dict's other keys bound (functools.partial)."""
+    made = {}
+    for key, value in options.items():
+        if isinstance(value, Mapping) and "_target_" in value:
+            rest = {k: v for k, v in value.items() if k != "_target_"}
+            value = functools.partial(import_target(value["_target_"], f"algorithm.{key}"), **rest)
+        made[key] = value
+    return made
 
 
 def build_topology(cfg: dict, n: int) -> topologies.Topology:
@@ -151,7 +164,7 @@ def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
     through `comm` wearing the config's `compression` (dpsgd.comm.codecs.wrap): real peers and the fleet alike."""
     options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
     comm = codecs.wrap(comm, cfg.get("compression"))  # every algorithm's means and mixes, encoded
-    return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **options)
+    return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **factories(options))
 
 
 @dataclass(frozen=True)

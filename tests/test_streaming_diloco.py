@@ -141,7 +141,7 @@ def test_a_users_torch_optimizer_as_outer_matches_the_reference():
     assert np.abs(want - reference(6, 3, 1, 0.3, outer_lr=0.05)).max() > 1e-3  # Nesterov SGD would not pass
 
 
-@pytest.mark.parametrize("outer", [None, {"_target_": "torch.optim.Adam", "lr": 0.05}], ids=["nesterov", "adam"])
+@pytest.mark.parametrize("outer", [None, functools.partial(torch.optim.Adam, lr=0.05)], ids=["nesterov", "adam"])
 def test_state_dict_round_trip_resumes_identically(outer):
     """17 steps in one go == 7 steps (a sync in flight), save, load into a fresh optimizer, 10 more."""
     options = dict(broadcast_initial=False, period=6, fragments=3, delay=1, alpha=0.3)
@@ -229,7 +229,7 @@ def test_options_that_cannot_work_are_refused():
             StreamingDiLoCo(torch.optim.SGD(params, lr=0.1), comm=comm, outer=None)
         with pytest.raises(ValueError, match="cannot build its outer optimizer: Invalid learning rate"):
             StreamingDiLoCo(
-                torch.optim.SGD(params, lr=0.1), comm=comm, outer={"_target_": "torch.optim.Adam", "lr": -1}
+                torch.optim.SGD(params, lr=0.1), comm=comm, outer=functools.partial(torch.optim.Adam, lr=-1)
             )
 
     run_local(1, peer)

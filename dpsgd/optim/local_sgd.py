@@ -55,8 +55,8 @@ class LocalSGD(DistributedOptimizer):
     step (t - 1 - warmup_steps a multiple of H), this averages after H local steps, as the papers do.
 
     outer: None (plain model averaging), a factory params -> torch.optim.Optimizer such as
-    functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), or a config dict with
-    `_target_`; scale_by_base_lr: SlowMo's scaling of its gradient and lr by the base lr.
+    functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True) (in a config, a `_target_` dict);
+    scale_by_base_lr: SlowMo's scaling of its gradient and lr by the base lr.
     `outer_optimizer` is the torch optimizer that moves the anchor (None without one)."""
 
     elastic = True  # the anchor and outer state are the same on every peer: an added peer takes rank 0's
@@ -260,6 +260,8 @@ class BMUF(LocalSGD):
         block_momentum = 1.0 - 1.0 / comm.size
         if outer is None:
             outer = functools.partial(torch.optim.SGD, lr=1.0, momentum=block_momentum)
-        elif isinstance(outer, dict) and "momentum" in outer and outer["momentum"] is None:
-            outer = {**outer, "momentum": block_momentum}
+        elif (
+            isinstance(outer, functools.partial) and "momentum" in outer.keywords and outer.keywords["momentum"] is None
+        ):
+            outer = functools.partial(outer.func, *outer.args, **{**outer.keywords, "momentum": block_momentum})
         super().__init__(base, comm=comm, period=period, outer=outer, scale_by_base_lr=scale_by_base_lr, **options)

@@ -3,17 +3,17 @@ model the peers last agreed on), stepping with the peers' mean outer gradient G 
 its gradient, as DiLoCo frames it and torchft composes it.
 
 `outer` is a factory params -> torch.optim.Optimizer (`functools.partial(torch.optim.SGD, lr=0.7,
-momentum=0.9, nesterov=True)`, DiLoCo's), a config dict naming one with `_target_`, or None (no outer
-optimizer). SlowMo's form (Wang et al. 2020; `base_lrs` of `step`) divides G by the base lr gamma of its
-parameter group and multiplies the outer lr by it: SGD with momentum beta and lr alpha then computes
-u <- beta u + G / gamma, x_anchor <- x_anchor - alpha gamma u (the same as on G itself at a constant gamma).
+momentum=0.9, nesterov=True)`, DiLoCo's) or None (no outer optimizer); a config's `_target_` dict becomes such
+a factory where the run is built (`dpsgd.build.factories`). SlowMo's form (Wang et al. 2020; `base_lrs` of
+`step`) divides G by the base lr gamma of its parameter group and multiplies the outer lr by it: SGD with
+momentum beta and lr alpha then computes u <- beta u + G / gamma, x_anchor <- x_anchor - alpha gamma u (the
+same as on G itself at a constant gamma).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
 from collections.abc import Callable
 
 import torch
@@ -23,19 +23,14 @@ DILOCO = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
 
 def factory(outer, who: str) -> Callable[..., torch.optim.Optimizer] | None:
-    """The factory an `outer` option names (a callable, a `_target_` dict or None), or a one-line error."""
+    """The factory `outer` is (a callable or None), or a one-line error."""
     if outer is None or callable(outer):
         return outer
-    try:
-        options = dict(outer)
-        module, _, name = options.pop("_target_").rpartition(".")
-        return functools.partial(getattr(importlib.import_module(module), name), **options)
-    except (TypeError, ValueError, KeyError, ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"{who} outer must be a torch optimizer factory (functools.partial(torch.optim.SGD, lr=0.7, ...)), a "
-            "config dict naming one ({_target_: torch.optim.SGD, lr: 0.7, momentum: 0.9, nesterov: true}) or None "
-            f"for plain averaging; {outer!r} is not ({type(exc).__name__}: {exc})"
-        ) from None
+    raise ValueError(
+        f"{who} outer must be a torch optimizer factory (functools.partial(torch.optim.SGD, lr=0.7, ...)) or None "
+        "for plain averaging (a config names one as {_target_: torch.optim.SGD, lr: 0.7, momentum: 0.9, nesterov: "
+        f"true}}); {outer!r} is neither"
+    )
 
 
 def saved_outer(state: dict, who: str) -> dict | None:

@@ -16,6 +16,7 @@ try:
 except ImportError:  # run as a script: tests/peers is the script's own folder
     import quadratic as q
 
+from dpsgd.build import factories
 from dpsgd.optim import build
 
 STEPS = 12
@@ -47,7 +48,8 @@ CASES = [
         {"period": 2, "group_size": 2, "global_period": 4, "inner_state": "reset"},
     ),
     ("bmuf", "sgd", {"lr": 0.05}, {"period": 3}),
-    # a user's torch optimizer as the outer one, in the library's form (a factory) and a config's (`_target_`)
+    # a user's torch optimizer as the outer one, in the library's form (a factory) and a config's (`_target_`,
+    # made a factory by dpsgd.build.factories as a run's build does)
     ("local_sgd", "sgd", {"lr": 0.05, "momentum": 0.9}, {"period": 3, "outer": ADAM}),
     (
         "diloco",
@@ -92,7 +94,12 @@ def trajectory(comm, case, steps: int = STEPS) -> list[list[float]]:
     name, kind, base_options, options = case
     params, loss = model(comm)
     opt = build(
-        name, make_base(kind, params, base_options), topology=None, comm=comm, broadcast_initial=False, **options
+        name,
+        make_base(kind, params, base_options),
+        topology=None,
+        comm=comm,
+        broadcast_initial=False,
+        **factories(options),
     )
     return take_steps(opt, params, loss, steps)
 
