@@ -8,8 +8,7 @@ complete: COMPLETE is there, and every peer's file is there with the size and di
 with (a truncated or altered file makes the step torn, and the previous complete step is used).
 Every peer checks every file, so all peers choose the same step. A run resumes only from a checkpoint
 of its own peer count, except an elastic run (dpsgd.elastic), which resumes from the newest complete
-checkpoint of any count. Loading uses
-torch.load(weights_only=True): a checkpoint cannot run code.
+checkpoint of any count. Loading uses torch.load(weights_only=True): a checkpoint cannot run code.
 """
 
 from __future__ import annotations

@@ -42,8 +42,6 @@ def resume_state(run_dir: Path, rank: int, size: int) -> dict | None:
     if found is None:
         return None
     step, written_by = found
-    if written_by == size:
-        return {**checkpoint.load(run_dir, step, rank), "elastic_from": written_by}
     survivors = min(written_by, size)
     if rank < survivors:
         state = checkpoint.load(run_dir, step, rank)
@@ -53,7 +51,8 @@ def resume_state(run_dir: Path, rank: int, size: int) -> dict | None:
         state["model"] = average_models([s["model"] for s in states])
         state["optimizer"] = {**state["optimizer"], "state": {}}  # the base's moments start at zero
         state["comm_stats"] = {}  # its traffic starts at zero
-    state.pop("batches")  # a new share: drawn afresh (SynchronousRun.begin)
+    if written_by != size:
+        state.pop("batches")  # a new share: drawn afresh (SynchronousRun.begin)
     return {**state, "elastic_from": written_by}
 
 

@@ -1,13 +1,8 @@
-"""Fault injection, driven by the config's `faults:` block: a peer that dies, one that hangs, one
-that is slow, and messages lost on the `local` backend, so that failures can be tested and shown.
-
-    faults.kill_peer=3 faults.at_step=40                    # peer 3 dies at step 40 (SIGKILL, no message)
-    faults.kill_peer=3 faults.kill_mode=hang                # peer 3 stops answering at step 40
-    faults.delay_peer=1 faults.delay_s=0.2                  # peer 1 sleeps 0.2 s before each step
-    backend=local faults.drop_messages=0.01                 # 1% of messages are lost (seeded)
-
-Every fault starts at `faults.at_step` (delays and losses from then on). The training loops call
-`FaultInjector.before_step(step)` at the start of each step; nothing happens when no fault is set.
+"""Fault injection, driven by the config's `faults:` block (commands: docs/guide/reliability.md): a peer that
+dies (`kill_peer`, with `kill_mode` exit: SIGKILL, no message, or hang), one that is slow (`delay_peer`,
+`delay_s` before each step), and messages lost on the `local` backend (`drop_messages`, seeded), each from
+`faults.at_step` on. The training loops call `FaultInjector.before_step(step)` at the start of each step;
+nothing happens when no fault is set.
 """
 
 from __future__ import annotations

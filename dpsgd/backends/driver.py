@@ -35,9 +35,6 @@ class Backend(Transport):
     def exit(self) -> None:
         """End a launched rank whose results are written (default: the interpreter's own exit)."""
 
-    def check(self, cfg: dict) -> None:
-        """Refuse (ValueError: one line, with the fix) options of `cfg["backend"]` this backend cannot run."""
-
     def elastic_problem(self) -> str | None:
         """What an elastic run under this backend's own launcher needs of that launcher, else None."""
         return None

@@ -32,9 +32,6 @@ class FleetBackend(Backend):
         torch.set_num_threads(self.options(cfg)["threads"])
         return train_fleet(cfg, run_dir)
 
-    def check(self, cfg: dict) -> None:
-        threads(cfg["backend"])
-
 
 def threads(backend: dict) -> int:
     """torch's intra-op threads for the fleet: `backend.threads`, or every core when it is null. Small models on a

@@ -41,22 +41,23 @@ class MPIBackend(MPITransport, Backend):
         """One mpiexec process (no exit code per rank); with `log_dir`, rank r's stderr goes to
         log_dir/rank{r}.log and mpiexec's own output (and the ranks' stdout) to log_dir/launcher.log."""
         if launcher:
-            return self._spawn_on_hosts(launcher, n, argv, timeout_s, env, log_dir)
-        launcher = mpiexec()
-        cmd = [launcher, "-n", str(n)]
+            cmd, env = self._on_hosts(launcher, n, env)
+        else:
+            cmd = [mpiexec(), "-n", str(n)]
+            if "SLURM_JOB_ID" in os.environ and (Path(cmd[0]).parent / "hydra_pmi_proxy").exists():
+                # MPICH's mpiexec would start its proxy with srun, which waits forever for CPUs the
+                # running job step already holds: start the ranks on this node directly
+                cmd += ["-launcher", "fork"]
         if log_dir is not None:
             cmd += ["-errfile-pattern", str(Path(log_dir) / "rank%r.log")]
-        if "SLURM_JOB_ID" in os.environ and (Path(launcher).parent / "hydra_pmi_proxy").exists():
-            # MPICH's mpiexec would start its proxy with srun, which waits forever for CPUs the
-            # running job step already holds: start the ranks on this node directly
-            cmd += ["-launcher", "fork"]
         log = Path(log_dir) / "launcher.log" if log_dir is not None else None
         return launch.run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
 
-    def _spawn_on_hosts(self, launcher, n, argv, timeout_s, env, log_dir) -> int:
-        """mpiexec from here, its proxies started on the hosts by the runner instead of plain ssh; UCX over
-        tcp on the interface to the first host (shared memory would join the ranks of one machine directly,
-        which on test hosts, namespaces of one machine, bypasses their links)."""
+    def _on_hosts(self, launcher: dict, n: int, env: dict | None) -> tuple[list[str], dict]:
+        """mpiexec's command line and environment for ranks on `launcher["hosts"]`: its proxies started on the
+        hosts by the runner instead of plain ssh; UCX over tcp on the interface to the first host (shared memory
+        would join the ranks of one machine directly, which on test hosts, namespaces of one machine, bypasses
+        their links)."""
         where = hosts.placement(list(launcher["hosts"]), n)
         iface = netif.interface_to(where[0])
         if iface == "lo":
@@ -73,9 +74,5 @@ class MPIBackend(MPITransport, Backend):
         forwarded = hosts.forwarded(launch.peer_env(env))
         for k, v in {**forwarded, "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": iface}.items():
             cmd += ["-genv", k, v]
-        if log_dir is not None:
-            cmd += ["-errfile-pattern", str(Path(log_dir) / "rank%r.log")]
         # the driver's own UCX_TLS=self,sm must not reach mpiexec's environment: None removes it (peer_env)
-        local = {**(env or {}), "UCX_TLS": None, "UCX_NET_DEVICES": None}
-        log = Path(log_dir) / "launcher.log" if log_dir is not None else None
-        return launch.run_processes([([*cmd, sys.executable, *argv], local, log)], timeout_s, stdout_to_log=True)
+        return cmd, {**(env or {}), "UCX_TLS": None, "UCX_NET_DEVICES": None}

@@ -33,24 +33,21 @@ class TorchBackend(TorchTransport, Backend):
         return None
 
     def spawn(self, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None, launcher=None) -> int:
-        if launcher:
-            return self._spawn_on_hosts(launcher, n, argv, timeout_s, env, log_dir, codes_out)
-        ranks = _rank_envs("127.0.0.1", launch.free_port(), ["localhost"] * n)
-        local = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-        commands: list[tuple[list[str], dict | None, Path | None]] = [
-            ([sys.executable, *argv], {**local, **rank}, log) for rank, log in zip(ranks, _logs(log_dir, n))
-        ]
-        return launch.run_processes(commands, timeout_s, codes_out)
-
-    def _spawn_on_hosts(self, launcher, n, argv, timeout_s, env, log_dir, codes_out) -> int:
-        where = hosts.placement(list(launcher["hosts"]), n)
-        port = int(launcher.get("port") or 0) or launch.free_port()
-        base, runner = hosts.forwarded(launch.peer_env(env)), hosts.runner(launcher)
-        ranks = _rank_envs(netif.resolve(where[0]), port, where)
-        commands = [
-            (hosts.remote(runner, host, {**base, **rank}, argv), env, log)
-            for host, rank, log in zip(where, ranks, _logs(log_dir, n))
-        ]
+        logs = [None if log_dir is None else Path(log_dir) / f"rank{r}.log" for r in range(n)]
+        commands: list[tuple[list[str], dict | None, Path | None]]
+        if launcher:  # each rank through the runner on its host; the first host's address is the master's
+            where = hosts.placement(list(launcher["hosts"]), n)
+            port = int(launcher.get("port") or 0) or launch.free_port()
+            base, runner = hosts.forwarded(launch.peer_env(env)), hosts.runner(launcher)
+            ranks = _rank_envs(netif.resolve(where[0]), port, where)
+            commands = [
+                (hosts.remote(runner, host, {**base, **rank}, argv), env, log)
+                for host, rank, log in zip(where, ranks, logs)
+            ]
+        else:
+            local = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+            ranks = _rank_envs("127.0.0.1", launch.free_port(), ["localhost"] * n)
+            commands = [([sys.executable, *argv], {**local, **rank}, log) for rank, log in zip(ranks, logs)]
         return launch.run_processes(commands, timeout_s, codes_out)
 
 
@@ -67,7 +64,3 @@ def _rank_envs(master: str, port: int, where: list[str]) -> list[dict]:
         }
         for r, host in enumerate(where)
     ]
-
-
-def _logs(log_dir, n: int) -> list[Path | None]:
-    return [None if log_dir is None else Path(log_dir) / f"rank{r}.log" for r in range(n)]
