@@ -83,20 +83,20 @@ def test_fleet_equals_local_backend_with_compression(case):
     expected, traffic = local_run(cfg, steps)
     torch.testing.assert_close(fleet.flat(), expected, rtol=1e-5, atol=1e-5)
     # bytes as encoded: the fleet counts what each real peer's communicator counted
-    torch.testing.assert_close(fleet.bytes_sent, traffic[:, 0].floor(), atol=1.0, rtol=0)
-    torch.testing.assert_close(fleet.bytes_received, traffic[:, 1].floor(), atol=1.0, rtol=0)
+    torch.testing.assert_close(fleet.comm.bytes_sent, traffic[:, 0].floor(), atol=1.0, rtol=0)
+    torch.testing.assert_close(fleet.comm.bytes_received, traffic[:, 1].floor(), atol=1.0, rtol=0)
     if algorithm == "choco":  # one vocabulary: compression=random_k is Choco's compressor=random_k
         own = {k: v for k, v in compression.items() if k != "error_feedback"}
         cfg = config(algorithm, topology, {"name": "none"}, **{**options, "compressor": own.pop("name"), **own})
         same = Fleet(cfg)
         for _ in range(steps):
             same.train_step()
-        assert torch.equal(same.flat(), fleet.flat()) and torch.equal(same.bytes_sent, fleet.bytes_sent)
+        assert torch.equal(same.flat(), fleet.flat()) and torch.equal(same.comm.bytes_sent, fleet.comm.bytes_sent)
         return
     exact = Fleet(copy.deepcopy({**cfg, "compression": {"name": "none"}}))
     for _ in range(steps):
         exact.train_step()
-    assert (fleet.bytes_sent < exact.bytes_sent).all()  # the codec was used...
+    assert (fleet.comm.bytes_sent < exact.comm.bytes_sent).all()  # the codec was used...
     assert (fleet.flat() - exact.flat()).abs().max() > 1e-6  # ...and changed the numbers
 
 
