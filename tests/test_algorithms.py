@@ -21,7 +21,7 @@ from reference import grads
 
 import topologies
 from dpsgd.backends import spawn
-from dpsgd.build import BASE_KEYS
+from dpsgd.build import BASE_KEYS, factories
 from dpsgd.comm import run_local
 from dpsgd.optim import ALGORITHMS, D2, DPSGD, SGP, Choco, GradientTracking, build
 
@@ -383,9 +383,8 @@ def test_torch_step_hooks_fire_around_every_algorithms_step():
             if name == "adpsgd":
                 continue  # asynchronous: its step needs its budget and threads (test_adpsgd)
             w = torch.nn.Parameter(torch.ones(3))
-            options = {
-                k: v for k, v in yaml.safe_load((CONF / f"{name}.yaml").read_text()).items() if k not in BASE_KEYS
-            }
+            config = yaml.safe_load((CONF / f"{name}.yaml").read_text())
+            options = factories({k: v for k, v in config.items() if k not in BASE_KEYS})  # as a run's build does
             topology = topologies.make("directed_exponential" if name == "sgp" else "ring", comm.size)
             opt = build(name, torch.optim.SGD([w], lr=0.1), topology=topology, comm=comm, **options)
             opt.register_step_pre_hook(lambda o, args, kwargs, n=name: calls.append(("pre", n, o.step_count)))

@@ -19,7 +19,11 @@ sys.path.insert(0, str(TESTS))  # plugins.py (the user's own module) and runs.py
 import runs  # noqa: E402
 
 import topologies  # noqa: E402
-from dpsgd.build import BASE_KEYS, build_peer  # noqa: E402
+from dpsgd.build import (  # noqa: E402
+    BASE_KEYS,
+    build_peer,
+    factories,  # noqa: E402
+)
 from dpsgd.optim import ALGORITHMS, build  # noqa: E402
 
 STEPS = 20
@@ -53,7 +57,8 @@ def initial_parameters(comm) -> dict:
     out = {}
     for name in ALGORITHMS:
         model = seeded_model(comm.rank)
-        options = {k: v for k, v in runs.load("algorithm", name).items() if k not in BASE_KEYS}
+        # the config's options as a run's build hands them over (a `_target_` dict made its factory)
+        options = factories({k: v for k, v in runs.load("algorithm", name).items() if k not in BASE_KEYS})
         topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
         opt = build(name, torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, comm=comm, **options)
         if opt.asynchronous:
