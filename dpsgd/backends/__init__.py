@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpsgd.comm import Communicator
+from dpsgd.comm import Communicator, transport
 
 from .driver import Backend, RunFailed, error_line
 from .fleet import FleetBackend
@@ -25,9 +25,7 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Backend:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return transport.lookup(_REGISTRY, name)
 
 
 def launched() -> Backend | None:

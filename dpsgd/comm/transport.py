@@ -6,10 +6,12 @@ backend and never of a backend's name. Each communicator module registers its ow
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 from .base import Communicator
 
 _REGISTRY: dict[str, Transport] = {}
+R = TypeVar("R")
 
 
 class Transport:
@@ -61,9 +63,14 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Transport:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return lookup(_REGISTRY, name)
+
+
+def lookup(registry: Mapping[str, R], name: str) -> R:
+    """The record `name` of `registry` (transports here, drivers in dpsgd.backends), or the one-line refusal."""
+    if name not in registry:
+        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(registry)}")
+    return registry[name]
 
 
 def having(capability: str) -> str:
