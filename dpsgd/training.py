@@ -244,15 +244,17 @@ class SynchronousRun(Run):
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
         peer = self.peer
+        with peer.network.clock.paused():  # evaluating is not training: off the emulated clock (sleep mode)
+            measured = metrics.measure_peers(
+                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
+            )
         return metrics.record(
             step=self.step_count,
             epoch=peer.plan.epoch(self.samples),
             samples=self.samples,
             wall_time_s=wall_s,
             scope="all peers",
-            **metrics.measure_peers(
-                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
-            ),
+            **measured,
         )
 
     def state(self, extra: dict) -> dict | None:

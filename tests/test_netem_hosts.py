@@ -109,3 +109,20 @@ def test_peers_per_host_must_be_a_whole_number():
     with pytest.raises(ValueError, match="peers_per_host"):
         NetworkEmulator.from_config({"peers_per_host": 1.5})
     assert NetworkEmulator.from_config({"peers_per_host": 2.0}).hosts.peers_per_host == 2
+
+
+def test_a_paused_clock_leaves_evaluation_off_the_sleep_mode_clock():
+    import time
+
+    from dpsgd.comm.netem import EmulatedClock
+
+    clock = EmulatedClock("sleep")
+    with clock.paused():
+        time.sleep(0.05)
+    assert clock.elapsed() < 0.02
+    time.sleep(0.03)
+    assert clock.elapsed() >= 0.03
+    model = EmulatedClock("model")
+    with model.paused():
+        model.advance(1.0)  # model mode: only what is added counts, paused or not
+    assert model.elapsed() == 1.0

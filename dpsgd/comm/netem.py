@@ -28,6 +28,7 @@ overlap) is hidden behind it.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -156,6 +157,19 @@ class EmulatedClock:
 
     def elapsed(self) -> float:
         return self.now() - self._origin
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside the block (evaluation, metrics) is left off the clock: in `sleep` mode the origin
+        moves by it; the `model` clock advances only by what is added to it anyway."""
+        if self.mode == "model":
+            yield
+            return
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self._origin += time.time() - t0
 
     def advance(self, seconds: float) -> None:
         """Computation took `seconds` (in `sleep` mode it really did: nothing to add)."""
