@@ -488,7 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-peers", type=int, default=4, help="peers of the real runs (one of --peers)")
     p.add_argument("--check-compute-s", type=float, default=0.03, help="compute floor of each real step")
     p.add_argument("--test-hosts", metavar="RATE", help="also check 4 peers on 2 test hosts capped at RATE (root)")
-    p.add_argument("--test-host-backend", default="mpi", choices=["mpi", "torch"], help="backend of the test-host runs")
+    p.add_argument(
+        "--test-host-backend",
+        default="torch",
+        choices=["mpi", "torch"],
+        help="test-host runs' backend (torch: gloo's ring)",
+    )
     p.add_argument("--test-host-compute-s", type=float, default=0.01, help="compute floor of the test-host runs")
     p.add_argument("--out", type=Path, help="default outputs/map/WORKLOAD")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run (e.g. data.alpha=0.1)")
