@@ -137,6 +137,7 @@ def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) ->
         sweep = out / "fleet" / f"{algorithm.label.replace(' ', '_').replace('=', '')}_n{n}"
         seeds = ",".join(str(s) for s in range(args.seeds))
         if not finished(sweep, args.seeds):
+            shutil.rmtree(sweep, ignore_errors=True)  # an interrupted sweep's runs: run again
             started = time.perf_counter()
             run_sweep(
                 [
