@@ -123,10 +123,10 @@ def measure_compute(cfg: dict, repeats: int = 30) -> tuple[float, int, int]:
     return float(np.median(times[3:])), int(nbytes), len(split.x_train)
 
 
-def epochs_for(cfg: dict, n: int, train_size: int, min_steps: int) -> int:
-    """The workload's epochs, or more where n peers would take fewer than `min_steps` steps in them."""
+def epochs_for(cfg: dict, n: int, train_size: int, min_steps: int, epochs: int | None = None) -> int:
+    """The workload's epochs (or `epochs`), or more where n peers would take fewer than `min_steps` steps in them."""
     per_epoch = max(1, train_size // (n * int(cfg["batch_size"])))
-    return max(int(cfg["epochs"]), math.ceil(min_steps / per_epoch))
+    return max(int(epochs or cfg["epochs"]), math.ceil(min_steps / per_epoch))
 
 
 # --- 1. steps to the target on the fleet --------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) ->
                     "backend.threads=1",
                     f"peers={n}",
                     f"seed={seeds}",
-                    f"epochs={epochs_for(cfg, n, train_size, args.min_steps)}",
+                    f"epochs={epochs_for(cfg, n, train_size, args.min_steps, args.epochs)}",
                     f"target_accuracy={args.target}",
                     f"log_every={args.log_every}",
                 ],
@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, help="seeds per algorithm and peer count (default 3; quick: 1)")
     p.add_argument("--target", type=float, help=f"target test accuracy (default per workload: {TARGETS})")
     p.add_argument("--log-every", type=int, default=1, help="steps between evaluations (the steps' resolution)")
+    p.add_argument("--epochs", type=int, help="the fleet runs' epochs (default: the workload's)")
     p.add_argument("--min-steps", type=int, default=120, help="more epochs where a peer count would take fewer")
     p.add_argument("--check-cells", type=int, default=3, help="cells checked against real runs (0: none)")
     p.add_argument("--check-peers", type=int, default=4, help="peers of the real runs (one of --peers)")
@@ -498,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test-host-compute-s", type=float, default=0.01, help="compute floor of the test-host runs")
     p.add_argument("--out", type=Path, help="default outputs/map/WORKLOAD")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run (e.g. data.alpha=0.1)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     started = time.perf_counter()
     args.peers = args.peers or ([4, 8] if args.quick else [4, 8, 16, 32])
     args.seeds = args.seeds or (1 if args.quick else 3)
