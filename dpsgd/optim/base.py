@@ -6,6 +6,7 @@ statement of it runs on real peers and, on tensors with a leading peer axis, on 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import OrderedDict
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -63,6 +64,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step = cls.__dict__.get("step")
         if step is not None and not getattr(step, "_whole_step", False):
             cls.step = _whole_step(step)  # type: ignore[method-assign]
+        init = cls.__dict__.get("__init__")
+        if inspect.isfunction(init) and not _names_common(init):
+            cls.__init__ = _taking_common(init)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -87,6 +91,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{name}: the topology has {topology.n} peers but the communicator has {comm.size}; "
                 f"build it with topologies.make(name, comm.size)"
             )
+        if module is None and buffers is None:  # a subclass constructor that does not name them (_taking_common)
+            module, buffers = self.__dict__.pop("_common", (None, None))
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"{name} module= takes the model (a torch.nn.Module), got {type(module).__name__}")
         if buffers is None:
@@ -374,6 +380,25 @@ _ADVICE = {
     ),
     "column": ("column stochastic", 0, "column", "- use a directed (push-sum) or undirected topology"),
 }
+
+
+def _names_common(init) -> bool:
+    """Whether a constructor takes `module=` itself or hands unnamed keywords on (`**common`)."""
+    parameters = inspect.signature(init).parameters.values()
+    return any(p.name == "module" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _taking_common(init):
+    """A subclass constructor that names neither `module=` nor `**kwargs`, made to take `module=` and
+    `buffers=` all the same: they wait on the instance for DistributedOptimizer.__init__."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, module=None, buffers=None, **kwargs):
+        if module is not None or buffers is not None:
+            self._common = (module, buffers)
+        init(self, *args, **kwargs)
+
+    return __init__
 
 
 def _whole_step(step):
