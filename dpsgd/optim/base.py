@@ -168,8 +168,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         p.grad.mul_(inv.to(p.grad.device))
         flag = found_inf.detach().float().reshape(1)
         if not self.asynchronous and self.comm.size > 1 and not self.comm.peer_shape:
-            # a fleet has one scaler over every peer's rows: its flag is already every peer's
-            flag = self.comm.exact.allreduce_sum([flag])[0]
+            # a fleet has one scaler over every peer's rows: its flag is already every peer's. A control
+            # message, not counted as the algorithm's traffic (the fleet, with the same numbers, sends none)
+            with self.comm.exact.uncounted():
+                flag = self.comm.exact.allreduce_sum([flag])[0]
         return bool(flag.item() > 0)
 
     def check_grad_scaler(self) -> None:
