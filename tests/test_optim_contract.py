@@ -116,7 +116,8 @@ def test_allreduce_overlap_refuses_a_grad_scaler_in_one_line():
 @pytest.mark.timeout(300)
 def test_a_users_loop_under_mpiexec_restores_exactly_and_survives_an_inf_on_one_peer(tmp_path):
     """4 mpi peers: warmup then cosine, two groups, clipping, bf16 autocast, a restore at step 4 equal to the
-    uninterrupted run for every synchronous algorithm; a GradScaler with an inf on rank 1 for every algorithm."""
+    uninterrupted run for every synchronous algorithm; a GradScaler with an inf on rank 1 and module= on ranks
+    seeded differently (their whole model: buffers, a frozen layer) for every algorithm."""
     code = spawn("mpi", N, [SCRIPT, "mpi", str(tmp_path)], timeout_s=240)
     assert code == 0, f"mpi peers exited with {code}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)]
@@ -126,7 +127,10 @@ def test_a_users_loop_under_mpiexec_restores_exactly_and_survives_an_inf_on_one_
             assert runs["restored"] == runs["uninterrupted"], f"{name}, rank {r}: the restored run differs"
             lrs = [step[0][0] for step in runs["uninterrupted"]["used"]]
             assert lrs[0] < lrs[3] and lrs[-1] < lrs[3], f"{name}: the warmup and cosine did not reach the base"
+    rank0 = {k: v.double().reshape(-1).tolist() for k, v in loop.whole_model(0).state_dict().items()}
     for name in ALGORITHMS:
+        assert all(r["module"][name] == ranks[0]["module"][name] for r in ranks), f"{name}: module= left them apart"
+        assert ranks[0]["module"][name] == rank0, f"{name}: not rank 0's state"
         for r, result in enumerate(ranks):
             got = result["scaler"][name]
             assert all(math.isfinite(v) for v in got["inf"]), f"{name}, rank {r}: an inf reached the parameters"
