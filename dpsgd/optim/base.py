@@ -38,11 +38,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     exchanges are counted in `comm.stats`.
 
     `step()` fires torch's step hooks and keeps `torch.amp.GradScaler`'s contract
-    (`_step_supports_amp_scaling`): it unscales the gradients, and when any peer's have an inf or nan
-    (one one-element all-reduce) every peer skips the step together, as DDP's ranks do, so no inf reaches
-    a neighbour and the peers stay on one step; an asynchronous optimizer skips its own step alone (its
-    exchanges go on). `state_dict()` holds the base's state and the algorithm's own (`algorithm_state()`),
-    so a run resumes bit for bit.
+    (`_step_supports_amp_scaling`): it unscales the gradients, and when any peer's have an inf or nan (one
+    one-element all-reduce, not counted in `comm.stats`) every peer skips the step together, as DDP's ranks
+    do, so no inf reaches a neighbour and the peers stay on one step; an asynchronous optimizer skips its
+    own step alone (its exchanges go on). `state_dict()` holds the base's state and the algorithm's own
+    (`algorithm_state()`), so a run resumes bit for bit.
 
     A subclass implements `step()` with `self.base.step()` and the communicator's operations
     (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...) (the base
