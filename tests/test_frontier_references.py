@@ -206,6 +206,7 @@ def test_fleet_matches_numpy(case):
     check(case, got, sent)
 
 
+@pytest.mark.slow  # make soak: test_frontier_workloads runs the four on 4 mpi processes in make test
 def test_mpi_processes_match_numpy(tmp_path):
     code = spawn("mpi", N, [SCRIPT, "mpi", str(tmp_path)], timeout_s=120)
     assert code == 0, f"mpi peers exited with {code}"
