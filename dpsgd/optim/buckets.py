@@ -51,6 +51,7 @@ class GradientBuckets:
             unflatten(flat, bucket) if flat is not None else [] for flat, bucket in zip(self._flat, self.buckets)
         ]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in trainable] if overlap else []
+        self.overlapped = bool(overlap)
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         b = self._bucket_of[id(p)]

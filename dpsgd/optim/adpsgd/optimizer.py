@@ -49,13 +49,17 @@ class ADPSGD(DistributedOptimizer):
         topology: Topology | None = None,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         budget: str = "steps",
         seconds: float | None = None,
         seed: int = 0,
         jitter_s: float = 0.0,
         record_events: bool = False,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         if comm.size > 1:
             self.require_topology()
         self.budget = budget
@@ -127,6 +131,13 @@ class ADPSGD(DistributedOptimizer):
         t = threading.Thread(target=run, name=f"adpsgd-{what}-{self.comm.rank}", daemon=True)
         self._threads.append(t)
         t.start()
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        raise ValueError(
+            f"{type(self).__name__} cannot take a new parameter group "
+            f"(its live copy x_i is the parameters flattened at construction): give every group to the base "
+            "optimizer before building it (with lr=0 to hold one back)"
+        )
 
     # --- the main thread --------------------------------------------------------------------
     def should_stop(self) -> bool:
