@@ -126,6 +126,8 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
                 f"reaches each checkpoint step), got budget={cfg['algorithm'].get('budget')!r}; set "
                 "algorithm.budget=steps or checkpoint.every=0"
             )
+        if getattr(algorithm, "asynchronous", False) and not record.real_peers:
+            _check_simulated_steps(cfg)
         record.options(cfg)  # the backend reads its own options (e.g. the fleet's threads)
         if hosts and not launched:
             host_placement(list(hosts), peers)
@@ -150,6 +152,26 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         build_peer(LocalCommunicator(LocalWorld(peers), 0, float(cfg["comm"]["timeout_s"])), alone)
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+def _check_simulated_steps(cfg: dict) -> None:
+    """The event simulator (an asynchronous algorithm on the fleet) takes plain fp32 steps at the configured rate."""
+    schedule = cfg.get("schedule") or {}
+    given = {
+        "schedule": schedule.get("name", "constant") != "constant" or bool(schedule.get("warmup_steps")),
+        "precision": cfg.get("precision", "fp32") != "fp32",
+        "clip_grad_norm": cfg.get("clip_grad_norm") is not None,
+        "accumulate": cfg.get("accumulate", 1) != 1,
+    }
+    if any(given.values()):
+        from dpsgd import backends
+
+        names = ", ".join(k for k, v in given.items() if v)
+        real = " or ".join(f"backend={n}" for n in backends.names() if backends.get(n).real_peers)
+        raise ConfigError(
+            f"{names}: the event simulator (an asynchronous algorithm on backend={cfg['backend']['name']}) takes plain "
+            f"fp32 steps at a constant rate; run it on real peers ({real}) or drop those options"
+        )
 
 
 def _check_elastic(cfg: dict, algorithm, record, every) -> None:
