@@ -106,7 +106,7 @@ def test_schedule_is_a_searched_setting():
 
 @pytest.mark.slow  # about 40 s on 2 loaded cores: three runs through Hydra's Optuna sweeper
 def test_tune_searches_the_schedule(tmp_path):
-    """--schedules adds the learning-rate schedule (a config group) to the search; the final runs take the chosen one."""
+    """--schedules adds the schedule (a config group) to the search; the final runs take the chosen one."""
     out = tmp_path / "tune"
     args = ["--algorithms", "allreduce", "--lr-factors", "1", "--schedules", "constant,cosine", "--seeds", "1"]
     proc = subprocess.run(
