@@ -51,8 +51,9 @@ def default_lr(algorithm: str, overrides: list[str]) -> float:
     """The learning rate the algorithm's config (with the user's overrides) holds: the grid's centre."""
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(str(conf), version_base="1.3"):
+    from experiments.validate import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, f"algorithm={algorithm}"])
     return float(cfg.algorithm.lr)
 

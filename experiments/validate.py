@@ -7,7 +7,9 @@ from pathlib import Path
 
 from dpsgd.loggers import dotted_keys
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_HERE = Path(__file__).resolve().parent
+# the app's configs: conf/ at the repository's top level, or experiments/conf/ in an installed wheel (setup.py)
+CONF_DIR = _HERE / "conf" if (_HERE / "conf").is_dir() else _HERE.parent / "conf"
 GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))
 
 
