@@ -17,17 +17,55 @@ class ConfigError(ValueError):
     """A config that cannot run; its message is the one line the user sees."""
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def group_options(group: str, extra: list[Path] | None = None) -> list[str]:
+    """The options of config group `group`: the app's, and those of the config folders in `extra`."""
+    return sorted({p.stem for d in [CONF_DIR, *(extra or [])] for p in (d / group).glob("*.yaml")})
+
+
+def search_path(argv: list[str]) -> list[Path] | None:
+    """The user's own config folders the command line adds to Hydra's search path (`hydra.searchpath=[file://DIR,
+    pkg://PACKAGE]`, `--config-dir DIR`); None when it names its own primary config (`--config-path`), whose
+    search path only Hydra knows."""
+    found: list[Path] = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config-path", "-cp") or arg.startswith("--config-path="):
+            return None
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            found.append(Path(argv[i + 1]).expanduser())
+        elif arg.startswith("--config-dir="):
+            found.append(Path(arg.split("=", 1)[1]).expanduser())
+        m = re.fullmatch(r"\+{0,2}hydra\.searchpath=\[?(.*?)\]?", arg)
+        for entry in (m.group(1).split(",") if m else []):
+            entry = entry.strip().strip("'\"")
+            if entry.startswith("file://"):
+                found.append(Path(entry[len("file://") :]).expanduser())
+            elif entry.startswith("pkg://"):
+                found.append(_package_dir(entry[len("pkg://") :]))
+    return found
+
+
+def _package_dir(name: str) -> Path:
+    import importlib.util
+
+    package, _, sub = name.replace("/", ".").partition(".")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return Path(name)  # not importable here: Hydra says so when it composes
+    return Path(list(spec.submodule_search_locations)[0], *filter(None, sub.split(".")))
 
 
 def check_group_overrides(argv: list[str]) -> None:
-    """`algorithm=nope` on the command line: name the valid options before Hydra starts."""
+    """`algorithm=nope` on the command line: name the valid options (the app's and the user's own config folders')
+    before Hydra starts."""
+    extra = search_path(argv)
+    if extra is None:
+        return
+    groups = set(GROUPS) | {p.name for d in extra if d.is_dir() for p in d.iterdir() if p.is_dir()}
     for arg in argv:
         m = re.fullmatch(r"\+?(\w+)=([\w,]+)", arg)
-        if not m or m.group(1) not in GROUPS:
+        if not m or m.group(1) not in groups:
             continue
-        group, valid = m.group(1), group_options(m.group(1))
+        group, valid = m.group(1), group_options(m.group(1), extra)
         for choice in m.group(2).split(","):
             if choice not in valid:
                 raise ConfigError(f"unknown {group} {choice!r}; valid {group} options: {', '.join(valid)}")
