@@ -35,7 +35,7 @@ def search_path(argv: list[str]) -> list[Path] | None:
         elif arg.startswith("--config-dir="):
             found.append(Path(arg.split("=", 1)[1]).expanduser())
         m = re.fullmatch(r"\+{0,2}hydra\.searchpath=\[?(.*?)\]?", arg)
-        for entry in (m.group(1).split(",") if m else []):
+        for entry in m.group(1).split(",") if m else []:
             entry = entry.strip().strip("'\"")
             if entry.startswith("file://"):
                 found.append(Path(entry[len("file://") :]).expanduser())
