@@ -25,6 +25,8 @@ from torch.func import functional_call, vmap
 from dpsgd import metrics, placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
 from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
+from dpsgd.schedule import Schedule
+from dpsgd.stepping import StepOptions, Stepper
 from topologies import Topology
 
 from .batches import FleetBatches
@@ -181,6 +183,9 @@ class Fleet:
         self.algorithm = build_optimizer(cfg, self.params, self.topology, self.comm)
         self.loss_fn = metrics.loss_function(run.split.y_train)
         self._losses = vmap(self._loss)
+        # precision, micro-batches, clipping (each peer's own norm) and the schedule, as on real peers
+        schedule = Schedule(cfg.get("schedule"), run.total_steps)
+        self.stepper = Stepper(StepOptions.from_config(cfg), self.algorithm, schedule, self.device, peer_axis=True)
 
     def _loss(self, params: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(functional_call(self.model, dict(zip(self.names, params)), (x,)), y)
@@ -190,12 +195,16 @@ class Fleet:
         x, y = self.batches.next()
         if self.algorithm.overlap:
             self.algorithm.start_communication()
-        losses = self._losses(tuple(self.params), x, y)  # (n,): peer i's loss depends on its own slice only,
-        grads = torch.autograd.grad(losses.sum(), self.params)  # so the gradient of the sum is each peer's own
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        self.algorithm.step()
-        return losses.detach()
+        stepper, total = self.stepper, torch.zeros(())
+        for p in self.params:
+            p.grad = None
+        for xm, ym in stepper.options.split(x, y, dim=1):  # micro-batches along each peer's sample axis
+            with stepper.options.autocast(self.device):
+                losses = self._losses(tuple(self.params), xm, ym)  # (n,): peer i's loss depends on its own
+            stepper.backward(losses.sum())  # slice only, so the gradient of the sum is each peer's own
+            total = total + losses.detach()
+        stepper.step()
+        return total / stepper.options.accumulate
 
     def flat(self) -> torch.Tensor:
         """The (n, D) matrix of every peer's parameters, in model.parameters() order."""
