@@ -11,6 +11,7 @@ agree on one output folder before Hydra starts. With `elastic=true` a world that
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shlex
 import shutil
@@ -243,7 +244,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     if summary.get("status") == "diverged":  # on_divergence=mark: the run went on; say so once
         first = summary["diverged"]
         print(f"note: peer {first['peer']} diverged at step {first['step']}: {first['what']}", file=sys.stderr)
-    return summary["test_accuracy"]
+    return math.nan if summary.get("status") == "diverged" else summary["test_accuracy"]  # Optuna: a failed trial
 
 
 def expand_seeds(argv: list[str]) -> list[str]:

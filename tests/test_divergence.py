@@ -127,3 +127,25 @@ def test_app_ends_with_one_line(app, tmp_path, backend):
     first = s["diverged"]
     assert f"peer {first['peer']} diverged at step {first['step']}" in lines[0]
     assert s["status"] == "diverged" and 1 <= first["step"] <= 5
+
+
+def test_report_marks_and_tune_fails_diverged_runs(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from experiments import report, tune
+
+    for name, lr in (("0", 0.1), ("1", 1e6)):
+        cfg = _config(lr, on_divergence="mark", backend={"name": "fleet"})
+        (tmp_path / name).mkdir()
+        OmegaConf.save(OmegaConf.create(cfg), tmp_path / name / "config.yaml")
+        train_fleet(cfg, tmp_path / name)
+    assert report.main([str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "status" in table and "diverged" in table and "1 of 2 runs diverged" in table
+    md = (tmp_path / "report.md").read_text()
+    assert "| diverged |" in md and "| ok |" in md
+    found = [{**t, "config": {**t["config"], "data": {**t["config"]["data"]}}} for t in tune.trials(tmp_path)]
+    for t in found:
+        t["summary"]["evaluated_on"] = "validation"
+    choice = tune.select(found, ["algorithm.lr"])
+    assert choice["failed"] == 1 and choice["chosen"] == {"algorithm.lr": 0.1}
