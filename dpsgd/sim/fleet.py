@@ -190,11 +190,16 @@ class Fleet:
         x, y = self.batches.next()
         if self.algorithm.overlap:
             self.algorithm.start_communication()
+        losses = self.gradients(x, y)
+        self.algorithm.step()
+        return losses
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Every peer's loss on its batch (x, y with a leading peer axis) and its gradient in `.grad`; the losses."""
         losses = self._losses(tuple(self.params), x, y)  # (n,): peer i's loss depends on its own slice only,
         grads = torch.autograd.grad(losses.sum(), self.params)  # so the gradient of the sum is each peer's own
         for p, g in zip(self.params, grads):
             p.grad = g
-        self.algorithm.step()
         return losses.detach()
 
     def flat(self) -> torch.Tensor:
