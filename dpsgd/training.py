@@ -247,6 +247,10 @@ class SynchronousRun(Run):
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
         peer = self.peer
+        with peer.network.clock.paused():  # evaluating is not training: off the emulated clock (sleep mode)
+            measured = metrics.measure_peers(
+                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
+            )
         return metrics.record(
             step=self.step_count,
             epoch=peer.plan.epoch(self.samples),
@@ -254,9 +258,7 @@ class SynchronousRun(Run):
             wall_time_s=wall_s,
             lr=peer.stepper.lr,
             scope="all peers",
-            **metrics.measure_peers(
-                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
-            ),
+            **measured,
         )
 
     def state(self, extra: dict) -> dict | None:
