@@ -138,3 +138,33 @@ def test_a_users_loop_under_mpiexec_restores_exactly_and_survives_an_inf_on_one_
                 assert got["inf"] == got["skipped"], f"{name}, rank {r}: the peers did not skip together"
         if name in EXACT:
             assert all(r["scaler"][name]["inf"] == ranks[0]["scaler"][name]["inf"] for r in ranks), name
+
+
+@pytest.mark.parametrize("wrapper", ["trimmed_mean", "top_k"])
+def test_the_skip_and_rank_0s_buffers_travel_plain_under_robust_rules_and_compression(wrapper):
+    """The skip flag and the broadcast buffers are no model exchange: a robust rule would trim the one peer's
+    flag away (and hang the others), a codec would encode them; both go through the plain communicator."""
+    from dpsgd.comm import codecs, robust
+    from dpsgd.optim import DPSGD
+
+    def peer(comm):
+        spec = {"name": "top_k", "ratio": 0.5}
+        wrapped = robust.wrap(comm, wrapper) if wrapper == "trimmed_mean" else codecs.wrap(comm, spec)
+        model = loop.whole_model(comm.rank)
+        base = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        opt = DPSGD(base, topology=loop.topologies.make("ring", comm.size), comm=wrapped, module=model)
+        scaler = torch.amp.GradScaler("cpu")
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(comm.rank))
+        scaler.scale(model(x).pow(2).mean()).backward()
+        if comm.rank == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        skipped = opt.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        model(x * (1 + comm.rank)).pow(2).mean().backward()  # the peers' statistics differ
+        opt.step()
+        return skipped, model[1].running_mean.clone()
+
+    results = run_local(N, peer, timeout_s=60)
+    assert all(skipped for skipped, _ in results), "a peer stepped while another's gradients held an inf"
+    assert all(torch.equal(mean, results[0][1]) for _, mean in results), "the buffers are not rank 0's"
