@@ -1,9 +1,6 @@
 """The Communicator protocol: what optimizers may ask of their peers, on every backend.
 
-A backend supplies three primitives (a non-blocking point-to-point exchange of one flat
-buffer, a non-blocking all-reduce sum of one flat buffer, and a barrier). This module builds
-the public operations on top of them once: flattening, weighting, byte and time accounting,
-deadlines and error messages are therefore the same on every backend.
+How it works: docs/guide/internals.md#communicator.
 """
 
 from __future__ import annotations
