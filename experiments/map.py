@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-steps", type=int, default=120, help="more epochs where a peer count would take fewer")
     p.add_argument("--check-cells", type=int, default=3, help="cells checked against real runs (0: none)")
     p.add_argument("--check-peers", type=int, default=4, help="peers of the real runs (one of --peers)")
-    p.add_argument("--check-compute-s", type=float, default=0.03, help="compute floor of each real step")
+    p.add_argument("--check-compute-s", type=float, default=0.1, help="compute floor of each real step")
     p.add_argument("--test-hosts", metavar="RATE", help="also check 4 peers on 2 test hosts capped at RATE (root)")
     p.add_argument(
         "--test-host-backend",
