@@ -62,7 +62,7 @@ def test_fewer_steps_beat_cheaper_steps_where_compute_dominates():
     assert cell["winner"] == "allreduce" and cell["margin"] > 1.9
 
 
-@pytest.mark.slow  # make soak: about 5 min on 2 busy cores (fleet sweeps, then 6 real mpi runs)
+@pytest.mark.slow  # make soak: 5.1 min on 2 cores, 2026-12-05 (fleet sweeps, then 6 real mpi runs)
 @pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_quick_map_of_the_default_workload(tmp_path):
