@@ -86,9 +86,9 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
 
     def label(c: Configuration) -> str:
         name = c.runs[0]["config"]["algorithm.name"]
-        return {"allreduce": "synchronous", "diloco": f"DiLoCo, H = {period(c) if name == 'diloco' else 0}"}.get(
-            name, f"averaging, H = {period(c)}"
-        )
+        if name == "allreduce":
+            return "synchronous"
+        return f"{'DiLoCo' if name == 'diloco' else 'averaging'}, H = {period(c)}"
 
     every = [sync, *diloco, averaging]
     title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
