@@ -75,7 +75,7 @@ def test_sparseloco2025_decides_on_perplexity_at_every_h_and_the_ratio(tmp_path,
 @pytest.mark.parametrize(("h50_ppl", "holds"), [(9.1, True), (12.0, None)])
 def test_douillard2023_text_decides_near_synchronous_bytes_and_outer_step(tmp_path, h50_ppl, holds):
     configs = {
-        "diloco": [config("diloco", h, **ppl(9.0 if h < 50 else h50_ppl, 20.0 / h)) for h in (10, 25, 50)],
+        "diloco": [config("diloco", h, **ppl(9.0 if h < 50 else h50_ppl, 20.0 / h)) for h in (15, 30, 50)],
         "synchronous": [config("allreduce", **ppl(8.9, 200.0))],
         "averaging": [config("local_sgd", 50, **ppl(14.0, 0.4))],
     }
