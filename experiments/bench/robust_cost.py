@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     for model, data in (("mlp", "digits"), ("resnet20", "synthetic_cifar")):
         r = check_cost(model, data, args.rounds)
         print(
-            f"  {r['model']:<9} {r['parameters']:>8} parameters: step {r['step_ms']:.2f} ms, check {r['check_ms']:.3f} ms"
-            f" ({r['ratio']:.2%} of the step)"
+            f"  {r['model']:<9} {r['parameters']:>8} parameters: step {r['step_ms']:.2f} ms, "
+            f"check {r['check_ms']:.3f} ms ({r['ratio']:.2%} of the step)"
         )
     print("robust combine against the plain weighted sum (272474 float32 entries, ResNet-20's size):")
     for received in (2, 8):
