@@ -229,6 +229,7 @@ class SynchronousRun(Run):
                 self.total_steps = self.step_count + math.ceil(left / (peer.batches.batch_size * self.comm.size))
             for key, value in state["comm_stats"].items():
                 setattr(self.comm.stats, key, value)
+            peer.stepper.load_state_dict(state.get("stepper") or {})
         self.comm.barrier()  # start the clock together
         peer.network.clock.reset((state or {}).get("emulated_time_s", 0.0))
 
@@ -246,15 +247,18 @@ class SynchronousRun(Run):
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
         peer = self.peer
+        with peer.network.clock.paused():  # evaluating is not training: off the emulated clock (sleep mode)
+            measured = metrics.measure_peers(
+                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
+            )
         return metrics.record(
             step=self.step_count,
             epoch=peer.plan.epoch(self.samples),
             samples=self.samples,
             wall_time_s=wall_s,
+            lr=peer.stepper.lr,
             scope="all peers",
-            **metrics.measure_peers(
-                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
-            ),
+            **measured,
         )
 
     def state(self, extra: dict) -> dict | None:
@@ -265,6 +269,7 @@ class SynchronousRun(Run):
             "model": peer.model.state_dict(),
             "optimizer": peer.optimizer.state_dict(),
             "batches": peer.batches.state_dict(),
+            "stepper": peer.stepper.state_dict(),
             "comm_stats": self.comm.stats.as_dict(),
             "emulated_time_s": peer.network.clock.elapsed(),
             **extra,
@@ -328,6 +333,7 @@ class AsynchronousRun(SynchronousRun):
             train_loss=train_loss,
             **metrics.language_metrics(loss / count, peer.y_test),
             **metrics.optimum_distances(own, metrics.squared_optimum_distances(own, optimum), optimum),
+            lr=peer.stepper.lr,
             scope="rank 0",
         )
 
@@ -353,6 +359,7 @@ class AsynchronousRun(SynchronousRun):
             samples=int(sum(samples)),
             wall_time_s=max(r["wall_s"] for r in self.rows),  # until its last peer stopped
             **{**measured, "peak_mb_sent_per_step": None},  # no global step to count it in
+            lr=peer.stepper.lr,
             scope="all peers",
         )
 

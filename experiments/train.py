@@ -29,7 +29,7 @@ from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signa
 from dpsgd.divergence import Diverged
 from experiments import overrides
 from experiments.table import format_table
-from experiments.validate import ConfigError, check_group_overrides, check_same_run, validate
+from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, check_same_run, validate
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "summary.json", "logs")  # a folder with any of these holds a run
 
@@ -208,7 +208,7 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     launcher = backends.launched()
