@@ -18,7 +18,7 @@ import itertools
 import os
 import re
 
-from experiments.validate import CONF_DIR, GROUPS, ConfigError, group_options
+from experiments.validate import CONF_DIR, GROUPS, ConfigError, group_options, search_path
 
 # sections whose keys are a constructor's keyword options (which refuses unknown ones itself): `+` may add keys there
 OPEN = ("algorithm", "model", "topology", "compression", "robust", "logger", "hydra")
@@ -76,9 +76,9 @@ def _keys(tree, prefix: str = "") -> set[str]:
     return out
 
 
-def _composed_keys(groups: dict[str, list[str]]) -> list[tuple[str, set[str]]]:
+def _composed_keys(groups: dict[str, list[str]], hydra: list[str]) -> list[tuple[str, set[str]]]:
     """(the choices, every dotted key of the config) for each combination of the groups' choices (the first
-    MAX_COMPOSED)."""
+    MAX_COMPOSED), composed with the command line's `hydra` overrides of the search path."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -86,7 +86,7 @@ def _composed_keys(groups: dict[str, list[str]]) -> list[tuple[str, set[str]]]:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         for combo in itertools.islice(itertools.product(*(groups[n] for n in names)), MAX_COMPOSED):
             chosen = [f"{n}={c}" for n, c in zip(names, combo)]
-            cfg = compose("config", overrides=chosen)
+            cfg = compose("config", overrides=[*hydra, *chosen])
             out.append((" ".join(chosen), _keys(OmegaConf.to_container(cfg, resolve=False))))
     return out
 
@@ -106,25 +106,28 @@ def _suggest(key: str, keys: set[str]) -> str:
 def check(argv: list[str]) -> list[str]:
     """The command line with `~` expanded; ConfigError (one line) for an override that cannot run (see the module)."""
     argv = expand_home(argv)
-    if any(a.startswith("-") and a not in HYDRA_FLAGS for a in argv):
-        return argv  # Hydra's own flags: its own business
+    extra = search_path(argv)  # the user's own config folders (hydra.searchpath)
+    if extra is None or any(a.startswith("-") and a not in HYDRA_FLAGS for a in argv):
+        return argv  # Hydra's own flags (--config-dir, --cfg, ...): its own business
     overrides = _parse([a for a in argv if a not in HYDRA_FLAGS])
+    known = set(GROUPS) | {p.name for d in extra if d.is_dir() for p in d.iterdir() if p.is_dir()}
     groups: dict[str, list[str]] = {}
     for o in overrides:
         name = o.key_or_group
-        if name in GROUPS and not o.is_delete():
-            valid = group_options(name)
+        if name in known and not o.is_delete():
+            valid = group_options(name, extra)
             for choice in _choices(o):
                 if choice not in valid and choice != "null":
                     close = difflib.get_close_matches(choice, valid, n=2, cutoff=0.6)
                     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
                     raise ConfigError(f"unknown {name} {choice!r}; valid {name} options: {', '.join(valid)}{hint}")
             groups[name] = [c for c in _choices(o) if c != "null"] or groups.get(name, [])
-    keyed = [o for o in overrides if o.key_or_group not in GROUPS and "/" not in o.key_or_group]
+    keyed = [o for o in overrides if o.key_or_group not in known and "/" not in o.key_or_group]
     keyed = [o for o in keyed if not o.key_or_group.startswith("hydra.") and o.package is None]
     if not keyed:
         return argv
-    composed = _composed_keys({k: v for k, v in groups.items() if v})
+    searched = [a for a in argv if a.lstrip("+").startswith("hydra.searchpath=")]
+    composed = _composed_keys({k: v for k, v in groups.items() if v}, searched)
     keys = set().union(*(k for _, k in composed))
     removed: set[str] = set()  # keys deleted by an earlier `~key` (which a later `+key=` may add anew)
     for o in keyed:

@@ -68,3 +68,15 @@ def test_app_unknown_key_one_line_exit_2_no_folder(app, tmp_path, arg):
     assert len(lines) == 1 and lines[0].startswith("error: unknown key 'epochz'"), proc.stderr
     assert "did you mean epochs?" in lines[0]
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_users_config_folder_joins(tmp_path):
+    (tmp_path / "algorithm").mkdir()
+    (tmp_path / "algorithm" / "mine.yaml").write_text("defaults:\n  - dpsgd\n  - _self_\nlr: 0.2\nextra_knob: 3\n")
+    where = f"hydra.searchpath=[file://{tmp_path}]"
+    argv = [where, "algorithm=mine", "algorithm.extra_knob=4"]
+    assert overrides.check(argv) == argv
+    with pytest.raises(ConfigError, match="did you mean algorithm.extra_knob"):
+        overrides.check([where, "algorithm=mine", "algorithm.extra_knb=4"])
+    with pytest.raises(ConfigError, match="unknown algorithm 'mien'.*did you mean mine"):
+        overrides.check([where, "algorithm=mien"])
