@@ -59,7 +59,7 @@ def test_home_is_expanded():
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("arg", ["epochz=3", "+epochz=3"])
+@pytest.mark.parametrize("arg", ["epochz=3", pytest.param("+epochz=3", marks=pytest.mark.slow)])
 def test_app_unknown_key_one_line_exit_2_no_folder(app, tmp_path, arg):
     run_dir = tmp_path / "run"
     proc = app(["backend=local", arg], run_dir, timeout=60)
