@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-LINT_PATHS := dpsgd topologies experiments tests
+LINT_PATHS := dpsgd topologies experiments tests examples
 
 .PHONY: setup run test test-fast lint typecheck docs clean soak bench reproductions gpu-wheels gpu-check chaos
 
@@ -61,7 +61,7 @@ soak: $(STAMP)
 
 # every benchmark, one after the other (14 min on 2 idle cores); results in outputs/bench/
 BENCHMARKS := comm_overhead waiter_cost allreduce_vs_ddp local_sgd_vs_torch step_time_vs_network time_to_accuracy overlap \
-	stragglers fleet bytes_to_accuracy
+	stragglers fleet fleet_vs_batch bytes_to_accuracy
 bench: $(STAMP)
 	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) -m experiments.bench.$$b; done
 

@@ -20,7 +20,7 @@ import torch
 
 import topologies
 from dpsgd import data, faults, metrics, models, placement, supervisor
-from dpsgd.comm import Communicator, codecs, netem
+from dpsgd.comm import Communicator, codecs, corrupt, netem, robust
 from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.schedule import Schedule
 from dpsgd.seeds import batch_seed
@@ -166,6 +166,8 @@ def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
     through `comm` wearing the config's `compression` (dpsgd.comm.codecs.wrap): real peers and the fleet alike."""
     options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
     comm = codecs.wrap(comm, cfg.get("compression"))  # every algorithm's means and mixes, encoded
+    corrupted = corrupt.from_faults(cfg.get("faults"), comm.size, int(cfg.get("seed", 0)))
+    comm = robust.wrap(comm, cfg.get("robust"), corrupted)  # corrupt senders, robust receivers (both: off by default)
     return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **factories(options))
 
 

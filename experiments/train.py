@@ -11,6 +11,7 @@ agree on one output folder before Hydra starts. With `elastic=true` a world that
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shlex
 import shutil
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from dpsgd import backends
 from dpsgd.backends import Backend
 from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signals
+from dpsgd.divergence import Diverged
 from experiments.table import format_table
 from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, check_same_run, validate
 
@@ -148,7 +150,7 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
             if cfg.get("elastic"):
                 return relaunching(cfg, run_dir)
             return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, PEER_ARGV + [str(run_dir)])
-    except backends.RunFailed as exc:
+    except (backends.RunFailed, Diverged) as exc:  # Diverged: a run in this process (the fleet)
         fail(str(exc), code=1)
     except Interrupted as exc:  # every peer is stopped by now (dpsgd.backends.launch) or dies with this process (local)
         line = resume_line(cfg, run_dir, launcher).format(signal=signal_name(exc.signum))
@@ -249,7 +251,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
         return None
     print(format_table([summary]), flush=True)
     print(f"outputs: {run_dir}", flush=True)
-    return summary["test_accuracy"]
+    if summary.get("status") == "diverged":  # on_divergence=mark: the run went on; say so once
+        first = summary["diverged"]
+        print(f"note: peer {first['peer']} diverged at step {first['step']}: {first['what']}", file=sys.stderr)
+    return math.nan if summary.get("status") == "diverged" else summary["test_accuracy"]  # Optuna: a failed trial
 
 
 def expand_seeds(argv: list[str]) -> list[str]:

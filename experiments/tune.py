@@ -106,6 +106,8 @@ def select(found: list[dict], keys: list[str]) -> dict:
         settings.setdefault(tuple(_get(t["config"], k) for k in keys), []).append(t["summary"])
 
     def score(runs: list[dict]) -> tuple[float, float]:
+        if any(r.get("status") == "diverged" for r in runs):  # a failed trial: never chosen
+            return -math.inf, -math.inf
         accuracy = [r["test_accuracy"] for r in runs if r.get("test_accuracy") is not None]
         acc = sum(accuracy) / len(accuracy) if accuracy else -math.inf
         loss = sum(r["test_loss"] for r in runs) / len(runs)
@@ -118,6 +120,7 @@ def select(found: list[dict], keys: list[str]) -> dict:
         "validation_accuracy": acc,
         "validation_loss": -neg_loss,
         "trials": len(found),
+        "failed": sum(t["summary"].get("status") == "diverged" for t in found),  # diverged (on_divergence=mark)
     }
 
 
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     factors = [float(f) for f in args.lr_factors.split(",")]
     knob_values = [_number(v) for v in args.knob_values.split(",")] if args.knob_values else None
     out = args.out or Path("multirun/tune") / time.strftime("%Y-%m-%d_%H-%M-%S")
-    common = [*overrides, f"data.split_seed={args.split_seed}"]
+    # a trial that diverges is marked and counted as failed, not the end of its sweep
+    common = [*overrides, f"data.split_seed={args.split_seed}", "on_divergence=mark"]
     search_seeds = f"seed=range({args.search_seeds})" if args.search_seeds > 1 else f"seed={args.split_seed}"
 
     tuned = {"sampler": sampler, "validation_fraction": args.validation_fraction, "overrides": overrides}
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned["algorithms"][algorithm] = choice
         chosen = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["chosen"].items())
         print(
-            f"{algorithm}: {choice['trials']} trials, chosen {chosen} "
+            f"{algorithm}: {choice['trials']} trials ({choice['failed']} diverged: failed), chosen {chosen} "
             f"(validation accuracy {choice['validation_accuracy']:.4f})",
             flush=True,
         )

@@ -120,7 +120,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a user's launcher,
     in every rank before it joins the others): the config schema, the backend's capabilities, then the plan and
     peer 0 built as a real peer builds them, whose constructors' ValueErrors become the one line."""
-    from dpsgd import backends, loggers, placement
+    from dpsgd import backends, divergence, loggers, placement
     from dpsgd.backends.hosts import placement as host_placement
     from dpsgd.build import build_peer, build_topology, check_algorithm
     from dpsgd.comm import LocalCommunicator, LocalWorld
@@ -178,6 +178,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         else:  # peers in one process share its device
             placement.single_device(cfg)
         FaultPlan.from_config(cfg.get("faults"), peers, record)
+        divergence.check_mode(cfg)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
     try:

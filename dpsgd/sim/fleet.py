@@ -2,8 +2,9 @@
 
 Every model parameter is one tensor with a leading peer axis (n, *shape). Each step draws every
 peer's minibatch from its own share (`FleetBatches`, the real run's order), computes all peers'
-losses in one call (torch.func.vmap over functional_call of the one model) and their gradients in one
-backward pass, and calls the algorithm's own `step()` (dpsgd.optim, unchanged) on the stacked tensors.
+losses in one call (torch.func.vmap over functional_call of the one model; a convolutional one as one
+wide network, dpsgd.sim.wide, when it computes vmap's losses) and their gradients in one backward pass,
+and calls the algorithm's own `step()` (dpsgd.optim, unchanged) on the stacked tensors.
 torch.optim's rules are elementwise, so one SGD/Adam/AdamW over stacked tensors is n independent ones.
 
 The algorithm talks to its peers through `FleetCommunicator`, whose operations act on the peer axis:
@@ -30,6 +31,7 @@ from dpsgd.stepping import StepOptions, Stepper
 from topologies import Topology
 
 from .batches import FleetBatches
+from .wide import peer_outputs, wide_input, widen
 
 SPARSE_BELOW = 0.25  # density of W under which the product is taken with a sparse matrix
 
@@ -197,24 +199,62 @@ class Fleet:
         # precision, micro-batches, clipping (each peer's own norm) and the schedule, as on real peers
         schedule = Schedule(cfg.get("schedule"), run.total_steps)
         self.stepper = Stepper(StepOptions.from_config(cfg), self.algorithm, schedule, self.device, peer_axis=True)
+        self._wide = self._widened()
 
     def _loss(self, params: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(functional_call(self.model, dict(zip(self.names, params)), (x,)), y)
+
+    def _widened(self) -> torch.nn.Module | None:
+        """The model as one wide network (dpsgd.sim.wide) when it takes that form and computes vmap's losses on
+        3 peers with different weights; otherwise None (vmap)."""
+        try:
+            wide, probe = widen(self.model, self.n), widen(self.model, 3)
+        except ValueError:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        params = tuple(
+            p[:1].detach().expand(3, *p.shape[1:]) + 0.01 * torch.randn((3, *p.shape[1:]), generator=gen).to(p)
+            for p in self.params
+        )
+        take = torch.arange(3 * self.batches.batch_size, device=self.device) % len(self.batches.x)
+        x = self.batches.x[take].reshape(3, self.batches.batch_size, *self.batches.x.shape[1:])
+        y = self.batches.y[take].reshape(3, self.batches.batch_size, *self.batches.y.shape[1:])
+        with torch.no_grad():
+            try:
+                got = self._wide_losses(probe, params, x, y)
+            except RuntimeError:  # a custom forward the layout does not fit (e.g. a reshape of the channels)
+                return None
+            ok = torch.allclose(got, self._losses(params, x, y), rtol=1e-4, atol=1e-6)
+        return wide if ok else None
+
+    def _wide_losses(self, wide: torch.nn.Module, params: Sequence[torch.Tensor], x, y) -> torch.Tensor:
+        out = peer_outputs(functional_call(wide, dict(zip(self.names, params)), (wide_input(x),)))
+        return self.loss_fn(out, y, reduction="none").reshape(len(out), -1).mean(1)
 
     def train_step(self) -> torch.Tensor:
         """Every peer's forward, backward and step; returns the (n,) minibatch losses."""
         x, y = self.batches.next()
         if self.algorithm.overlap:
             self.algorithm.start_communication()
+        losses = self.gradients(x, y)
+        self.stepper.step()
+        return losses
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Every peer's loss on its batch (x, y with a leading peer axis) and its gradient in `.grad`, summed over
+        the micro-batches as the stepper says (precision, accumulation); the losses."""
         stepper, total = self.stepper, torch.zeros(())
         for p in self.params:
             p.grad = None
         for xm, ym in stepper.options.split(x, y, dim=1):  # micro-batches along each peer's sample axis
             with stepper.options.autocast(self.device):
-                losses = self._losses(tuple(self.params), xm, ym)  # (n,): peer i's loss depends on its own
-            stepper.backward(losses.sum())  # slice only, so the gradient of the sum is each peer's own
+                if self._wide is not None:
+                    losses = self._wide_losses(self._wide, self.params, xm, ym)
+                else:
+                    losses = self._losses(tuple(self.params), xm, ym)
+            # peer i's loss depends on its own weights only, so the gradient of the sum is each peer's own
+            stepper.backward(losses.sum())
             total = total + losses.detach()
-        stepper.step()
         return total / stepper.options.accumulate
 
     def flat(self) -> torch.Tensor:

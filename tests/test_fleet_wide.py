@@ -1,0 +1,60 @@
+"""The fleet's wide layout (dpsgd.sim.wide) for convolutional models: the same losses and gradients as vmap
+over peers with different weights, and a CNN fleet (ring D-PSGD) equal to the local backend's threads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import runs
+import torch
+from test_fleet import local_parameters
+
+from dpsgd.sim import Fleet
+from dpsgd.sim.wide import widen
+
+torch.set_num_threads(1)
+
+
+def image_config(model: dict, peers: int = 4) -> dict:
+    cfg = runs.experiment(runs.load("algorithm", "dpsgd"), "ring", peers, "fleet")
+    data = {**runs.load("data", "synthetic_cifar"), "image_shape": [3, 8, 8], "num_samples": 160}
+    return {**cfg, "model": model, "data": data, "batch_size": 4}
+
+
+MODELS = {
+    "cnn": {"name": "cnn", "width": 4, "groups": 2},
+    "resnet20": {"name": "resnet20", "groups": 2},
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_wide_gradients_equal_vmaps(model):
+    fleet = Fleet(image_config(MODELS[model]))
+    assert fleet._wide is not None  # the fleet chose the wide layout
+    with torch.no_grad():  # peers with different weights: a layout that mixed peers would show
+        for p in fleet.params:
+            p.add_(0.05 * torch.randn_like(p))
+    x, y = fleet.batches.next()
+    fleet.gradients(x, y)
+    wide = [p.grad.clone() for p in fleet.params]
+    fleet._wide = None
+    fleet.gradients(x, y)
+    for name, a, b in zip(fleet.names, wide, (p.grad for p in fleet.params)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_wide_fleet_equals_local_backend():
+    cfg = image_config(MODELS["cnn"])
+    fleet = Fleet(copy.deepcopy(cfg))
+    assert fleet._wide is not None
+    for _ in range(10):
+        fleet.train_step()
+    torch.testing.assert_close(fleet.flat(), local_parameters(cfg, 10), rtol=1e-5, atol=1e-5)
+
+
+def test_widen_refuses_what_it_cannot_lay_out():
+    with pytest.raises(ValueError, match="no convolution"):
+        widen(torch.nn.Sequential(torch.nn.Linear(3, 2)), 2)
+    with pytest.raises(ValueError, match="no wide form of BatchNorm2d"):
+        widen(torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3), torch.nn.BatchNorm2d(2)), 2)
