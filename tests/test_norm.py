@@ -33,3 +33,30 @@ def test_batchnorm_runs_on_real_peers_not_on_the_fleet(hydra_config):
     validate(hydra_config("model=resnet20", "model.norm=batch", "epochs=1"))
     with pytest.raises(ConfigError, match="BatchNorm's running statistics"):
         validate(hydra_config("backend=fleet", "model=resnet20", "model.norm=batch"))
+
+
+def test_buffers_option_reaches_the_app(hydra_config):
+    """`buffers=` of the config governs a real peer's BatchNorm statistics (dpsgd.optim's `buffers=`): the same on
+    every peer with broadcast (rank 0's) and average (their mean), each its own with local."""
+    import copy
+
+    from dpsgd.build import build_peer
+    from dpsgd.comm import run_local
+
+    def stats(mode: str) -> torch.Tensor:
+        cfg = hydra_config("model=resnet20", "model.norm=batch", "data.partition=shards", f"buffers={mode}")
+
+        def peer(comm):
+            p = build_peer(comm, copy.deepcopy(cfg))
+            for step in range(1, 4):
+                p.before_step(step)
+                p.train_step()
+            return torch.cat([b.reshape(-1).float() for b in p.model.buffers()])
+
+        return torch.stack(run_local(4, peer, timeout_s=120))
+
+    for mode in ("broadcast", "average"):
+        got = stats(mode)
+        assert (got - got[0]).abs().max() == 0, mode
+    local = stats("local")
+    assert (local - local[0]).abs().max() > 1e-3  # skewed shares: each peer's statistics its own
