@@ -125,7 +125,8 @@ def resume_line(cfg: dict, run_dir: Path, launcher: Backend | None) -> str:
         return f"stopped by {{signal}}; {kept}; an elastic world continues from it when the launcher re-forms it"
     if launcher is not None:  # the user's launcher command is not ours to repeat
         return f"interrupted by {{signal}}; {kept}; resume with your launcher command plus: {shlex.join(again)}"
-    command = shlex.join(["python", "-m", "experiments.train", *args, *again])
+    program = ["dpsgd-train"] if Path(sys.argv[0]).name == "dpsgd-train" else ["python", "-m", "experiments.train"]
+    command = shlex.join([*program, *args, *again])
     return f"interrupted by {{signal}}; {kept}; resume with: {command}"
 
 
