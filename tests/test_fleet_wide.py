@@ -58,3 +58,14 @@ def test_widen_refuses_what_it_cannot_lay_out():
         widen(torch.nn.Sequential(torch.nn.Linear(3, 2)), 2)
     with pytest.raises(ValueError, match="no wide form of BatchNorm2d"):
         widen(torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3), torch.nn.BatchNorm2d(2)), 2)
+
+
+def test_transformer_fleet_equals_local_backend():
+    """The transformer under vmap (attention as its decomposed products) against the local backend's threads."""
+    cfg = runs.experiment(runs.load("algorithm", "dpsgd"), "ring", 4, "fleet")
+    cfg = {**cfg, "model": {"name": "transformer", "dim": 16, "layers": 1, "heads": 2}, "batch_size": 4,
+           "data": {**runs.load("data", "tiny_text"), "num_samples": 200, "seq_len": 12}}  # fmt: skip
+    fleet = Fleet(copy.deepcopy(cfg))
+    for _ in range(5):
+        fleet.train_step()
+    torch.testing.assert_close(fleet.flat(), local_parameters(cfg, 5), rtol=1e-5, atol=1e-5)

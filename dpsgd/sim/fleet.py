@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpsgd import metrics, placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
@@ -228,8 +229,9 @@ class Fleet:
         """Every peer's loss on its batch (x, y with a leading peer axis) and its gradient in `.grad`; the losses."""
         if self._wide is not None:
             losses = self._wide_losses(self._wide, self.params, x, y)
-        else:
-            losses = self._losses(tuple(self.params), x, y)
+        else:  # attention as its decomposed products: vmap has no batching rule for the fused kernels
+            with sdpa_kernel(SDPBackend.MATH):
+                losses = self._losses(tuple(self.params), x, y)
         # peer i's loss depends on its own weights only, so the gradient of the sum is each peer's own
         grads = torch.autograd.grad(losses.sum(), self.params)
         for p, g in zip(self.params, grads):

@@ -248,6 +248,7 @@ def measure(model: str, n: int, device: torch.device, clock: Clock, bw: float, s
         "floor_bytes": traffic,
         "phases_s": phases,
         "vmap_fallbacks": fallbacks,
+        "layout": "vmap" if fleet._wide is None else "wide",
         "params_per_peer": sum(p[0].numel() for p in fleet.params),
         "saved_activation_bytes_per_sample": act / b,
     }
@@ -283,7 +284,11 @@ def cause(row: dict) -> str:
         why = (
             f"forward+backward {f['forward_backward'] * 1e3:.1f} ms vs the one model's "
             f"{r['forward_backward'] * 1e3:.1f} ms ({f['forward_backward'] / total:.0%} of the fleet's step): "
-            "n models' small products under vmap"
+            + (
+                "n models' grouped convolutions (the wide layout)"
+                if row["layout"] == "wide"
+                else "n models' small products under vmap"
+            )
         )
         if row["vmap_fallbacks"]:
             why += f"; vmap has no batching rule for {', '.join(row['vmap_fallbacks'])} (a per-peer loop)"
