@@ -54,12 +54,16 @@ class Mixing:
 def mixing(w: np.ndarray, dtype: torch.dtype, device) -> Mixing:
     """W ready to apply to tensors of `dtype` on `device`: sparse on a CPU when it has few nonzeros."""
     w = np.asarray(w, dtype=np.float64)
-    off = (w != 0) & ~np.eye(len(w), dtype=bool)
-    sends = torch.as_tensor(off.sum(0), dtype=torch.float64)
-    recvs = torch.as_tensor(off.sum(1), dtype=torch.float64)
-    dense = torch.as_tensor(w, dtype=dtype, device=device)
-    sparse = np.count_nonzero(w) < SPARSE_BELOW * w.size and device.type == "cpu"
-    return Mixing(dense.to_sparse().coalesce() if sparse else dense, sends, recvs)
+    n = len(w)
+    rows, cols = np.nonzero(w)  # row-major: the order of a coalesced COO tensor
+    off = rows != cols
+    sends = torch.as_tensor(np.bincount(cols[off], minlength=n), dtype=torch.float64)
+    recvs = torch.as_tensor(np.bincount(rows[off], minlength=n), dtype=torch.float64)
+    if len(rows) < SPARSE_BELOW * w.size and device.type == "cpu":  # no dense (n, n) tensor on the way
+        index = torch.as_tensor(np.stack([rows, cols]))
+        values = torch.as_tensor(w[rows, cols], dtype=dtype)
+        return Mixing(torch.sparse_coo_tensor(index, values, (n, n), device=device, is_coalesced=True), sends, recvs)
+    return Mixing(torch.as_tensor(w, dtype=dtype, device=device), sends, recvs)
 
 
 class FleetCommunicator(Communicator):

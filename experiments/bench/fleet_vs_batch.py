@@ -210,7 +210,8 @@ def measure(model: str, n: int, device: torch.device, clock: Clock, bw: float, s
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fleet = Fleet(config(model, n, b, str(device)))
-        fleet.train_step()  # warm-up (and vmap's warnings, e.g. a batching rule it lacks)
+        for _ in range(max(1, fleet.topology.period or 0)):  # warm-up: every mixing matrix of the period made
+            fleet.train_step()  # (and vmap's warnings, e.g. a batching rule it lacks)
     fallbacks = sorted({str(w.message).split("batching rule for ")[1].split(".")[0] for w in caught
                         if "batching rule for" in str(w.message)})  # fmt: skip
     opt_cfg = fleet.cfg["algorithm"]
