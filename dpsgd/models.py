@@ -18,6 +18,7 @@ from math import prod
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer")
@@ -141,10 +142,22 @@ class TinyTransformer(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
     def forward(self, tokens):
         t = tokens.shape[1]
-        mask = cast(torch.Tensor, self.mask)  # a registered buffer
         h = self.embed(tokens) + self.position[:t]
-        return self.head(self.norm(self.encoder(h, mask=mask[:t, :t], is_causal=True)))
+        for layer in cast(list[nn.TransformerEncoderLayer], self.encoder.layers):  # pre-norm, no dropout
+            h = h + _causal_attention(layer.self_attn, layer.norm1(h))
+            h = h + layer.linear2(layer.activation(layer.linear1(layer.norm2(h))))
+        return self.head(self.norm(h))
+
+
+def _causal_attention(attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """nn.MultiheadAttention's self-attention with a causal mask, its products on (batch x positions, width):
+    the same numbers, and under vmap (the fleet) one batched product each instead of one per position."""
+    b, t, d = x.shape
+    heads = attn.num_heads
+    qkv = F.linear(x.reshape(b * t, d), attn.in_proj_weight, attn.in_proj_bias)
+    q, k, v = qkv.reshape(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # each (b, heads, t, d / heads)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * t, d)
+    return F.linear(out, attn.out_proj.weight, attn.out_proj.bias).reshape(b, t, d)

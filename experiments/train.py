@@ -27,6 +27,7 @@ from dpsgd import backends
 from dpsgd.backends import Backend
 from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signals
 from dpsgd.divergence import Diverged
+from experiments import overrides
 from experiments.table import format_table
 from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, check_same_run, validate
 
@@ -274,7 +275,7 @@ def expand_seeds(argv: list[str]) -> list[str]:
 
 def main() -> None:
     try:
-        argv = expand_seeds(sys.argv[1:])
+        argv = overrides.check(expand_seeds(sys.argv[1:]))  # Hydra's own errors, as one line
         sys.argv[1:] = argv  # Hydra reads the command line itself
         check_group_overrides(argv)
     except ConfigError as exc:

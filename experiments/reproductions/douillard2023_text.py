@@ -1,10 +1,15 @@
-"""Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=text_corpus."""
+"""Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=text_corpus.
+
+Its DiLoCo runs are sparseloco2025's (the same sweep: H = 15, 30, 50 on the same workload and seeds), read from
+that reproduction's folder beside this one's: run `python -m experiments.reproduce sparseloco2025` first."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.reproduce import Configuration, Finding, plot_curves
+from experiments.report import load_runs
+from experiments.reproduce import Configuration, Finding, configurations, plot_curves
+from experiments.reproductions import sparseloco2025
 from experiments.reproductions._text import INNER, WORKLOAD
 from experiments.reproductions._verdicts import compare, overall
 from experiments.reproductions.douillard2023 import bytes_fall_as_1_over_h, near_synchronous
@@ -15,13 +20,24 @@ CLAIM = (
     "the loss of fully synchronous data-parallel training, while they communicate H times less; plain model "
     "averaging in the outer step does worse."
 )
-PERIODS = (10, 25, 50)
+PERIODS = sparseloco2025.PERIODS
 SWEEPS = {
-    "diloco": [*WORKLOAD, *INNER, "algorithm=diloco", f"++algorithm.period={','.join(map(str, PERIODS))}"],
     "synchronous": [*WORKLOAD, *INNER, "algorithm=allreduce"],
     "averaging": [*WORKLOAD, *INNER, "algorithm=local_sgd", f"++algorithm.period={PERIODS[-1]}"],
 }
-RUNS = {"diloco": len(PERIODS), "synchronous": 1, "averaging": 1}
+RUNS = {"synchronous": 1, "averaging": 1}
+
+
+def shared_diloco(out: Path) -> list[Configuration]:
+    """sparseloco2025's DiLoCo sweep (OUT/../sparseloco2025/diloco), or a one-line error saying to run it."""
+    folder = out.parent / "sparseloco2025" / "diloco"
+    runs = load_runs(folder) if folder.is_dir() else []
+    if not runs:
+        raise SystemExit(
+            f"douillard2023_text reads DiLoCo's runs from {folder}, which holds none: run "
+            "`python -m experiments.reproduce sparseloco2025` first (with the same --out parent and seeds)"
+        )
+    return configurations(runs)
 
 
 def period(c: Configuration) -> int:
@@ -29,7 +45,7 @@ def period(c: Configuration) -> int:
 
 
 def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
-    diloco = sorted(configs["diloco"], key=period)
+    diloco = sorted(configs.get("diloco") or shared_diloco(out), key=period)
     (sync,) = configs["synchronous"]
     (averaging,) = configs["averaging"]
     steps, peers, seeds = int(sync.summary["steps"]), int(sync.summary["peers"]), int(sync.summary["seeds"])
@@ -86,9 +102,9 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
 
     def label(c: Configuration) -> str:
         name = c.runs[0]["config"]["algorithm.name"]
-        return {"allreduce": "synchronous", "diloco": f"DiLoCo, H = {period(c) if name == 'diloco' else 0}"}.get(
-            name, f"averaging, H = {period(c)}"
-        )
+        if name == "allreduce":
+            return "synchronous"
+        return f"{'DiLoCo' if name == 'diloco' else 'averaging'}, H = {period(c)}"
 
     every = [sync, *diloco, averaging]
     title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
