@@ -1,18 +1,29 @@
 """Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=text_corpus.
 
 Its DiLoCo runs are sparseloco2025's (the same sweep: H = 15, 30, 50 on the same workload and seeds), read from
-that reproduction's folder beside this one's: run `python -m experiments.reproduce sparseloco2025` first."""
+that reproduction's folder beside this one's (and run there first if it is not complete)."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 
 from experiments.report import load_runs
-from experiments.reproduce import Configuration, Finding, configurations, plot_curves
+from experiments.reproduce import (
+    Configuration,
+    Finding,
+    _children_cpu_s,
+    configurations,
+    fleet_threads,
+    plot_curves,
+)
 from experiments.reproductions import sparseloco2025
 from experiments.reproductions._text import INNER, WORKLOAD
 from experiments.reproductions._verdicts import compare, overall
 from experiments.reproductions.douillard2023 import bytes_fall_as_1_over_h, near_synchronous
+from experiments.sweeps import finished, run_sweep
 
 PAPER = "Douillard et al. 2023, DiLoCo (rerun on text: next-character prediction on the King James Version)"
 CLAIM = (
@@ -28,16 +39,21 @@ SWEEPS = {
 RUNS = {"synchronous": 1, "averaging": 1}
 
 
-def shared_diloco(out: Path) -> list[Configuration]:
-    """sparseloco2025's DiLoCo sweep (OUT/../sparseloco2025/diloco), or a one-line error saying to run it."""
+def shared_diloco(out: Path, seeds: int) -> list[Configuration]:
+    """sparseloco2025's DiLoCo sweep (OUT/../sparseloco2025/diloco), run there first if it is not complete."""
     folder = out.parent / "sparseloco2025" / "diloco"
-    runs = load_runs(folder) if folder.is_dir() else []
-    if not runs:
-        raise SystemExit(
-            f"douillard2023_text reads DiLoCo's runs from {folder}, which holds none: run "
-            "`python -m experiments.reproduce sparseloco2025` first (with the same --out parent and seeds)"
-        )
-    return configurations(runs)
+    if not finished(folder, len(PERIODS) * seeds):
+        overrides = sparseloco2025.SWEEPS["diloco"]
+        print(f"douillard2023_text: sparseloco2025's sweep 'diloco' ({len(PERIODS) * seeds} runs) ...", flush=True)
+        started, load, cpu = time.perf_counter(), os.getloadavg()[0], _children_cpu_s()
+        run_sweep([*overrides, *fleet_threads(overrides), f"seed=range({seeds})"], folder)
+        timing = {
+            "seconds": time.perf_counter() - started,
+            "cpu_seconds": _children_cpu_s() - cpu,
+            "load_average": [load, os.getloadavg()[0]],
+        }
+        folder.with_suffix(".timing.json").write_text(json.dumps(timing) + "\n")
+    return configurations(load_runs(folder))
 
 
 def period(c: Configuration) -> int:
@@ -45,8 +61,8 @@ def period(c: Configuration) -> int:
 
 
 def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
-    diloco = sorted(configs.get("diloco") or shared_diloco(out), key=period)
     (sync,) = configs["synchronous"]
+    diloco = sorted(configs.get("diloco") or shared_diloco(out, int(sync.summary["seeds"])), key=period)
     (averaging,) = configs["averaging"]
     steps, peers, seeds = int(sync.summary["steps"]), int(sync.summary["peers"]), int(sync.summary["seeds"])
     periods, mb = [period(c) for c in diloco], [c.mean("mb_sent_per_peer") for c in diloco]
