@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-LINT_PATHS := dpsgd topologies experiments tests
+LINT_PATHS := dpsgd topologies experiments tests examples
 
 .PHONY: setup run test test-fast lint typecheck docs clean soak bench reproductions gpu-wheels gpu-check chaos
 

@@ -20,9 +20,11 @@ import torch
 
 import topologies
 from dpsgd import data, faults, metrics, models, placement, supervisor
-from dpsgd.comm import codecs, netem
+from dpsgd.comm import Communicator, codecs, corrupt, netem, robust
 from dpsgd.optim import DistributedOptimizer, build_base
+from dpsgd.schedule import Schedule
 from dpsgd.seeds import batch_seed
+from dpsgd.stepping import StepOptions, Stepper
 
 BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov", "_target_")
 
@@ -164,6 +166,8 @@ def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
     through `comm` wearing the config's `compression` (dpsgd.comm.codecs.wrap): real peers and the fleet alike."""
     options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
     comm = codecs.wrap(comm, cfg.get("compression"))  # every algorithm's means and mixes, encoded
+    corrupted = corrupt.from_faults(cfg.get("faults"), comm.size, int(cfg.get("seed", 0)))
+    comm = robust.wrap(comm, cfg.get("robust"), corrupted)  # corrupt senders, robust receivers (both: off by default)
     return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **factories(options))
 
 
@@ -233,26 +237,32 @@ class Peer:
     network: netem.NetworkEmulator  # attached to the communicator: link costs, clock, compute slowdown
     faults: faults.FaultInjector
     seed: int
+    stepper: Stepper  # precision, micro-batches, clipping and the schedule's rate (dpsgd.stepping)
 
     def before_step(self, step: int) -> None:
         """Step `step` begins: tell the driver that started this process (if one did), then inject
-        the configured fault, if any."""
+        the configured fault, if any; the schedule sets the step's learning rate."""
         supervisor.report_step(self.faults.comm.rank, step)
         self.faults.before_step(step)
+        self.stepper.begin(step)
 
     def train_step(self) -> float:
-        """One minibatch: forward, backward (under the compute emulation), the optimizer's step;
-        returns the minibatch loss."""
+        """One minibatch: forward (in the config's precision) and backward of each micro-batch (under the
+        compute emulation), the optimizer's step; returns the minibatch loss."""
         x, y = self.batches.next()
         if self.optimizer.overlap:
             self.optimizer.start_communication()  # x^k travels while the gradient is computed
         self.network.start_compute()
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
+        stepper, total = self.stepper, 0.0
+        for xm, ym in stepper.options.split(x, y):
+            with stepper.options.autocast(x.device):
+                loss = self.loss_fn(self.model(xm), ym)
+            stepper.backward(loss)
+            total += loss.item()
         self.network.finish_compute()
-        self.optimizer.step()
-        return loss.item()
+        stepper.step()
+        return total / stepper.options.accumulate
 
 
 def describe(cfg: dict, topology, comm) -> dict:
@@ -280,6 +290,8 @@ def build_peer(comm, cfg: dict) -> Peer:
     split = run.split
     model = build_model(cfg, split).to(device)
     topology = build_topology(cfg, comm.size)
+    optimizer = build_optimizer(cfg, model.parameters(), topology, comm)
+    synchronous = not getattr(optimizer, "asynchronous", False)  # peers in lockstep can agree on a skip
     return Peer(
         plan=run,
         batches=run.batches(comm.rank, device),
@@ -287,9 +299,23 @@ def build_peer(comm, cfg: dict) -> Peer:
         y_test=split.y_test.to(device),
         model=model,
         topology=topology,
-        optimizer=build_optimizer(cfg, model.parameters(), topology, comm),
+        optimizer=optimizer,
         loss_fn=metrics.loss_function(split.y_train),
         network=network,
         faults=faults.FaultInjector.from_config(cfg, comm),
         seed=seed,
+        stepper=Stepper(
+            StepOptions.from_config(cfg),
+            optimizer,
+            Schedule(cfg.get("schedule"), run.total_steps),
+            device,
+            agree=(lambda flag: any_peer(comm, flag, device)) if synchronous else None,
+        ),
     )
+
+
+def any_peer(comm: Communicator, flag: bool, device) -> bool:
+    """Whether `flag` is set on any peer (a collective; not counted as the algorithm's traffic)."""
+    with comm.uncounted():
+        mean = comm.allreduce_mean([torch.tensor([float(flag)], device=device)])[0]
+    return bool(mean.item() > 0)

@@ -9,6 +9,9 @@ with (a truncated or altered file makes the step torn, and the previous complete
 Every peer checks every file, so all peers choose the same step. A run resumes only from a checkpoint
 of its own peer count, except an elastic run (dpsgd.elastic), which resumes from the newest complete
 checkpoint of any count. Loading uses torch.load(weights_only=True): a checkpoint cannot run code.
+
+In a user's own loop: `save(comm, folder, step, state)` on every peer at the same step, and at the start
+`restore(comm, folder)`, the newest step every peer completed and this peer's state, or None.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 def save(comm, run_dir: Path, step: int, state: dict) -> None:
-    """Every peer calls this at the same step with its own state."""
+    """Every peer calls this at the same step with its own state (tensors, numbers, strings, lists and dicts
+    of them: what `model.state_dict()`, an optimizer's and a scheduler's `state_dict()` hold); it returns
+    once every peer's file is written and rank 0 has marked the step complete."""
     folder = _step_dir(run_dir, step)
     folder.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
@@ -108,6 +113,13 @@ def newest(run_dir: Path) -> tuple[int, int] | None:
     if not steps:
         return None
     return steps[-1], int(json.loads((_step_dir(run_dir, steps[-1]) / "COMPLETE").read_text())["peers"])
+
+
+def restore(comm, run_dir: Path) -> tuple[int, dict] | None:
+    """(step, this peer's state) of the newest checkpoint that every peer of this world completed, or None
+    for a fresh start. Every peer calls it and reaches the same step; a torn newer one is skipped."""
+    steps = complete_steps(run_dir, comm.size)
+    return (steps[-1], load(run_dir, steps[-1], comm.rank)) if steps else None
 
 
 def load(run_dir: Path, step: int, rank: int) -> dict:

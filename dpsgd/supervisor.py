@@ -1,12 +1,7 @@
 """How the driver follows the peer processes it started: each peer reports every step it begins over
 a Unix socket, so that when a run fails the driver can say which peer ended first, and at which step.
 
-Driver side: `Supervisor` listens on a socket in a private temporary folder (no network port) and
-hands its path to the peers in DPSGD_SUPERVISOR. Peer side: `report_step(rank, step)` and
-`report_finished()`; both do nothing in a process the driver did not start. Messages are two
-fixed-size integers (rank, step): nothing received is unpickled. A connection closed without the
-`finished` message is a peer whose process ended abruptly; the order of those closings is the
-order in which peers died.
+How it works: docs/guide/internals.md#supervisor.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol, cast
 
-from dpsgd import checkpoint, elastic, loggers, metrics
+from dpsgd import checkpoint, divergence, elastic, loggers, metrics
 from dpsgd.build import Peer, Plan, build_peer, describe
 from dpsgd.comm import Communicator
 from dpsgd.optim import AsynchronousOptimizer
@@ -95,7 +95,7 @@ class RunLog:
                 "mb_sent_to_target": record["mb_sent_per_peer"],
             }
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(divergence.json_safe(record)) + "\n")
             self._file.flush()
         for sink in self._sinks:
             sink.write(record)
@@ -120,7 +120,7 @@ class RunLog:
         }
         if self._file is not None and self.out_dir is not None:
             self._file.close()
-            checkpoint.write_json_atomic(self.out_dir / "summary.json", summary)
+            checkpoint.write_json_atomic(self.out_dir / "summary.json", divergence.json_safe(summary))
         for sink in self._sinks:
             sink.close(summary)
         return summary
@@ -139,16 +139,18 @@ def run_loop(
     log_every = int(cfg.get("log_every") or 1)
     ckpt_every = int((cfg.get("checkpoint") or {}).get("every") or 0) if out_dir is not None else 0
     running, seen = state.get("running", 0.0), state.get("seen", 0)
+    guard = divergence.Guard(run, cfg)
     run.begin(resume)
     start = time.perf_counter() - state.get("elapsed", 0.0)
     last: dict = {}
     logged = None
-    with _progress(run) as bar:
+    with _progress(run) as bar, divergence.ending(out_dir, lambda: run.describe(cfg), lambda: last):
         task = bar.add_task("train", total=run.total_steps, completed=run.step_count, status="") if bar else None
         while not run.done():
             loss = run.train_step()
             if loss is None:
                 continue
+            guard.check(run.step_count, loss)
             running, seen = running + loss, seen + 1
             step = run.step_count
             if step != logged and (step % log_every == 0 or step == run.total_steps):
@@ -163,7 +165,7 @@ def run_loop(
                         bar.update(task, status=status)
             if bar:
                 bar.update(task, completed=step)
-            if ckpt_every and step % ckpt_every == 0 and step < run.total_steps:
+            if ckpt_every and step % ckpt_every == 0 and step < run.total_steps and guard.checkpoint_ok():
                 kept = run.state(
                     {"running": running, "seen": seen, "elapsed": time.perf_counter() - start, "reached": log.reached}
                 )
@@ -179,7 +181,7 @@ def run_loop(
             if isinstance(block, dict)
         }
         log.write({**final, **totals}, track=False)
-    return log.summary(run.describe(cfg), final, extra, max(wall, final["wall_time_s"]))
+    return log.summary(run.describe(cfg), final, {**extra, **guard.summary()}, max(wall, final["wall_time_s"]))
 
 
 def _progress(run: Run):
@@ -227,6 +229,7 @@ class SynchronousRun(Run):
                 self.total_steps = self.step_count + math.ceil(left / (peer.batches.batch_size * self.comm.size))
             for key, value in state["comm_stats"].items():
                 setattr(self.comm.stats, key, value)
+            peer.stepper.load_state_dict(state.get("stepper") or {})
         self.comm.barrier()  # start the clock together
         peer.network.clock.reset((state or {}).get("emulated_time_s", 0.0))
 
@@ -244,15 +247,18 @@ class SynchronousRun(Run):
     def record(self, train_loss: float, wall_s: float) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
         peer = self.peer
+        with peer.network.clock.paused():  # evaluating is not training: off the emulated clock (sleep mode)
+            measured = metrics.measure_peers(
+                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
+            )
         return metrics.record(
             step=self.step_count,
             epoch=peer.plan.epoch(self.samples),
             samples=self.samples,
             wall_time_s=wall_s,
+            lr=peer.stepper.lr,
             scope="all peers",
-            **metrics.measure_peers(
-                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
-            ),
+            **measured,
         )
 
     def state(self, extra: dict) -> dict | None:
@@ -263,6 +269,7 @@ class SynchronousRun(Run):
             "model": peer.model.state_dict(),
             "optimizer": peer.optimizer.state_dict(),
             "batches": peer.batches.state_dict(),
+            "stepper": peer.stepper.state_dict(),
             "comm_stats": self.comm.stats.as_dict(),
             "emulated_time_s": peer.network.clock.elapsed(),
             **extra,
@@ -326,6 +333,7 @@ class AsynchronousRun(SynchronousRun):
             train_loss=train_loss,
             **metrics.language_metrics(loss / count, peer.y_test),
             **metrics.optimum_distances(own, metrics.squared_optimum_distances(own, optimum), optimum),
+            lr=peer.stepper.lr,
             scope="rank 0",
         )
 
@@ -351,6 +359,7 @@ class AsynchronousRun(SynchronousRun):
             samples=int(sum(samples)),
             wall_time_s=max(r["wall_s"] for r in self.rows),  # until its last peer stopped
             **{**measured, "peak_mb_sent_per_step": None},  # no global step to count it in
+            lr=peer.stepper.lr,
             scope="all peers",
         )
 

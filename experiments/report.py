@@ -247,6 +247,10 @@ def rows(groups: list[list[dict]], keys: list[str]) -> list[dict]:
         row.update({k: "unused" for k in unused})
         if unused:
             row.pop("spectral_gap", None)  # the unused topology's
+        diverged = sum(r["summary"].get("status") == "diverged" for r in group)
+        row["status"] = (
+            (f"diverged ({diverged} of {len(group)} seeds)" if len(group) > 1 else "diverged") if diverged else "ok"
+        )
         collapsed = {k: v for k, v in first.get("ignored", {}).items() if len(v) > 1}
         if collapsed:
             row["ignored"] = "; ".join(f"{k}={','.join(map(str, v))}" for k, v in collapsed.items())
@@ -283,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     swept = swept_keys(runs)
     kept, notes = collapse_identical(runs, swept)
+    diverged = [r for r in kept if r["summary"].get("status") == "diverged"]
+    if diverged:
+        notes.append(
+            f"{len(diverged)} of {len(kept)} runs diverged (status: diverged in their summary.json, which names the "
+            "first peer and step); their numbers are those of their last record"
+        )
     keys, groups = group_by_seed(kept, swept)
     summaries = rows(groups, keys)
     columns = {k for s in summaries for k, v in s.items() if v is not None}

@@ -19,9 +19,10 @@ COLUMNS = [  # (header, summary key, format)
     ("MB sent/peer", "mb_sent_per_peer", "{:.2f}"),
     ("wall s", "wall_time_s", "{:.3g}"),  # a fleet's runs take tenths of a second: significant digits
     ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.comm.netem)
+    ("status", "status", "{}"),  # a run that diverged (dpsgd.divergence); shown only when one did
 ]
 # columns left out when no row has them
-OPTIONAL = {"emulated_time_s", "seeds", "test_perplexity", "optimum_distance", "peer_optimum_distance"}
+OPTIONAL = {"emulated_time_s", "seeds", "test_perplexity", "optimum_distance", "peer_optimum_distance", "status"}
 
 
 def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -29,7 +30,7 @@ def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[lis
     columns = [
         (h, key, fmt)
         for h, key, fmt in COLUMNS
-        if h not in extra and (key not in OPTIONAL or any(s.get(key) is not None for s in summaries))
+        if h not in extra and (key not in OPTIONAL or any(s.get(key) not in (None, "ok") for s in summaries))
     ]
     header = list(extra) + [h for h, _, _ in columns]
     rows = []

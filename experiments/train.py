@@ -11,6 +11,7 @@ agree on one output folder before Hydra starts. With `elastic=true` a world that
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shlex
 import shutil
@@ -25,8 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from dpsgd import backends
 from dpsgd.backends import Backend
 from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signals
+from dpsgd.divergence import Diverged
 from experiments.table import format_table
-from experiments.validate import ConfigError, check_group_overrides, check_same_run, validate
+from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, check_same_run, validate
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "summary.json", "logs")  # a folder with any of these holds a run
 
@@ -142,7 +144,7 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
             if cfg.get("elastic"):
                 return relaunching(cfg, run_dir)
             return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, PEER_ARGV + [str(run_dir)])
-    except backends.RunFailed as exc:
+    except (backends.RunFailed, Diverged) as exc:  # Diverged: a run in this process (the fleet)
         fail(str(exc), code=1)
     except Interrupted as exc:  # every peer is stopped by now (dpsgd.backends.launch) or dies with this process (local)
         line = resume_line(cfg, run_dir, launcher).format(signal=signal_name(exc.signum))
@@ -205,7 +207,7 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     launcher = backends.launched()
@@ -239,7 +241,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
         return None
     print(format_table([summary]), flush=True)
     print(f"outputs: {run_dir}", flush=True)
-    return summary["test_accuracy"]
+    if summary.get("status") == "diverged":  # on_divergence=mark: the run went on; say so once
+        first = summary["diverged"]
+        print(f"note: peer {first['peer']} diverged at step {first['step']}: {first['what']}", file=sys.stderr)
+    return math.nan if summary.get("status") == "diverged" else summary["test_accuracy"]  # Optuna: a failed trial
 
 
 def expand_seeds(argv: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ A comparison can be won by tuning alone, so every algorithm gets the same search
    knob where it has one, KNOBS), each setting trained on the training split less a held-out validation split
    (`data.validation_fraction`, evaluated in the test split's place, so the test split is never read);
    through Hydra's Optuna sweeper (hydra-optuna-sweeper, grid or TPE sampler) where it is installed, else
-   Hydra's basic sweeper over the same grid;
+   Hydra's basic sweeper over the same grid; `--schedules constant,cosine` searches the learning-rate schedule too;
 2. select: the setting with the best validation accuracy (ties: the lower validation loss);
 3. final: the chosen setting on the whole training split over `--seeds` seeds, evaluated on the test split,
    whose seed (`data.split_seed`) is the search's: the validation split lies inside its training split.
@@ -51,17 +51,24 @@ def default_lr(algorithm: str, overrides: list[str]) -> float:
     """The learning rate the algorithm's config (with the user's overrides) holds: the grid's centre."""
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(str(conf), version_base="1.3"):
+    from experiments.validate import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, f"algorithm={algorithm}"])
     return float(cfg.algorithm.lr)
 
 
-def search_space(algorithm: str, lrs: list[float], knob_values: list | None) -> dict[str, list]:
+def search_space(
+    algorithm: str, lrs: list[float], knob_values: list | None, schedules: list[str] | None = None
+) -> dict[str, list]:
+    """The settings searched: the learning rate, the algorithm's own knob, and with `schedules` the learning-rate
+    schedule (conf/schedule/: the rate is then the schedule's peak)."""
     space: dict[str, list] = {"algorithm.lr": lrs}
     if algorithm in KNOBS:
         name, values = KNOBS[algorithm]
         space[f"algorithm.{name}"] = knob_values or values
+    if schedules:
+        space["schedule"] = list(schedules)
     return space
 
 
@@ -99,6 +106,8 @@ def select(found: list[dict], keys: list[str]) -> dict:
         settings.setdefault(tuple(_get(t["config"], k) for k in keys), []).append(t["summary"])
 
     def score(runs: list[dict]) -> tuple[float, float]:
+        if any(r.get("status") == "diverged" for r in runs):  # a failed trial: never chosen
+            return -math.inf, -math.inf
         accuracy = [r["test_accuracy"] for r in runs if r.get("test_accuracy") is not None]
         acc = sum(accuracy) / len(accuracy) if accuracy else -math.inf
         loss = sum(r["test_loss"] for r in runs) / len(runs)
@@ -111,14 +120,16 @@ def select(found: list[dict], keys: list[str]) -> dict:
         "validation_accuracy": acc,
         "validation_loss": -neg_loss,
         "trials": len(found),
+        "failed": sum(t["summary"].get("status") == "diverged" for t in found),  # diverged (on_divergence=mark)
     }
 
 
 def _get(config: dict, dotted: str):
+    """The value at `dotted`; for a config group (`schedule`), the name of the option chosen."""
     node = config
     for part in dotted.split("."):
         node = node[part]
-    return node
+    return node["name"] if isinstance(node, dict) and "name" in node else node
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="allreduce,dpsgd,local_sgd", help="comma-separated (conf/algorithm/)")
     parser.add_argument("--lr-factors", default=",".join(f"{f:g}" for f in LR_FACTORS), help="x the config's lr")
     parser.add_argument("--knob-values", default=None, help="replace KNOBS' grid of the algorithm's own setting")
+    parser.add_argument(
+        "--schedules", default=None, help="comma-separated (conf/schedule/): searched too (default: the config's)"
+    )
     parser.add_argument("--seeds", type=int, default=3, help="final runs of the chosen setting: seeds 0 .. N-1")
     parser.add_argument("--search-seeds", type=int, default=1, help="seeds per setting in the search")
     parser.add_argument("--split-seed", type=int, default=0, help="seed of the test and validation splits")
@@ -148,14 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     factors = [float(f) for f in args.lr_factors.split(",")]
     knob_values = [_number(v) for v in args.knob_values.split(",")] if args.knob_values else None
     out = args.out or Path("multirun/tune") / time.strftime("%Y-%m-%d_%H-%M-%S")
-    common = [*overrides, f"data.split_seed={args.split_seed}"]
+    # a trial that diverges is marked and counted as failed, not the end of its sweep
+    common = [*overrides, f"data.split_seed={args.split_seed}", "on_divergence=mark"]
     search_seeds = f"seed=range({args.search_seeds})" if args.search_seeds > 1 else f"seed={args.split_seed}"
 
     tuned = {"sampler": sampler, "validation_fraction": args.validation_fraction, "overrides": overrides}
     tuned["algorithms"] = {}
     for algorithm in args.algorithms.split(","):
         centre = default_lr(algorithm, overrides)
-        space = search_space(algorithm, [float(f"{centre * f:.6g}") for f in factors], knob_values)
+        lrs = [float(f"{centre * f:.6g}") for f in factors]
+        space = search_space(algorithm, lrs, knob_values, args.schedules.split(",") if args.schedules else None)
         search = out / "search" / algorithm
         if not finished(search, math.prod(len(v) for v in space.values()) * args.search_seeds):
             run_sweep(
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned["algorithms"][algorithm] = choice
         chosen = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["chosen"].items())
         print(
-            f"{algorithm}: {choice['trials']} trials, chosen {chosen} "
+            f"{algorithm}: {choice['trials']} trials ({choice['failed']} diverged: failed), chosen {chosen} "
             f"(validation accuracy {choice['validation_accuracy']:.4f})",
             flush=True,
         )

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from dpsgd.loggers import dotted_keys
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_HERE = Path(__file__).resolve().parent
+# the app's configs: conf/ at the repository's top level, or experiments/conf/ in an installed wheel (setup.py)
+CONF_DIR = _HERE / "conf" if (_HERE / "conf").is_dir() else _HERE.parent / "conf"
 GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))
 
 
@@ -15,17 +17,55 @@ class ConfigError(ValueError):
     """A config that cannot run; its message is the one line the user sees."""
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def group_options(group: str, extra: list[Path] | None = None) -> list[str]:
+    """The options of config group `group`: the app's, and those of the config folders in `extra`."""
+    return sorted({p.stem for d in [CONF_DIR, *(extra or [])] for p in (d / group).glob("*.yaml")})
+
+
+def search_path(argv: list[str]) -> list[Path] | None:
+    """The user's own config folders the command line adds to Hydra's search path (`hydra.searchpath=[file://DIR,
+    pkg://PACKAGE]`, `--config-dir DIR`); None when it names its own primary config (`--config-path`), whose
+    search path only Hydra knows."""
+    found: list[Path] = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config-path", "-cp") or arg.startswith("--config-path="):
+            return None
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            found.append(Path(argv[i + 1]).expanduser())
+        elif arg.startswith("--config-dir="):
+            found.append(Path(arg.split("=", 1)[1]).expanduser())
+        m = re.fullmatch(r"\+{0,2}hydra\.searchpath=\[?(.*?)\]?", arg)
+        for entry in m.group(1).split(",") if m else []:
+            entry = entry.strip().strip("'\"")
+            if entry.startswith("file://"):
+                found.append(Path(entry[len("file://") :]).expanduser())
+            elif entry.startswith("pkg://"):
+                found.append(_package_dir(entry[len("pkg://") :]))
+    return found
+
+
+def _package_dir(name: str) -> Path:
+    import importlib.util
+
+    package, _, sub = name.replace("/", ".").partition(".")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return Path(name)  # not importable here: Hydra says so when it composes
+    return Path(list(spec.submodule_search_locations)[0], *filter(None, sub.split(".")))
 
 
 def check_group_overrides(argv: list[str]) -> None:
-    """`algorithm=nope` on the command line: name the valid options before Hydra starts."""
+    """`algorithm=nope` on the command line: name the valid options (the app's and the user's own config folders')
+    before Hydra starts."""
+    extra = search_path(argv)
+    if extra is None:
+        return
+    groups = set(GROUPS) | {p.name for d in extra if d.is_dir() for p in d.iterdir() if p.is_dir()}
     for arg in argv:
         m = re.fullmatch(r"\+?(\w+)=([\w,]+)", arg)
-        if not m or m.group(1) not in GROUPS:
+        if not m or m.group(1) not in groups:
             continue
-        group, valid = m.group(1), group_options(m.group(1))
+        group, valid = m.group(1), group_options(m.group(1), extra)
         for choice in m.group(2).split(","):
             if choice not in valid:
                 raise ConfigError(f"unknown {group} {choice!r}; valid {group} options: {', '.join(valid)}")
@@ -80,7 +120,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     """Everything that would otherwise fail inside the peers, checked in the driver (or, under a user's launcher,
     in every rank before it joins the others): the config schema, the backend's capabilities, then the plan and
     peer 0 built as a real peer builds them, whose constructors' ValueErrors become the one line."""
-    from dpsgd import backends, loggers, placement
+    from dpsgd import backends, divergence, loggers, placement
     from dpsgd.backends.hosts import placement as host_placement
     from dpsgd.build import build_peer, build_topology, check_algorithm
     from dpsgd.comm import LocalCommunicator, LocalWorld
@@ -126,6 +166,8 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
                 f"reaches each checkpoint step), got budget={cfg['algorithm'].get('budget')!r}; set "
                 "algorithm.budget=steps or checkpoint.every=0"
             )
+        if getattr(algorithm, "asynchronous", False) and not record.real_peers:
+            _check_simulated_steps(cfg)
         record.options(cfg)  # the backend reads its own options (e.g. the fleet's threads)
         if hosts and not launched:
             host_placement(list(hosts), peers)
@@ -136,6 +178,7 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         else:  # peers in one process share its device
             placement.single_device(cfg)
         FaultPlan.from_config(cfg.get("faults"), peers, record)
+        divergence.check_mode(cfg)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
     try:
@@ -150,6 +193,26 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
         build_peer(LocalCommunicator(LocalWorld(peers), 0, float(cfg["comm"]["timeout_s"])), alone)
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+def _check_simulated_steps(cfg: dict) -> None:
+    """The event simulator (an asynchronous algorithm on the fleet) takes plain fp32 steps at the configured rate."""
+    schedule = cfg.get("schedule") or {}
+    given = {
+        "schedule": schedule.get("name", "constant") != "constant" or bool(schedule.get("warmup_steps")),
+        "precision": cfg.get("precision", "fp32") != "fp32",
+        "clip_grad_norm": cfg.get("clip_grad_norm") is not None,
+        "accumulate": cfg.get("accumulate", 1) != 1,
+    }
+    if any(given.values()):
+        from dpsgd import backends
+
+        names = ", ".join(k for k, v in given.items() if v)
+        real = " or ".join(f"backend={n}" for n in backends.names() if backends.get(n).real_peers)
+        raise ConfigError(
+            f"{names}: the event simulator (an asynchronous algorithm on backend={cfg['backend']['name']}) takes plain "
+            f"fp32 steps at a constant rate; run it on real peers ({real}) or drop those options"
+        )
 
 
 def _check_elastic(cfg: dict, algorithm, record, every) -> None:

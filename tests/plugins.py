@@ -21,8 +21,8 @@ class AlternatingGossip(DistributedOptimizer):
     the base step, then gossip with W(k), and every `period`-th step an exact average (with a
     momentum-like pull of `pull` toward the model of the last exact average)."""
 
-    def __init__(self, base, *, topology=None, comm, broadcast_initial=True, period: int = 5, pull: float = 0.1):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+    def __init__(self, base, *, period: int = 5, pull: float = 0.1, **common):
+        super().__init__(base, **common)  # topology=, comm=, broadcast_initial=, module=, buffers=
         self.require_topology("doubly")
         self.period, self.pull = period, pull
         self.anchor = None

@@ -17,7 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-API_PAGES = {"dpsgd.optim": "optim.md", "dpsgd.comm": "comm.md", "topologies": "topologies.md"}
+API_PAGES = {
+    "dpsgd.optim": "optim.md",
+    "dpsgd.comm": "comm.md",
+    "topologies": "topologies.md",
+    "dpsgd.shares": "other.md",
+}
 CONF = ROOT / "conf"
 
 

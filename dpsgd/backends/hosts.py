@@ -2,15 +2,7 @@
 backend's `spawn` with a launcher, from the pieces here), so a user with ssh between nodes writes no mpiexec or
 torchrun line.
 
-Each host gets an equal block of ranks (or `host:slots` of them). A rank is started by the runner,
-`RUNNER HOST 'cd CWD && env K=V ... python -m experiments.peer RUN_DIR'` (ssh by default, any command
-that runs a shell line on a host: tools/netns_exec.sh for test hosts); its stderr comes back through the
-runner into the run's logs. The run folder must be on a file system every host sees (as on a cluster):
-the peers read the config from it and write checkpoints and the summary there.
-
-Only what the peer needs crosses: the rank variables, DPSGD_*, OMP_NUM_THREADS, the allocator and
-Python path settings. The loopback-only settings of single-host runs (GLOO_SOCKET_IFNAME=lo,
-UCX_TLS=self,sm) do not: each peer picks the interface on its route to the master (dpsgd.netif).
+How it works: docs/guide/internals.md#hosts.
 """
 
 from __future__ import annotations

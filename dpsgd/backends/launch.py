@@ -1,8 +1,6 @@
 """Start peer processes on this machine, and say in one line why a run of them failed.
 
-Everything a runtime needs on one machine (loopback only, one thread per peer, ranks beyond the
-core count) is set here, so users never set it by hand. A run's processes are followed together:
-the first failure (or the deadline) stops all of them.
+How it works: docs/guide/internals.md#launch.
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 the run is stuck (every peer hung at once, or the only peer of peers=1, where no communication
 timeout can fire) and the driver ends it with one line.
 
-Progress is what dpsgd.supervisor hears: steps reported by peer processes, or by peer threads of
-this process (backend=local). The peers' own timeouts fire first when one peer of several hangs,
-with a better message (the peer and the operation); this is the last resort behind them.
+How it works: docs/guide/internals.md#watchdog.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The Communicator protocol: what optimizers may ask of their peers, on every backend.
 
-A backend supplies three primitives (a non-blocking point-to-point exchange of one flat
-buffer, a non-blocking all-reduce sum of one flat buffer, and a barrier). This module builds
-the public operations on top of them once: flattening, weighting, byte and time accounting,
-deadlines and error messages are therefore the same on every backend.
+How it works: docs/guide/internals.md#communicator.
 """
 
 from __future__ import annotations
@@ -11,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -162,6 +159,8 @@ class Communicator(ABC):
         # CUDA tensors through host buffers, for transports that read host memory only (dpsgd.comm.staging)
         self.staging: HostStaging | None = None
         self._device_overlap: list = []  # (start, wait) CUDA event pairs not yet reached by the device
+        # while a mix starts: every peer's destinations in it (how many messages share a host's emulated link)
+        self._senders: Callable[[int], Sequence[int]] | None = None
 
     def _settle_device_overlap(self) -> None:
         """Add the device time of the overlaps the GPU has got past (events complete in order); never
@@ -258,7 +257,7 @@ class Communicator(ABC):
             pending = _All([pending, self._allreduce_sum(started)])
 
             def arrival(net=net):
-                return float(started.max()) + net.link.allreduce_time(buf.nbytes, self.size)
+                return float(started.max()) + net.allreduce_time(buf.nbytes)
 
         def finish():
             return unflatten(buf.div_(self.size) if mean else buf, like)
@@ -324,7 +323,11 @@ class Communicator(ABC):
 
     def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
         """Start sum_j W(step)[i, j] x_j with the topology's mixing matrix (lazy: with (I + W) / 2)."""
-        return self.start_neighbor_average(tensors, mixing_neighbors(topology, self.rank, step, lazy))
+        self._senders = lambda j: sorted(topology.neighbors(j, step).send)
+        try:
+            return self.start_neighbor_average(tensors, mixing_neighbors(topology, self.rank, step, lazy))
+        finally:
+            self._senders = None
 
     def mix(
         self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False
@@ -427,7 +430,7 @@ class Communicator(ABC):
         if net is None:
             ex = self._exchange(buf, send_to, recv_from, self._next_tag())
             return ex, lambda peer: ex.received[peer], None
-        sent_at = net.send_stamp(buf.nbytes, len(send_to))
+        sent_at = net.send_stamp(buf.nbytes, send_to, self._senders)
         stamp = torch.tensor([sent_at], dtype=torch.float64, device=buf.device).view(torch.uint8)
         ex = self._exchange(torch.cat([buf.view(torch.uint8), stamp]), send_to, recv_from, self._next_tag())
 

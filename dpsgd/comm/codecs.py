@@ -2,41 +2,7 @@
 wrapper that sends every mean and mix of an algorithm through a codec. `compression=` in configs names
 one of `CODECS`; `wrap(comm, spec)` puts it on any communicator, the fleet's included.
 
-Codecs map a flat tensor v of `numel` entries to a uint8 buffer of exactly `nbytes(numel, dtype)` bytes
-(`encode`) and back (`decode`); the size depends only on (numel, dtype), and the bytes counted are these.
-- `TopK(ratio)` top_k: the k = ceil(ratio * numel) entries of largest magnitude, as their values plus
-  their positions (a list of the smallest unsigned integers holding numel - 1, or a bitmap, whichever
-  is shorter).
-- `RandomK(ratio, seed)` random_k: k entries drawn from (seed, key); only the values are sent, the
-  receivers draw the same positions. Not rescaled (a contraction with delta = k / numel).
-- `ScaledSign()` sign: ||v||_1 / numel * sign(v), one scale plus one bit per entry (0 sent as +).
-- `QSGD(levels, seed, rescale)` qsgd (Alistarh et al. 2017): ||v||_2 sign(v_i) xi_i / s, xi_i in
-  {l, l+1}, l = floor(s |v_i| / ||v||_2), rounded up with probability s |v_i| / ||v||_2 - l
-  (unbiased); the norm plus ceil(log2(2 s + 1)) bits per entry. `rescale=True` divides by
-  tau = 1 + min(numel / s^2, sqrt(numel) / s), the contractive form Choco-SGD's theory needs.
-- `Cast(dtype)` fp16 / bf16: the values rounded to float16 or bfloat16 (to nearest even), 2 bytes each.
-- `Int8()` int8: one scale s = max |v_i| / 127 per message plus round(v_i / s) (half to even) as one
-  signed byte per entry; decoded as code * s.
-`key` (sender rank first) selects a message's randomness; deterministic codecs ignore it. `PowerSGD`
-(powersgd) is not a codec of one message: it compresses a whole mean to rank-r factors (see the class).
-
-`Compressed(comm, codec)` is `comm`, except that
-- a mean of a flat vector v (d entries) over n peers travels in two phases of n - 1 messages each,
-  every one an encoded chunk of ceil(d / n) entries (the bandwidth-optimal ring's bytes):
-  1. reduce-scatter: peer i adds its error e_i to v_i, splits u_i = v_i + e_i into n chunks and sends
-     Q(chunk k) to peer k (its own chunk stays exact); e_i <- u_i - what was sent. Peer k averages
-     its chunk over all peers: s_k = (u_k[k] + sum_{i != k} Q(u_i[k])) / n.
-  2. all-gather: peer k sends Q(s_k + f_k) to every peer, f_k <- s_k + f_k - Q(s_k + f_k); every peer,
-     k included, takes the decoded chunks, so all peers hold the same mean.
-  Summed over calls: sum_t result_t + mean_i e_i + f = sum_t mean_i v_i. Each `stream` (named by the
-  caller, e.g. gradients or outer deltas; else the tensors' shapes) keeps its own memories e, f.
-- a mix (`mix`, `neighbor_average`, `group_mean`) sends q_i = Q(x_i) and returns
-  x_i + sum_j W[i,j] (q_j - q_i): sum_j W[i,j] x_j for a lossless Q, the peers' total kept for a
-  stochastic W. What q_i leaves out stays in x_i and goes out with its next message.
-Point-to-point operations pass through exact (they carry what their caller encoded). Random codecs draw
-from (seed, sender, call, round), `call` counting the compressed operations (the same on every peer).
-On a fleet (a leading peer axis) every peer's messages are encoded with its own key, as on a real peer:
-the fleet computes the real peers' numbers and counts their bytes.
+How it works: docs/guide/internals.md#codecs.
 """
 
 from __future__ import annotations

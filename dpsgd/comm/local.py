@@ -1,9 +1,6 @@
 """The `local` backend: n peers as threads of one process, exchanging tensors through queues.
 
-It is the embedded reference (tests, notebooks, laptops): real concurrent peers with the same
-message pattern as the distributed backends, no launcher needed. torch releases the GIL in its
-kernels, so peers really overlap. Messages are copied on send, so a peer never sees another
-peer's later in-place changes.
+How it works: docs/guide/internals.md#local.
 """
 
 from __future__ import annotations

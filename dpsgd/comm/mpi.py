@@ -1,10 +1,6 @@
 """The `mpi` backend: mpi4py point-to-point messages and all-reduce on a duplicated communicator.
 
-CPU tensors travel as zero-copy buffers (a tensor's memory seen as a numpy array); CUDA tensors
-are handed to mpi4py directly where the MPI library is CUDA-aware (asked with MPIX_Query_cuda_support,
-which MPICH and Open MPI export), else through pinned host buffers (dpsgd.comm.staging). Waits poll the
-requests with short sleeps instead of blocking inside MPI, because MPICH's blocking waits spin
-and halve the speed of the peers still computing on a small machine.
+How it works: docs/guide/internals.md#mpi.
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ Configured by the `network` config group (`network=ethernet_1g`, ...):
 - `latency_s` (alpha) and `bandwidth_bytes_per_s` (beta; 0 or null: unlimited): one message of M bytes
   costs alpha + M / beta; a peer sending k messages in one operation serialises them on its link,
   alpha + k M / beta; a ring all-reduce of M bytes among n peers costs 2 (n-1) alpha + 2 (n-1)/n M / beta.
+- `peers_per_host` (default 1): ranks [k p, (k + 1) p) share host k (as `launcher.hosts` places them).
+  Messages inside a host take the intra-host link (`intra_latency_s`, `intra_bandwidth_bytes_per_s`:
+  shared memory, fast); messages between hosts leave through the host's one link, which every message
+  its peers send between hosts in the same operation shares: a peer whose host sends L of them in
+  all waits alpha + L M / beta for its own (see `Hosts`). With one peer per host this is the per-peer
+  link above.
 - `jitter_s`: each message takes an extra uniform [0, jitter_s) seconds (seeded per peer).
 - `slow_peers`, `compute_scale`, `compute_time`: the compute slowdown (stragglers) and the per-step
   compute time. In `sleep` mode `compute_time` is a floor: a peer's step takes max(real compute,
@@ -22,13 +28,18 @@ overlap) is hidden behind it.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dpsgd.seeds import link_jitter_seed
 
-NETWORK_KEYS = tuple("name mode latency_s bandwidth_bytes_per_s jitter_s slow_peers compute_scale compute_time".split())
+NETWORK_KEYS = tuple(
+    "name mode latency_s bandwidth_bytes_per_s jitter_s slow_peers compute_scale compute_time peers_per_host "
+    "intra_latency_s intra_bandwidth_bytes_per_s".split()
+)
 MODES = ("model", "sleep")
 
 
@@ -70,6 +81,60 @@ class Link:
         return 0.0 if n <= 1 else 2 * (n - 1) * self.latency_s + self.transfer_time(ring_allreduce_bytes(nbytes, n))
 
 
+def circulant_senders(rank: int, send_to: Sequence[int], n: int) -> Callable[[int], list[int]]:
+    """Every peer's destinations in an operation where `rank` sends to `send_to`, assuming every peer sends
+    to the same offsets (exact for a ring, the exponential graphs and a ring all-reduce's hops)."""
+    offsets = [(d - rank) % n for d in send_to]
+    return lambda j: [(j + o) % n for o in offsets]
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Peers grouped into hosts of `peers_per_host` consecutive ranks. A message between two peers of one
+    host takes the `intra` link; the messages a host's peers send to other hosts in one operation leave
+    through the host's one link, back to back, so each waits for all of them (a fair share of the link
+    ends every equal message at about the same time)."""
+
+    peers_per_host: int = 1
+    intra: Link = field(default_factory=Link)
+
+    def __post_init__(self):
+        if not (isinstance(self.peers_per_host, int) and self.peers_per_host >= 1):
+            raise ValueError(f"network.peers_per_host must be an integer >= 1, got {self.peers_per_host!r}")
+
+    def host(self, rank: int) -> int:
+        return rank // self.peers_per_host
+
+    def mates(self, rank: int, n: int) -> range:
+        """The ranks on `rank`'s host (itself included) in a world of `n`."""
+        first = self.host(rank) * self.peers_per_host
+        return range(first, min(first + self.peers_per_host, n))
+
+    def send_time(self, link: Link, rank: int, n: int, nbytes: float, senders: Callable[[int], Sequence[int]]) -> float:
+        """How long after an operation starts every message `rank` sends in it (`senders(rank)`, `nbytes`
+        each) has arrived, every peer of its host sending its own (`senders(j)`) from the same time: its
+        messages inside the host back to back on the intra-host link, alpha' + k M / beta'; its messages
+        to other hosts alpha + L M / beta, L the messages its whole host sends to other hosts."""
+        mine = list(senders(rank))
+        home = self.host(rank)
+        inside = sum(1 for d in mine if self.host(d) == home)
+        out = self.intra.message_time(nbytes, inside)
+        if inside < len(mine):
+            shared = sum(1 for j in self.mates(rank, n) for d in senders(j) if self.host(d) != home)
+            out = max(out, link.message_time(nbytes, shared))
+        return out
+
+    def allreduce_time(self, link: Link, nbytes: float, n: int) -> float:
+        """A ring all-reduce over the ranks in order: 2 (n - 1) rounds of M / n from each peer to the next,
+        each round as long as its slowest hop. The ring leaves each host once, so a host's link carries one
+        hop a round, as a peer's own link would: 2 (n - 1) (alpha + M / (n beta)) once the ring crosses
+        hosts, the intra-host link's alpha' and beta' while it does not."""
+        if n <= 1:
+            return 0.0
+        hops = ([link] if n > self.peers_per_host else []) + ([self.intra] if self.peers_per_host > 1 else [])
+        return 2 * (n - 1) * max(hop.message_time(nbytes / n) for hop in hops)
+
+
 class EmulatedClock:
     """One peer's time. `model`: a number advanced by compute and by modelled waits. `sleep`: the real
     clock (seconds since the epoch, so peers on several hosts agree to NTP precision); waits sleep."""
@@ -92,6 +157,19 @@ class EmulatedClock:
 
     def elapsed(self) -> float:
         return self.now() - self._origin
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside the block (evaluation, metrics) is left off the clock: in `sleep` mode the origin
+        moves by it; the `model` clock advances only by what is added to it anyway."""
+        if self.mode == "model":
+            yield
+            return
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self._origin += time.time() - t0
 
     def advance(self, seconds: float) -> None:
         """Computation took `seconds` (in `sleep` mode it really did: nothing to add)."""
@@ -165,11 +243,13 @@ class NetworkEmulator:
         jitter_s: float = 0.0,
         slowdown: ComputeSlowdown | None = None,
         seed: int = 0,
+        hosts: Hosts | None = None,
     ):
         if not jitter_s >= 0:
             raise ValueError(f"network.jitter_s must be >= 0 seconds, got {jitter_s}")
         self.rank, self.size = rank, size
-        self.link = link or Link()
+        self.link = link or Link()  # between hosts (with one peer per host: each peer's own link)
+        self.hosts = hosts or Hosts()
         self.clock = EmulatedClock(mode)
         self.jitter_s = float(jitter_s)
         self.slowdown = slowdown or ComputeSlowdown(rank)
@@ -192,15 +272,21 @@ class NetworkEmulator:
         slowdown = ComputeSlowdown(
             rank, tuple(slow), float(network.get("compute_scale") or 1.0), float(network.get("compute_time") or 0.0)
         )
-        return cls(
-            rank, size or 1, link, network.get("mode") or "model", float(network.get("jitter_s") or 0.0), slowdown, seed
+        intra_bandwidth = network.get("intra_bandwidth_bytes_per_s") or None
+        intra = Link(
+            float(network.get("intra_latency_s") or 0.0), None if intra_bandwidth is None else float(intra_bandwidth)
         )
+        per_host = network.get("peers_per_host")
+        hosts = Hosts(1 if per_host is None else _whole(per_host, "network.peers_per_host"), intra)
+        mode, jitter = network.get("mode") or "model", float(network.get("jitter_s") or 0.0)
+        return cls(rank, size or 1, link, mode, jitter, slowdown, seed, hosts)
 
     @property
     def active(self) -> bool:
         """Whether anything is emulated: messages cost more than on the real transport, or compute is slowed."""
         slowdown = self.slowdown
-        return not self.link.free or self.jitter_s > 0 or slowdown.scale != 1.0 or slowdown.compute_time > 0
+        links_free = self.link.free and (self.hosts.peers_per_host == 1 or self.hosts.intra.free)
+        return not links_free or self.jitter_s > 0 or slowdown.scale != 1.0 or slowdown.compute_time > 0
 
     def jitter(self) -> float:
         return self._rng.uniform(0.0, self.jitter_s) if self.jitter_s > 0 else 0.0
@@ -214,6 +300,26 @@ class NetworkEmulator:
         self.clock.advance(seconds)
         return seconds
 
-    def send_stamp(self, nbytes: float, count: int) -> float:
-        """When the `count` messages of `nbytes` this peer starts sending now have all arrived."""
-        return self.clock.now() + self.link.message_time(nbytes, count) + (self.jitter() if count else 0.0)
+    def send_stamp(
+        self, nbytes: float, send_to: Sequence[int], senders: Callable[[int], Sequence[int]] | None = None
+    ) -> float:
+        """When the messages of `nbytes` this peer starts sending now to `send_to` have all arrived; `senders(j)`
+        is peer j's destinations in the same operation (default: `circulant_senders`), which decide how many
+        messages share this peer's host link."""
+        if not send_to:
+            return self.clock.now()
+        senders = senders or circulant_senders(self.rank, send_to, self.size)
+        cost = self.hosts.send_time(
+            self.link, self.rank, self.size, nbytes, lambda j: send_to if j == self.rank else senders(j)
+        )
+        return self.clock.now() + cost + self.jitter()
+
+    def allreduce_time(self, nbytes: float) -> float:
+        """This world's ring all-reduce of `nbytes` (`Hosts.allreduce_time`)."""
+        return self.hosts.allreduce_time(self.link, nbytes, self.size)
+
+
+def _whole(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)

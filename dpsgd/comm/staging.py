@@ -1,11 +1,7 @@
 """Host staging: CUDA tensors carried by transports that read host memory only (gloo's point-to-point
 operations, an MPI library that is not CUDA-aware) through page-locked host buffers, reused.
 
-A message leaves the GPU on a side stream that first waits for the computing stream, so the copy
-starts once the values are final and only this copy is waited for, not the whole device; a message
-received lands in a host buffer and is copied to the device when its wait completes. Byte and time
-accounting is the communicator's, around these: staging changes where bytes sit, not what is sent.
-`HostStaging(always=True)` stages CPU tensors too: the same path, run and tested without a GPU.
+How it works: docs/guide/internals.md#staging.
 """
 
 from __future__ import annotations

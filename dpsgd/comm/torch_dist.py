@@ -1,8 +1,6 @@
 """The `torch` backend: torch.distributed point-to-point ops and all_reduce (gloo on CPU, nccl on GPU).
 
-Joins an existing default process group (torchrun, or a user's own init) or makes one from the
-usual environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Waits use
-`Work.wait(timeout)`, which sleeps in the library instead of spinning.
+How it works: docs/guide/internals.md#torch.
 """
 
 from __future__ import annotations

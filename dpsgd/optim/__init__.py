@@ -12,10 +12,14 @@ from .allreduce import AllReduce
 from .base import AsynchronousOptimizer, DistributedOptimizer
 from .choco import Choco
 from .d2 import D2
+from .demo import DeMo
+from .desloc import DESLOC
 from .dpsgd import DPSGD, QGM
 from .gradient_tracking import GradientTracking
 from .local_sgd import BMUF, DiLoCo, LocalSGD, SlowMo
+from .noloco import NoLoCo
 from .sgp import SGP
+from .sparseloco import SparseLoCo
 from .streaming_diloco import StreamingDiLoCo
 
 ALGORITHMS = {
@@ -32,6 +36,10 @@ ALGORITHMS = {
     "gradient_tracking": GradientTracking,
     "qgm": QGM,
     "adpsgd": ADPSGD,
+    "noloco": NoLoCo,
+    "demo": DeMo,
+    "sparseloco": SparseLoCo,
+    "desloc": DESLOC,
 }
 BASE_OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -40,17 +48,21 @@ __all__ = [
     "ALGORITHMS",
     "BMUF",
     "D2",
+    "DESLOC",
     "DPSGD",
     "QGM",
     "SGP",
     "AllReduce",
     "AsynchronousOptimizer",
     "Choco",
+    "DeMo",
     "DiLoCo",
     "DistributedOptimizer",
     "GradientTracking",
     "LocalSGD",
+    "NoLoCo",
     "SlowMo",
+    "SparseLoCo",
     "StreamingDiLoCo",
     "build",
     "build_base",

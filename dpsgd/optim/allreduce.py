@@ -35,10 +35,14 @@ class AllReduce(DistributedOptimizer):
         topology: Topology | None = None,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         overlap: bool = False,
         bucket_mb: float = 25.0,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         exact = comm.exact is comm
         if overlap and not exact:
             raise ValueError(
@@ -46,7 +50,21 @@ class AllReduce(DistributedOptimizer):
                 "compressed gradients are encoded together after it: use compression=none or overlap=false"
             )
         # every peer must hold gradients for the same parameters, or the messages would not match
+        self.bucket_mb = bucket_mb
         self.buckets = GradientBuckets(self.params(), comm, bucket_mb, overlap=bool(overlap)) if exact else None
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        if self.buckets is not None:  # the buckets cover every parameter: planned again
+            overlap = self.buckets.overlapped
+            self.buckets.remove()
+            self.buckets = GradientBuckets(self.params(), self.comm, self.bucket_mb, overlap=overlap)
+
+    def check_grad_scaler(self) -> None:
+        if self.buckets is not None and self.buckets.overlapped:
+            raise ValueError(
+                "AllReduce(overlap=True) all-reduces gradients during the backward pass, before a GradScaler has "
+                "unscaled and checked them (and each peer's scale is its own): use overlap=false with a GradScaler"
+            )
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -5,6 +5,8 @@ statement of it runs on real peers and, on tensors with a leading peer axis, on 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import OrderedDict
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -16,22 +18,37 @@ from topologies import Topology
 from topologies.analysis import is_column_stochastic, is_doubly_stochastic
 
 STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside the base's
+BUFFER_MODES = ("broadcast", "average", "local")  # what `buffers=` does with the module's buffers after each step
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """The contract every distributed optimizer keeps: it wraps a local torch optimizer and behaves like one.
 
-    Constructed as `Algorithm(base, topology=..., comm=..., broadcast_initial=True, **options)`: `base` is
-    any `torch.optim.Optimizer` (its `param_groups` and `state` are this optimizer's own, so LR schedulers
-    and gradient clipping act on what really steps); `topology` (`topologies.Topology`, n = `comm.size`)
-    where the rule mixes; `comm` any `dpsgd.comm.Communicator`; `broadcast_initial=True` gives every peer
-    rank 0's parameters at construction, as DDP does. `step()` fires torch's step hooks; `state_dict()`
-    holds the base's state and the algorithm's own (`algorithm_state()`), so a run resumes bit for bit.
+    Constructed as `Algorithm(base, topology=..., comm=..., broadcast_initial=True, module=None,
+    buffers="broadcast", **options)`: `base` is any `torch.optim.Optimizer` (its `param_groups` and `state`
+    are this optimizer's own, also after `load_state_dict` and `add_param_group`, so LR schedulers and
+    gradient clipping act on what really steps); `topology` (`topologies.Topology`, n = `comm.size`) where
+    the rule mixes; `comm` any `dpsgd.comm.Communicator`; `broadcast_initial=True` gives every peer rank 0's
+    parameters at construction, as DDP does. `module` (the model, optional) makes its whole state come from
+    rank 0 too (buffers, and parameters the base does not step, such as frozen layers), and `buffers` says
+    what happens to its buffers after each step (see `BUFFER_MODES`): "broadcast" (rank 0's, as DDP's
+    `broadcast_buffers`; the default), "average" (floating buffers averaged with the model's own exchange:
+    mixed with W(k) by doubly stochastic gossip, else an exact mean, when the algorithm communicates) or
+    "local" (each peer its own; the default of asynchronous optimizers, which have no global step). Both
+    exchanges are counted in `comm.stats`.
+
+    `step()` fires torch's step hooks and keeps `torch.amp.GradScaler`'s contract
+    (`_step_supports_amp_scaling`): it unscales the gradients, and when any peer's have an inf or nan (one
+    one-element all-reduce, not counted in `comm.stats`) every peer skips the step together, as DDP's ranks
+    do, so no inf reaches a neighbour and the peers stay on one step; an asynchronous optimizer skips its
+    own step alone (its exchanges go on). `state_dict()` holds the base's state and the algorithm's own
+    (`algorithm_state()`), so a run resumes bit for bit.
 
     A subclass implements `step()` with `self.base.step()` and the communicator's operations
-    (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...), checks
-    its topology needs in its constructor (`require_topology("doubly" | "column")`), and extends
-    `algorithm_state()` / `load_algorithm_state()` with its own state.
+    (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...) (the base
+    wraps it in the contract above), checks its topology needs in its constructor (`require_topology("doubly"
+    | "column")`), passes `**common` (`broadcast_initial`, `module`, `buffers`) on to this constructor,
+    and extends `algorithm_state()` / `load_algorithm_state()` with its own state.
     """
 
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
@@ -39,6 +56,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # True: its per-peer state has a rule for a world that re-forms with another peer count (dpsgd.elastic)
     elastic: ClassVar[bool] = False
     overlap: bool = False  # True: the training loop calls start_communication() before the forward pass
+    _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler hands step() its scale and found_inf
+    _stepping = False  # inside a step(): a subclass's call of super().step() is not wrapped twice
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("step")
+        if step is not None and not getattr(step, "_whole_step", False):
+            cls.step = _whole_step(step)  # type: ignore[method-assign]
+        init = cls.__dict__.get("__init__")
+        if inspect.isfunction(init) and not _names_common(init):
+            cls.__init__ = _taking_common(init)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -47,6 +75,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         topology: Topology | None = None,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
     ):
         name = type(self).__name__
         if not isinstance(base, torch.optim.Optimizer):
@@ -61,22 +91,124 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{name}: the topology has {topology.n} peers but the communicator has {comm.size}; "
                 f"build it with topologies.make(name, comm.size)"
             )
-        # No Optimizer.__init__: the parameter groups and state are the base's own objects,
-        # so LR schedulers and gradient clipping act on the optimizer that really steps.
+        if module is None and buffers is None:  # a subclass constructor that does not name them (_taking_common)
+            module, buffers = self.__dict__.pop("_common", (None, None))
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{name} module= takes the model (a torch.nn.Module), got {type(module).__name__}")
+        if buffers is None:
+            buffers = "local" if self.asynchronous else "broadcast"
+        if buffers not in BUFFER_MODES:
+            raise ValueError(f"{name} buffers must be one of {', '.join(BUFFER_MODES)}, got {buffers!r}")
+        if self.asynchronous and buffers != "local":
+            raise ValueError(
+                f"{name} has no global step to exchange buffers at: buffers={buffers!r} needs a synchronous "
+                "algorithm; use buffers='local'"
+            )
+        # No Optimizer.__init__: `param_groups`, `defaults` and `state` are properties reading the base's
+        # (its load_state_dict replaces its group list), so LR schedulers and gradient clipping act on the
+        # optimizer that really steps.
         self.base, self.comm, self.topology = base, comm, topology
-        self.defaults = base.defaults
-        self.param_groups = base.param_groups
+        self.module, self.buffers = module, buffers
         self.step_count = 0  # global steps taken: selects the topology's matrix at each step
         for hooks in ("step", "state_dict", "load_state_dict"):  # the registries torch's Optimizer.__init__ makes
             setattr(self, f"_optimizer_{hooks}_pre_hooks", OrderedDict())
             setattr(self, f"_optimizer_{hooks}_post_hooks", OrderedDict())
         self._patch_step_function()  # torch's step pre/post hooks fire around our step()
         if broadcast_initial:
-            comm.broadcast_(self.params(), root=0)
+            comm.broadcast_(self.params() + self._module_state(), root=0)
 
     @property
     def state(self):  # type: ignore[override]
         return self.base.state
+
+    @property
+    def param_groups(self):
+        return self.base.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.base.param_groups = groups
+
+    @property
+    def defaults(self):
+        return self.base.defaults
+
+    @defaults.setter
+    def defaults(self, defaults) -> None:
+        self.base.defaults = defaults
+
+    def _module_state(self) -> list[torch.Tensor]:
+        """The module's tensors beyond the stepped parameters: frozen (or otherwise unstepped) ones and buffers."""
+        if self.module is None:
+            return []
+        seen = {id(p) for p in self.params()}
+        out = []
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return out
+
+    # --- what every step() does around the algorithm's rule -------------------------------
+    def _scaler_skips(self) -> bool:
+        """Under `GradScaler.step` (which sets `found_inf` and `grad_scale` for the call): unscale the gradients
+        and say whether this step is skipped. Synchronous peers agree (one all-reduce of the flag): a peer
+        stepping alone would leave the others waiting in their exchange, and a peer sending an inf would
+        spoil its neighbours."""
+        found_inf = self.__dict__.get("found_inf")
+        if found_inf is None:
+            return False
+        self.check_grad_scaler()
+        scale = self.__dict__.get("grad_scale")  # None: the user unscaled already (scaler.unscale_)
+        if scale is not None:
+            inv = scale.double().reciprocal().float()
+            with torch.no_grad():
+                for p in self.params():
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(p.grad.device))
+        flag = found_inf.detach().float().reshape(1)
+        if not self.asynchronous and self.comm.size > 1 and not self.comm.peer_shape:
+            # a fleet has one scaler over every peer's rows: its flag is already every peer's. A control
+            # message, not counted as the algorithm's traffic (the fleet, with the same numbers, sends none)
+            plain = _plain(self.comm)
+            with plain.uncounted():
+                flag = plain.allreduce_sum([flag])[0]
+        return bool(flag.item() > 0)
+
+    def check_grad_scaler(self) -> None:
+        """Raise, saying what to change, if this optimizer cannot be stepped by a GradScaler as configured."""
+
+    def buffers_due(self, step: int) -> bool:
+        """Whether `buffers="average"` averages after global step `step` (1, 2, ...): when the model is
+        exchanged; every step unless the algorithm says otherwise."""
+        return True
+
+    @torch.no_grad()
+    def _exchange_buffers(self) -> None:
+        if self.module is None or self.buffers == "local":
+            return
+        if self.buffers == "broadcast":  # rank 0's buffers: a sum to which only rank 0 contributes
+            comm = _plain(self.comm)
+            groups: dict[tuple, list[torch.Tensor]] = {}
+            for b in self.module.buffers():
+                groups.setdefault((b.dtype, b.device), []).append(b)
+            for group in groups.values():
+                sent = group if comm.rank == 0 else [torch.zeros_like(b) for b in group]
+                for b, value in zip(group, comm.allreduce_sum(sent)):
+                    b.copy_(value)
+            return
+        if not self.buffers_due(self.step_count):
+            return
+        comm = self.comm.exact  # the model's own exchange, uncompressed
+        floating = [b for b in self.module.buffers() if b.is_floating_point()]  # counters stay local
+        by_dtype: dict[tuple, list[torch.Tensor]] = {}
+        for b in floating:
+            by_dtype.setdefault((b.dtype, b.device), []).append(b)
+        topology = self.topology if self.uses_topology and getattr(self, "_stochastic", None) == "doubly" else None
+        for group in by_dtype.values():
+            mean = comm.allreduce_mean(group) if topology is None else comm.mix(group, topology, self.step_count - 1)
+            for b, value in zip(group, mean):
+                b.copy_(value)
 
     def params(self) -> list[torch.Tensor]:
         """Every parameter of every group, in order (the tensors the rule updates)."""
@@ -86,7 +218,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.base.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
+        """The base's `add_param_group` (every peer calls it at the same step); the new parameters become rank
+        0's on every peer, as at construction, and the algorithm extends its own state to them."""
         self.base.add_param_group(param_group)
+        params = list(self.param_groups[-1]["params"])
+        with torch.no_grad():
+            self.comm.broadcast_(params, root=0)
+        try:
+            self.param_group_added(params)
+        except BaseException:
+            self.base.param_groups.pop()
+            raise
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        """Extend the algorithm's per-parameter state to a new group's `params`, or refuse saying why. Here:
+        any group before the first step (state is made then); a subclass whose state grows overrides it."""
+        if self.step_count > 0:
+            raise ValueError(
+                f"{type(self).__name__} keeps per-parameter state from its first step and cannot take a new "
+                "parameter group now: add every group (with lr=0 to hold one back) before the first step"
+            )
 
     def start_communication(self) -> None:
         """Start this step's exchange before the gradient is computed, where the algorithm can (`overlap`)."""
@@ -233,6 +384,56 @@ _ADVICE = {
     ),
     "column": ("column stochastic", 0, "column", "- use a directed (push-sum) or undirected topology"),
 }
+
+
+def _plain(comm: Communicator) -> Communicator:
+    """The communicator under its wrappers (compression, robust aggregation: each keeps it as `inner`), for
+    messages that are no model exchange: a skip flag, or rank 0's buffers (a robust rule or a codec would
+    turn a sum with zeros into something else)."""
+    while getattr(comm, "inner", None) is not None:
+        comm = comm.inner  # type: ignore[attr-defined]
+    return comm
+
+
+def _names_common(init) -> bool:
+    """Whether a constructor takes `module=` itself or hands unnamed keywords on (`**common`)."""
+    parameters = inspect.signature(init).parameters.values()
+    return any(p.name == "module" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _taking_common(init):
+    """A subclass constructor that names neither `module=` nor `**kwargs`, made to take `module=` and
+    `buffers=` all the same: they wait on the instance for DistributedOptimizer.__init__."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, module=None, buffers=None, **kwargs):
+        if module is not None or buffers is not None:
+            self._common = (module, buffers)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _whole_step(step):
+    """A subclass's `step()` inside what every step does: a GradScaler's skip (agreed with the peers) before
+    it, the module's buffers exchanged after it."""
+
+    @functools.wraps(step)
+    def whole_step(self, *args, **kwargs):
+        if self._stepping:
+            return step(self, *args, **kwargs)
+        self._stepping = True
+        try:
+            if self._scaler_skips():
+                return None
+            out = step(self, *args, **kwargs)
+            self._exchange_buffers()
+            return out
+        finally:
+            self._stepping = False
+
+    whole_step._whole_step = True  # type: ignore[attr-defined]
+    return whole_step
 
 
 @torch.no_grad()

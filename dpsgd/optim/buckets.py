@@ -1,19 +1,6 @@
 """Gradients averaged bucket by bucket while the backward pass is still running, as DDP does.
 
-The parameters are grouped, in reverse registration order (the order backward produces their
-gradients in), into buckets of at most `bucket_mb` MiB. A gradient hook counts each parameter's
-gradient as it is accumulated; when a bucket's last one arrives, that bucket's all-reduce starts,
-so it runs behind the gradients of the layers before it. `average()` (in the optimizer's step)
-starts whatever backward did not fill (unused parameters, or backends whose tensors never fire the
-hooks, as the fleet's), waits for every bucket in order and writes the averages into the gradients.
-As DDP's reducer does, each bucket is one flat buffer kept across steps: a gradient is divided by the
-number of peers while it is copied in (one pass), the buffer is summed over the peers in place, and the
-gradients become views of it (`gradient_as_bucket_view`): no copy back and no allocation per step. (The
-fleet's stacked tensors have no in-place all-reduce of one buffer: there, a bucket's gradients are
-summed as a list and divided in one pass.)
-Under an emulated network in `model` mode the buckets start after the backward pass (see
-`_modelled_network`). Every peer starts the buckets in the same order (the same model, the same
-backward graph), which is what collectives need.
+How it works: docs/guide/internals.md#buckets.
 """
 
 from __future__ import annotations
@@ -64,6 +51,7 @@ class GradientBuckets:
             unflatten(flat, bucket) if flat is not None else [] for flat, bucket in zip(self._flat, self.buckets)
         ]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in trainable] if overlap else []
+        self.overlapped = bool(overlap)
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         b = self._bucket_of[id(p)]

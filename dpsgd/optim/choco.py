@@ -45,6 +45,8 @@ class Choco(DistributedOptimizer):
         topology: Topology,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         compressor: str | codecs.Codec | None = None,
         gamma: float = 0.5,
         ratio: float | None = None,
@@ -52,7 +54,9 @@ class Choco(DistributedOptimizer):
         rescale: bool = True,
         seed: int = 0,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         self.require_topology()
         codec: codecs.Codec | codecs.PowerSGD | str | None = compressor
         if isinstance(comm, codecs.Compressed):  # compression= names the codec

@@ -48,9 +48,13 @@ class D2(DistributedOptimizer):
         topology: Topology,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         lazy_mixing: bool | str = False,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         self.require_topology("doubly")
         if not (lazy_mixing is True or lazy_mixing is False or lazy_mixing == "auto"):
             raise ValueError(f"D2 lazy_mixing must be one of {LAZY_CHOICES}, got {lazy_mixing!r}")
@@ -104,6 +108,10 @@ class D2(DistributedOptimizer):
             p.copy_(m)
         self.step_count += 1
         return loss
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        if self.previous is not None:  # x^{-1} + d^{-1} = x^0, as for the first parameters
+            self.previous += [p.detach().clone() for p in params]
 
     def algorithm_state(self):
         return {

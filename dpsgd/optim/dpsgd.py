@@ -40,13 +40,17 @@ class DPSGD(DistributedOptimizer):
         topology: Topology,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         order: str = "cta",
         qgm: bool = False,
         qgm_beta: float = 0.9,
         qgm_mu: float | None = None,
         overlap: bool = False,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         self.require_topology("doubly", why=" (the average model must move only by the average increment)")
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
@@ -119,6 +123,12 @@ class DPSGD(DistributedOptimizer):
             m.mul_(self.qgm_mu)
             if lr_of[id(p)] > 0:  # with lr 0 (frozen group) the movement is gossip alone: no direction to learn
                 m.add_(x.sub_(p), alpha=(1 - self.qgm_mu) / lr_of[id(p)])
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError("add_param_group() between start_communication() and step(): finish the step first")
+        if self.qgm_buffer is not None:  # a new parameter's momentum starts at zero
+            self.qgm_buffer += [torch.zeros_like(p) for p in params]
 
     def algorithm_state(self):
         if self._in_flight is not None:

@@ -31,9 +31,18 @@ class GradientTracking(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
     def __init__(
-        self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator, broadcast_initial: bool = True
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         self.require_topology("doubly", why=" (W must keep the average of the trackers equal to the average gradient)")
         self.correction: list[torch.Tensor] | None = None  # c_i = W y^{k-1} - g^{k-1} (0 before step 0)
 
@@ -57,6 +66,10 @@ class GradientTracking(DistributedOptimizer):
             torch.sub(wy, g, out=c)
         self.step_count += 1
         return loss
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        if self.correction is not None:  # a new parameter's tracker starts at its gradient, as at step 0
+            self.correction += [torch.zeros_like(p) for p in params]
 
     def algorithm_state(self):
         return {

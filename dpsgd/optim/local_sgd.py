@@ -69,6 +69,8 @@ class LocalSGD(DistributedOptimizer):
         topology: Topology | None = None,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         period: int = 4,
         warmup_steps: int = 0,
         outer=None,
@@ -77,7 +79,9 @@ class LocalSGD(DistributedOptimizer):
         group_size: int | None = None,
         global_period: int | None = None,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         name = type(self).__name__
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
@@ -199,6 +203,11 @@ class LocalSGD(DistributedOptimizer):
         self._outer.step([anchor - x for anchor, x in zip(anchors, x_avg)], base_lrs)
         for p, anchor in zip(self.params(), anchors):
             p.copy_(anchor)
+
+    def buffers_due(self, step: int) -> bool:
+        """buffers="average": every warm-up step, then at each global averaging."""
+        s = step - self.warmup_steps
+        return s <= 0 or s % (self.global_period or self.period) == 0
 
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self):

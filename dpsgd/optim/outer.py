@@ -2,12 +2,7 @@
 model the peers last agreed on), stepping with the peers' mean outer gradient G = x_anchor - mean_i x_i as
 its gradient, as DiLoCo frames it and torchft composes it.
 
-`outer` is a factory params -> torch.optim.Optimizer (`functools.partial(torch.optim.SGD, lr=0.7,
-momentum=0.9, nesterov=True)`, DiLoCo's) or None (no outer optimizer); a config's `_target_` dict becomes such
-a factory where the run is built (`dpsgd.build.factories`). SlowMo's form (Wang et al. 2020; `base_lrs` of
-`step`) divides G by the base lr gamma of its parameter group and multiplies the outer lr by it: SGD with
-momentum beta and lr alpha then computes u <- beta u + G / gamma, x_anchor <- x_anchor - alpha gamma u (the
-same as on G itself at a constant gamma).
+How it works: docs/guide/internals.md#outer.
 """
 
 from __future__ import annotations

@@ -31,9 +31,18 @@ class SGP(DistributedOptimizer):
     topology: Topology  # required: gossip needs its mixing matrices
 
     def __init__(
-        self, base: torch.optim.Optimizer, *, topology: Topology, comm: Communicator, broadcast_initial: bool = True
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         self.require_topology("column", why=" (push-sum conserves mass only if each peer shares out all of its value)")
         self.x: list[torch.Tensor] | None = None  # push-sum numerators, shaped like the parameters
         self.w: torch.Tensor | None = None  # push-sum weight: one value per peer, of the parameters' dtype
@@ -59,6 +68,11 @@ class SGP(DistributedOptimizer):
             torch.div(x, w.view(*peers, *[1] * (x.dim() - len(peers))), out=p)  # z^{k+1}
         self.step_count += 1
         return loss
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        if self.x is not None and self.w is not None:  # numerators x = z w, so that x / w is the parameter
+            peers = self.comm.peer_shape
+            self.x += [p.detach() * self.w.view(*peers, *[1] * (p.dim() - len(peers))) for p in params]
 
     def algorithm_state(self):
         return {

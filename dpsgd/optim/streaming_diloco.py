@@ -45,13 +45,17 @@ class StreamingDiLoCo(DistributedOptimizer):
         topology: Topology | None = None,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         period: int = 12,
         fragments: int = 3,
         delay: int = 1,
         alpha: float = 0.5,
         outer=DILOCO,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"StreamingDiLoCo {name} must be an integer >= {low}, got {value!r}")
@@ -133,6 +137,17 @@ class StreamingDiLoCo(DistributedOptimizer):
         x[..., self.fragment(p)].mul_(self.alpha).add_(self._outer.anchors[p], alpha=1 - self.alpha)
         for param, value in zip(params, self.comm.unflatten(x, params)):
             param.copy_(value)
+
+    def buffers_due(self, step: int) -> bool:
+        """buffers="average": once per period, when the last fragment has started its sync."""
+        return step % self.period == 0
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        raise ValueError(
+            f"{type(self).__name__} cannot take a new parameter group "
+            f"(its fragments are ranges of the parameters flattened at construction): give every group to the base "
+            "optimizer before building it (with lr=0 to hold one back)"
+        )
 
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self):

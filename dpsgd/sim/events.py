@@ -1,22 +1,9 @@
-"""Asynchronous algorithms as an event-driven simulation in virtual time. Each simulated peer holds the
-algorithm's own optimizer (`dpsgd.optim`, built from the config as on a real peer) over a
-`SimulatedCommunicator` whose clock is the simulator's; the simulator orders the peers' steps by virtual
-time and carries their pairwise exchanges, calling the optimizer's own `step()` and its exchange's three
-parts (`averaging.request`, `serve`, `complete`), so the rule is written once, in the optimizer. Compute
-times are drawn per peer and step from a configurable distribution (stragglers, heavy tails) and message
-times from a `dpsgd.comm.netem.Link`. What virtual time adds:
-- the gradient at the snapshot x_hat_i takes `compute.draw(i)` virtual seconds; the step then waits
-  while x_i is locked (an active peer holds the lock from sending its request until the reply is
-  averaged in): that wait is the optimizer's `wait_s`;
-- a request arrives after `link.message_time(bytes)`; a passive peer serves requests one at a time in
-  arrival order, and is busy until its reply (arriving after its own message time) is sent;
-- budgets: 'steps' per peer, total 'samples' (the peers share a tally: the answer is instant here; on real
-  peers it arrives one step late) or virtual 'seconds'.
+"""Asynchronous algorithms as an event-driven simulation in virtual time: each simulated peer holds the
+algorithm's own optimizer over a `SimulatedCommunicator` whose clock is the simulator's, so the rule is
+written once, in the optimizer.
 
-Events at the same virtual time run in the order they were scheduled, so a seed gives one history. The
-peers' models and gradients live on the config's `device` (a GPU too: the same numbers as on the CPU to float
-tolerance); messages are staged in host memory, as the averaging's own code does.
-`Simulation.log` records it: ("step", t, peer, k, staleness) and ("avg", t, active, id, passive).
+The peers' models and gradients live on the config's `device` (a GPU too); messages are staged in host memory.
+How it works: docs/guide/internals.md#events.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dpsgd import metrics, placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
 from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
+from dpsgd.schedule import Schedule
+from dpsgd.stepping import StepOptions, Stepper
 from topologies import Topology
 
 from .batches import FleetBatches
@@ -214,6 +216,9 @@ class Fleet:
         self.algorithm = build_optimizer(cfg, self.params, self.topology, self.comm)
         self.loss_fn = metrics.loss_function(run.split.y_train)
         self._losses = vmap(self._loss)
+        # precision, micro-batches, clipping (each peer's own norm) and the schedule, as on real peers
+        schedule = Schedule(cfg.get("schedule"), run.total_steps)
+        self.stepper = Stepper(StepOptions.from_config(cfg), self.algorithm, schedule, self.device, peer_axis=True)
         self._wide = self._widened()
 
     def _loss(self, params: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -252,21 +257,26 @@ class Fleet:
         if self.algorithm.overlap:
             self.algorithm.start_communication()
         losses = self.gradients(x, y)
-        self.algorithm.step()
+        self.stepper.step()
         return losses
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Every peer's loss on its batch (x, y with a leading peer axis) and its gradient in `.grad`; the losses."""
-        if self._wide is not None:
-            losses = self._wide_losses(self._wide, self.params, x, y)
-        else:  # attention as its decomposed products: vmap has no batching rule for the fused kernels
-            with sdpa_kernel(SDPBackend.MATH):
-                losses = self._losses(tuple(self.params), x, y)
-        # peer i's loss depends on its own weights only, so the gradient of the sum is each peer's own
-        grads = torch.autograd.grad(losses.sum(), self.params)
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        return losses.detach()
+        """Every peer's loss on its batch (x, y with a leading peer axis) and its gradient in `.grad`, summed over
+        the micro-batches as the stepper says (precision, accumulation); the losses."""
+        stepper, total = self.stepper, torch.zeros(())
+        for p in self.params:
+            p.grad = None
+        for xm, ym in stepper.options.split(x, y, dim=1):  # micro-batches along each peer's sample axis
+            with stepper.options.autocast(self.device):
+                if self._wide is not None:
+                    losses = self._wide_losses(self._wide, self.params, xm, ym)
+                else:  # attention as its decomposed products: vmap has no batching rule for the fused kernels
+                    with sdpa_kernel(SDPBackend.MATH):
+                        losses = self._losses(tuple(self.params), xm, ym)
+            # peer i's loss depends on its own weights only, so the gradient of the sum is each peer's own
+            stepper.backward(losses.sum())
+            total = total + losses.detach()
+        return total / stepper.options.accumulate
 
     def flat(self) -> torch.Tensor:
         """The (n, D) matrix of every peer's parameters, in model.parameters() order."""

@@ -32,6 +32,7 @@ class FleetRun(Run):
 
     def train_step(self) -> float | None:
         self.step_count += 1
+        self.fleet.stepper.begin(self.step_count)
         sent = self.comm.bytes_sent.clone()
         loss = float(self.fleet.train_step().double().mean())
         self.peak_step_bytes = max(self.peak_step_bytes, float((self.comm.bytes_sent - sent).max()))
@@ -54,6 +55,7 @@ class FleetRun(Run):
             epoch=fleet.plan.epoch(samples),
             samples=samples,
             wall_time_s=wall_s,
+            lr=fleet.stepper.lr,
             scope="all peers",
             **measured,
         )

@@ -247,8 +247,12 @@ def bench(spec: dict) -> tuple[list[dict], list[dict]]:
     for r in fastest.values():
         c = calibrations[r["rate"]]
         # the compute the ranks measured in the same steps: the emulator predicts the communication
+        # hosts as placed: 2 peers share each host's (capped) link; inside a host, the uncapped link's figures
+        inside = calibrations.get(None) or c
         network = {"name": f"testhosts_{label(r['rate'])}", "mode": "model", "latency_s": c["alpha_s"],
-                   "bandwidth_bytes_per_s": c["beta_bytes_per_s"], "compute_time": r["compute_s_per_step"]}  # fmt: skip
+                   "bandwidth_bytes_per_s": c["beta_bytes_per_s"], "compute_time": r["compute_s_per_step"],
+                   "peers_per_host": PEERS_PER_HOST, "intra_latency_s": inside["alpha_s"],
+                   "intra_bandwidth_bytes_per_s": inside["beta_bytes_per_s"]}  # fmt: skip
         emulated = emulate(r["algorithm"], spec, network)
         busiest = max(r["host_payload_bytes"]) / spec["steps"]
         rows.append({

@@ -2,23 +2,7 @@
 hold their lock across the exchange), run by one communication thread per peer on its own duplicated
 communicator (`comm.duplicate()`: MPI Dup, a new gloo group, a local namespace).
 
-Peers split into active and passive sets (`topology.bipartite()`); only active peers start an
-averaging, and only with passive neighbours:
-- active: after each step the main thread orders one averaging, which the thread performs while the
-  main thread computes the next gradient (lock i held: send x_i, receive x_j, x_i <- (x_i + x_j) / 2);
-- passive: the thread serves requests from any active neighbour (lock j held: reply x_j,
-  x_j <- (x_j + x_i) / 2).
-A passive thread never waits for anybody while holding its lock, and active peers wait only for
-passive ones, so no cycle of waits can form. Both sides compute (x_i + x_j) * 0.5 with the same
-operands, so they hold bit-identical values afterwards and the sum of all parameters is conserved.
-
-Messages live in host memory (page-locked when x_i is on a GPU), the transports of this thread's
-communicator (gloo, MPI) reading host memory only; x_i is averaged on its own device.
-
-At the end an active thread finishes its averaging in flight and sends DONE to each partner; a
-passive thread serves until every active partner said DONE. Messages (dtype of the parameters): a
-request is [code, sender, averaging id, x_i...] with code AVERAGE or DONE, tag TAG_REQUEST; the
-reply is x_j, tag TAG_REPLY.
+How it works: docs/guide/internals.md#adpsgd-averaging.
 """
 
 from __future__ import annotations

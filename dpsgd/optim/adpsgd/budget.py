@@ -1,11 +1,7 @@
 """What ends an AD-PSGD run, which has no global step: `steps` per peer, wall-clock `seconds`, or a total
 of `samples` across peers.
 
-A samples budget across several peers is kept by rank 0: it runs a coordinator thread on a duplicated
-communicator (`control`); every other peer reports its samples after each step and reads the answer,
-"go on" or "stop", at its next step (the answer is awaited one step late, so it has long arrived).
-Messages (float64): [sender, samples, final] to rank 0 with TAG_PROGRESS, and its answer [stop] with
-TAG_ANSWER.
+How it works: docs/guide/internals.md#adpsgd-budget.
 """
 
 from __future__ import annotations

@@ -2,15 +2,7 @@
 its *live* parameters x_i (a flat buffer guarded by a lock) apart from the model's parameters, which
 hold the *snapshot* x_hat_i the gradient is computed at. A step of peer i:
 
-1. forward/backward on the snapshot x_hat_i, while x_i may change underneath (averagings);
-2. `step()`: d_i = base(x_hat_i, g_i) - x_hat_i, then under the lock x_i <- x_i + d_i and the new
-   snapshot x_hat_i <- x_i. The increment goes to the live copy exactly once, whatever averagings
-   happened meanwhile; their number is the step's *staleness*;
-3. an active peer then orders one averaging with a neighbour (`averaging`): x_i, x_j <- mix(x_i, x_j),
-   (x_i + x_j) / 2 here; a subclass may change `mix` (the rule of one averaging) and keep the rest.
-Peers split into active and passive sets, so the topology must be bipartite: the constructor says so.
-Every wait has the communicator's deadline (`comm.timeout_s`); past it, the error names the peer and
-what was awaited.
+How it works: docs/guide/internals.md#adpsgd-step.
 """
 
 from __future__ import annotations
@@ -57,13 +49,17 @@ class ADPSGD(DistributedOptimizer):
         topology: Topology | None = None,
         comm: Communicator,
         broadcast_initial: bool = True,
+        module: torch.nn.Module | None = None,
+        buffers: str | None = None,
         budget: str = "steps",
         seconds: float | None = None,
         seed: int = 0,
         jitter_s: float = 0.0,
         record_events: bool = False,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(
+            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
+        )
         if comm.size > 1:
             self.require_topology()
         self.budget = budget
@@ -135,6 +131,13 @@ class ADPSGD(DistributedOptimizer):
         t = threading.Thread(target=run, name=f"adpsgd-{what}-{self.comm.rank}", daemon=True)
         self._threads.append(t)
         t.start()
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        raise ValueError(
+            f"{type(self).__name__} cannot take a new parameter group "
+            f"(its live copy x_i is the parameters flattened at construction): give every group to the base "
+            "optimizer before building it (with lr=0 to hold one back)"
+        )
 
     # --- the main thread --------------------------------------------------------------------
     def should_stop(self) -> bool:

@@ -1,0 +1,201 @@
+"""Divergence: a run whose loss or parameters stop being finite (or explode) is caught on the step it happens.
+
+`Guard(run, cfg)` watches one kind of run of dpsgd.training (a real peer, the fleet, the event simulator): after
+every step it checks the step's loss and the norm of the parameters this process holds (one fused reduction;
+on the fleet, one norm per peer), and it asks the communicator whether a message received this step held
+non-finite values (dpsgd.comm.robust checks what it receives and names the sender). `on_divergence` says what
+follows: `stop` (default) raises `Diverged`, one line naming the first peer and step; `mark` keeps training and
+the run's summary says `status: diverged` with that peer and step. Every summary says `status` (`ok` or
+`diverged`). A diverged peer never saves a checkpoint: its own state is checked every step, and under `mark`
+the peers agree before each checkpoint (one collective of one number) and save none once any diverged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from dpsgd import checkpoint
+
+MODES = ("stop", "mark")
+MAX_NORM = 1e15  # a parameter vector this long has exploded (float32 squares overflow near 1.8e19 anyway)
+WAIT_S = 5.0  # how long a peer that did not claim a divergence waits for the summary of the one that did
+CLAIM = "diverged.json"  # in RUN_DIR/logs: the first peer to stop a run names it there, so every line agrees
+
+
+class Diverged(RuntimeError):
+    """A peer's loss or parameters stopped being finite; the message is the one line for the user."""
+
+    def __init__(self, peer: int, step: int, what: str):
+        self.peer, self.step, self.what = peer, step, what
+        super().__init__(
+            f"peer {peer} diverged at step {step}: {what} (on_divergence=mark keeps training and marks the run)"
+        )
+
+    def as_dict(self) -> dict:
+        return {"peer": self.peer, "step": self.step, "what": self.what}
+
+
+def check_mode(cfg: dict) -> str:
+    mode = cfg.get("on_divergence", "stop")
+    if mode not in MODES:
+        raise ValueError(f"on_divergence must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def problem(loss: float | None, norm: float | None) -> str | None:
+    """What is wrong with a peer whose step had `loss` and whose parameters have `norm` (None: fine)."""
+    if norm is not None and not math.isfinite(norm):
+        return "its parameters are not finite" if math.isnan(norm) else "its parameters overflowed (norm inf)"
+    if norm is not None and norm > MAX_NORM:
+        return f"its parameter norm {norm:.3g} exceeds {MAX_NORM:g} (exploding)"
+    if loss is not None and not math.isfinite(loss):
+        return f"its training loss is {loss}"
+    return None
+
+
+def norms(params: list[torch.Tensor], peers: int | None = None) -> torch.Tensor:
+    """The norm of all of `params` (with `peers`: of each peer's slice of the leading peer axis), float32 as stored."""
+    with torch.no_grad():
+        if peers is None:
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.detach() for p in params])))
+        rows = [torch.linalg.vector_norm(p.detach().reshape(peers, -1), dim=1) for p in params]
+        return torch.linalg.vector_norm(torch.stack(rows, 1), dim=1)
+
+
+def json_safe(value):
+    """`value` with every non-finite float as None: what strict JSON readers accept (records after a divergence)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class Guard:
+    """The divergence check of one run (see the module)."""
+
+    def __init__(self, run, cfg: dict):
+        self.mode = check_mode(cfg)
+        self.run = run
+        self.first: Diverged | None = None  # this process's first divergence (mark)
+        self._params, self._peers, self._rank, self._comm = self._watched(run)
+
+    @staticmethod
+    def _watched(run):
+        """(parameters, peer count of a peer axis or None, this peer's rank, the algorithm's communicator)."""
+        peer, fleet = getattr(run, "peer", None), getattr(run, "fleet", None)
+        if peer is not None:
+            return list(peer.model.parameters()), None, run.comm.rank, getattr(peer.optimizer, "comm", None)
+        if fleet is not None:
+            return list(fleet.params), fleet.n, 0, getattr(fleet.algorithm, "comm", None)
+        return [], None, 0, None  # the event simulator: its peers' losses only
+
+    def check(self, step: int, loss: float) -> None:
+        """After step `step` (whose mean training loss over this process's peers was `loss`)."""
+        if self.first is not None:
+            return  # marked already: the rest of the run is not checked again
+        found = self._find(step, loss)
+        if found is None:
+            return
+        if self.mode == "stop":
+            raise found
+        self.first = found
+
+    def _find(self, step: int, loss: float) -> Diverged | None:
+        sender = getattr(self._comm, "nonfinite_from", None)
+        if sender is not None:  # (sender, receiver): a neighbour's message, named as that neighbour's
+            return Diverged(sender[0], step, f"it sent non-finite values (received by peer {sender[1]})")
+        if not self._params:
+            what = problem(loss, None)
+            return None if what is None else Diverged(self._rank, step, what)
+        norm = norms(self._params, self._peers)
+        if self._peers is None:
+            what = problem(loss, float(norm))
+            return None if what is None else Diverged(self._rank, step, what)
+        for peer, value in enumerate(norm.tolist()):  # the first peer of the fleet whose parameters went wrong
+            what = problem(None, value)
+            if what is not None:
+                return Diverged(peer, step, what)
+        what = problem(loss, None)
+        return None if what is None else Diverged(0, step, what.replace("its training loss", "the mean training loss"))
+
+    def _collective(self) -> bool:
+        comm = self.run.comm
+        return self._peers is None and self._params != [] and comm.size > 1
+
+    def checkpoint_ok(self) -> bool:
+        """Whether every peer may save now (a collective under `mark` with real peers: all call it at the step)."""
+        if self.mode == "stop" or not self._collective():
+            return self.first is None
+        comm = self.run.comm
+        with comm.uncounted():
+            flag = torch.tensor([float(self.first is not None)])
+            return float(comm.allreduce_sum([flag])[0]) == 0.0
+
+    def summary(self) -> dict:
+        """The summary's `status` and, when diverged, which peer first and at which step (a collective with real
+        peers under `mark`: every peer calls it once, after training)."""
+        first = self.first.as_dict() if self.first is not None else None
+        if self.mode == "mark" and self._collective():
+            from dpsgd.metrics import gather_objects
+
+            with self.run.comm.uncounted():
+                found = [f for f in gather_objects(self.run.comm, first) if f is not None]
+            first = min(found, key=lambda f: (f["step"], f["peer"])) if found else None
+        return {"status": "diverged", "diverged": first} if first is not None else {"status": "ok"}
+
+
+def claim(out_dir: Path | None, exc: Diverged, summary: dict) -> Diverged:
+    """The divergence that names the run: the first one any peer of it claimed (in RUN_DIR/logs), so that every
+    peer's line and the summary agree. The claiming peer writes `summary` as the run's summary.json; the others
+    wait (a few seconds at most) until it is there, since their exit may end the claiming peer's process."""
+    if out_dir is None:
+        return exc
+    logs = Path(out_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(logs / CLAIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        deadline = time.monotonic() + WAIT_S
+        while not (Path(out_dir) / "summary.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            first = json.loads((logs / CLAIM).read_text())
+            return Diverged(first["peer"], first["step"], first["what"])
+        except (OSError, ValueError, KeyError):  # the claiming peer died while writing it
+            return exc
+    with os.fdopen(fd, "w") as fh:
+        json.dump(exc.as_dict(), fh)
+    checkpoint.write_json_atomic(Path(out_dir) / "summary.json", json_safe(summary))
+    return exc
+
+
+def summary(exc: Diverged, describe: dict, last: dict) -> dict:
+    """summary.json of a run that `stop` ended: what it was, its last record, `status: diverged`."""
+    return {
+        **describe,
+        **{k: v for k, v in last.items() if k not in ("step", "scope")},
+        "steps": exc.step,
+        "status": "diverged",
+        "diverged": exc.as_dict(),
+    }
+
+
+@contextlib.contextmanager
+def ending(out_dir: str | Path | None, describe, last):
+    """Around a run's loop: a `Diverged` leaving it is claimed (`claim`, with the summary from `describe()` and
+    the last record `last()`), and the claimed one is raised."""
+    try:
+        yield
+    except Diverged as exc:
+        run_summary = summary(exc, describe(), last())
+        raise claim(Path(out_dir) if out_dir is not None else None, exc, run_summary) from None

@@ -1,0 +1,112 @@
+"""SparseLoCo (Sarfi, Thérien, Lidin & Belilovsky 2025, arXiv 2508.15706): see `SparseLoCo`."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dpsgd.comm import Communicator
+from topologies import Topology
+
+from .base import DistributedOptimizer
+from .chunked import ChunkedTopK, gathered_mean, refuse_compression
+from .outer import OuterOptimizer, factory, saved_outer
+
+SPARSELOCO = functools.partial(torch.optim.SGD, lr=1.0)  # the paper's outer step: x_a <- x_a - mean_j s_j
+
+
+class SparseLoCo(DistributedOptimizer):
+    """SparseLoCo (Sarfi et al. 2025): DiLoCo whose outer deltas travel as chunked top-k at 2 bits, with an
+    error-feedback accumulator in place of the outer momentum.
+
+    The base optimizer steps locally; after every H = `period` steps, with x_a the anchor (the model the
+    peers last agreed on, the same on every peer) and beta = `decay`:
+    Delta_i = x_a - x_i;  e_i <- beta e_i + Delta_i;  s_i = Q(TopK(e_i));  e_i <- e_i - s_i;
+    then the outer optimizer `outer` (by default SGD with lr alpha = 1: x_a <- x_a - alpha mean_j s_j, the
+    paper's) steps the anchor with mean_j s_j (an all-gather of the s_j) as its gradient, and x_i <- x_a.
+    TopK keeps the `topk` entries of largest magnitude of each block (1-D tensors in chunks of c entries,
+    matrices in c1 x c2 tiles, c the largest divisor of the dimension <= `chunk`: 64 x 64 tiles and topk 64
+    are 1.6% density); Q is the reference's statistical quantization to `bits` bits (codes around the mean
+    within `sigmas` standard deviations, decoded as the mean of the values sharing a code;
+    dpsgd.optim.chunked.quantize), null for 32-bit values. The anchor starts as the peers' common model (a
+    mean when broadcast_initial is off). The inner optimizer's state is kept; the topology is ignored.
+    """
+
+    uses_topology = False
+
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        topology: Topology | None = None,
+        comm: Communicator,
+        broadcast_initial: bool = True,
+        period: int = 15,
+        decay: float = 0.95,
+        topk: int = 64,
+        chunk: int = 64,
+        bits: int | None = 2,
+        sigmas: float = 6.0,
+        outer=SPARSELOCO,
+    ):
+        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        refuse_compression(comm, "SparseLoCo")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"SparseLoCo period must be an integer >= 1, got {period!r}")
+        if not 0 <= decay <= 1:
+            raise ValueError(f"SparseLoCo decay (of the error feedback) must be in [0, 1], got {decay}")
+        make = factory(outer, "SparseLoCo")
+        if make is None:
+            raise ValueError("SparseLoCo needs an outer optimizer (its default: SGD with lr 1); got outer=None")
+        self.period, self.decay = period, float(decay)
+        lead = len(comm.peer_shape)
+        self.code = ChunkedTopK(
+            [p.shape[lead:] for p in self.params()], chunk, topk, dct=False, bits=bits, sigmas=sigmas
+        )
+        self.errors = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params()]
+        groups = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
+        self._outer = OuterOptimizer(make, groups, "SparseLoCo")
+        self.outer_optimizer = self._outer.optimizer
+        self._same_start, self._anchored = broadcast_initial, False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._closure_loss(closure)
+        params = self.params()
+        if not self._anchored:  # the peers' common model
+            self._outer.set_anchors(params if self._same_start else self.comm.exact.allreduce_mean(params))
+            self._anchored = True
+        self.base.step()
+        self.step_count += 1
+        if self.step_count % self.period == 0:
+            for e, anchor, p in zip(self.errors, self._outer.anchors, params):
+                e.mul_(self.decay).add_(anchor - p)
+            message = self.code.encode(self.errors)
+            for e, sent in zip(self.errors, self.code.dense(message)):
+                e.sub_(sent)
+            self._outer.step(list[torch.Tensor | None](gathered_mean(self.comm, self.code, message)))
+            for p, anchor in zip(params, self._outer.anchors):
+                p.copy_(anchor)
+        return loss
+
+    def algorithm_state(self):
+        return {
+            **super().algorithm_state(),
+            "outer": self._outer.state_dict() if self._anchored else None,
+            "errors": [e.clone() for e in self.errors],
+        }
+
+    def load_algorithm_state(self, state) -> None:
+        super().load_algorithm_state(state)
+        saved = saved_outer(state, "SparseLoCo")
+        self._anchored = saved is not None
+        if saved is not None:
+            self._outer.load_state_dict(saved)
+        self.errors = self.own_tensors(state["errors"]) or self.errors
+
+    def __repr__(self) -> str:
+        outer = repr(self.outer_optimizer).replace("\n", " ")
+        return (
+            f"SparseLoCo({self.base!r}, period={self.period}, decay={self.decay}, bits={self.code.bits}, outer={outer})"
+        )

@@ -1,0 +1,153 @@
+"""How one training step turns a minibatch into an optimizer step: the config's `precision` (fp32, or bf16 /
+fp16 autocast; fp16 with a gradient scaler), `accumulate` (the minibatch in that many micro-batches, their
+gradients summed), `clip_grad_norm` (each peer's own gradient clipped to that norm before the algorithm's
+step) and the learning rate of the `schedule` (dpsgd.schedule). Real peers and the fleet both step through
+here, so the options mean the same on every backend.
+
+fp16 skips a step whose scaled gradients overflowed, as torch.amp.GradScaler does, but on every peer
+together: the peers first agree whether any of them overflowed (a one-number mean, not counted as the
+algorithm's traffic), and a peer that did not is made to skip too. No peer waits in an exchange that another
+skipped, and no inf reaches a neighbour. On the fleet the one scaler sees every peer's gradients at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dpsgd.schedule import Schedule
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The step options of a run's config (top-level `precision`, `clip_grad_norm`, `accumulate`)."""
+
+    precision: str = "fp32"
+    clip_grad_norm: float | None = None
+    accumulate: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: Mapping) -> StepOptions:
+        precision = str(cfg.get("precision") or "fp32")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; valid precisions: {', '.join(PRECISIONS)}")
+        clip, k = cfg.get("clip_grad_norm"), cfg.get("accumulate", 1)
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or clip <= 0):
+            raise ValueError(f"clip_grad_norm must be a number > 0, or null for no clipping, got {clip!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"accumulate must be a whole number >= 1 (micro-batches per step), got {k!r}")
+        batch = int(cfg.get("batch_size") or 1)
+        if batch % k:
+            raise ValueError(
+                f"accumulate={k} splits each step's batch_size={batch} samples into {k} equal micro-batches: "
+                f"choose a batch_size divisible by {k}"
+            )
+        return cls(precision, None if clip is None else float(clip), int(k))
+
+    def autocast(self, device: torch.device | str):
+        """The forward pass's autocast context (none for fp32)."""
+        dtype = PRECISIONS[self.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=dtype)
+
+    def scaler(self, device: torch.device | str) -> torch.amp.GradScaler | None:
+        """fp16's gradient scaler (None for fp32 and bf16, whose range needs none)."""
+        return torch.amp.GradScaler(torch.device(device).type) if self.precision == "fp16" else None
+
+    def split(self, x: torch.Tensor, y: torch.Tensor, dim: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The minibatch (x, y) as `accumulate` micro-batches along `dim` (the sample axis)."""
+        if self.accumulate == 1:
+            return [(x, y)]
+        return list(zip(x.chunk(self.accumulate, dim), y.chunk(self.accumulate, dim)))
+
+
+class Stepper:
+    """One peer's (or the fleet's) step under StepOptions: `backward(loss)` per micro-batch, then `step()`.
+    `agree`: on real peers, a function that returns whether any peer's flag is set (None: the fleet, whose
+    one scaler sees all peers); `peer_axis`: the gradients carry a leading peer axis (the fleet)."""
+
+    def __init__(self, options: StepOptions, optimizer, schedule: Schedule, device, agree=None, peer_axis=False):
+        self.options, self.optimizer, self.schedule = options, optimizer, schedule
+        self.agree, self.peer_axis = agree, peer_axis
+        self.scaler = options.scaler(device)
+        self.base_lrs = [float(g["lr"]) for g in self.groups]  # the config's rates: the schedule scales these
+        self.skipped = 0  # fp16 steps skipped by every peer (an overflow on one of them)
+
+    @property
+    def groups(self) -> list[dict]:
+        """The parameter groups of the optimizer that steps (looked up each time: load_state_dict replaces them)."""
+        return getattr(self.optimizer, "base", self.optimizer).param_groups
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the first parameter group now."""
+        return float(self.groups[0]["lr"])
+
+    def begin(self, step: int) -> None:
+        """Step `step` (1-based) is about to be taken: its rate from the schedule."""
+        factor = self.schedule.factor(step)
+        for group, lr in zip(self.groups, self.base_lrs):
+            group["lr"] = lr * factor
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Gradients of one micro-batch's loss (a mean over its samples), added to those of the others."""
+        if self.options.accumulate > 1:
+            loss = loss / self.options.accumulate
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.groups for p in g["params"] if p.grad is not None]
+
+    def step(self) -> None:
+        """The algorithm's step on the accumulated gradients: unscaled, clipped, skipped on every peer if any
+        peer's overflowed (fp16)."""
+        opt = self.optimizer
+        if self.scaler is not None:
+            grads = self.grads()
+            overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
+            if self.agree is not None and self.agree(overflow) and not overflow and grads:
+                grads[0].view(-1)[0] = float("inf")  # another peer overflowed: the scaler skips here too
+            self.scaler.unscale_(opt)
+        if self.options.clip_grad_norm is not None:
+            clip = clip_stacked if self.peer_axis else torch.nn.utils.clip_grad_norm_
+            clip(self.grads_params(), self.options.clip_grad_norm)
+        if self.scaler is None:
+            opt.step()
+            return
+        scale = self.scaler.get_scale()
+        self.scaler.step(opt)
+        self.scaler.update()
+        self.skipped += self.scaler.get_scale() < scale
+
+    def grads_params(self) -> list[torch.Tensor]:
+        return [p for g in self.groups for p in g["params"] if p.grad is not None]
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped = int(state.get("skipped", 0))
+
+
+@torch.no_grad()
+def clip_stacked(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for every peer at once: the gradients carry a leading peer axis and each
+    peer's is clipped to `max_norm` by its own norm (the same formula: the norm of the per-tensor norms).
+    Returns the (n,) norms before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    n = grads[0].shape[0]
+    norms = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in grads], 1), dim=1
+    )
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.reshape(n, *([1] * (g.dim() - 1))).to(g.dtype))
+    return norms

@@ -1,0 +1,456 @@
+"""Where does gossip win? `python -m experiments.map WORKLOAD [--quick]` draws the answer for one workload.
+
+WORKLOAD is `default` (the default config) or the name of an `experiment=` preset. For each algorithm (all-reduce,
+D-PSGD on a ring and on the one-peer exponential graph, AD-PSGD, LocalSGD, DiLoCo):
+1. the steps to a target test accuracy, over seeds, measured on the fleet (`backend=fleet`) at each peer count;
+2. the time those steps take in each cell of a grid (bandwidth x latency x peers per host x a straggler's slowdown),
+   from the emulator's cost model (`experiments.cost_model`) with the workload's compute time per step measured here
+   on one core: per cell the winner, its margin (the runner-up's time over the winner's) and whether the winner's
+   and the runner-up's 95% intervals over seeds (`experiments.intervals`) are apart;
+3. checks against reality: at a few cells, the winner and the runner-up run for real (mpi peers with the network
+   emulated in sleep mode: peers really wait), and their time to the target is set beside the prediction.
+Writes outputs/map/WORKLOAD/map.json (`cells`, `checks`), map.png (a heatmap per peer count) and map.md (the regions
+in words). `--quick`: a coarse grid, one seed, under 10 minutes on 2 cores. A fleet sweep already in the output
+folder is read, not rerun (delete the folder to start again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments import intervals
+from experiments.cost_model import STRAGGLER, Algorithm, Network, clock_after
+from experiments.sweeps import finished, run_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+ALGORITHMS = (
+    Algorithm("allreduce", ("algorithm=allreduce",), "allreduce"),
+    Algorithm("dpsgd ring", ("algorithm=dpsgd", "topology=ring"), "gossip", topology="ring"),
+    Algorithm(
+        "dpsgd one-peer",
+        ("algorithm=dpsgd", "topology=one_peer_exponential"),
+        "gossip",
+        topology="one_peer_exponential",
+    ),
+    Algorithm("adpsgd", ("algorithm=adpsgd", "topology=ring"), "async"),
+    Algorithm("local_sgd H=4", ("algorithm=local_sgd", "algorithm.period=4"), "periodic", period=4),
+    Algorithm("diloco H=8", ("algorithm=diloco", "algorithm.period=8"), "periodic", period=8),
+)
+TARGETS = {"default": 0.93, "mnist_cnn_peers": 0.75}  # a target each algorithm can reach in the workload's budget
+SWEPT_BY_THE_MAP = ("algorithm", "peers", "seed", "topology")
+MB = 1e6
+
+
+def grid(quick: bool) -> dict[str, list]:
+    """The grid's axes: link bandwidth (bytes/s), latency (s), peers per host, the straggler's slowdown."""
+    if quick:
+        return {
+            "bandwidth_bytes_per_s": [1.25e6, 1.25e8, 1.25e10],
+            "latency_s": [1e-5, 1e-3, 5e-2],
+            "peers_per_host": [1, 4],
+            "slowdown": [1.0, 4.0],
+        }
+    return {
+        "bandwidth_bytes_per_s": [1.25e6, 1.25e7, 1.25e8, 1.25e9, 1.25e10],
+        "latency_s": [1e-5, 1e-4, 1e-3, 1e-2, 5e-2],
+        "peers_per_host": [1, 4],
+        "slowdown": [1.0, 4.0],
+    }
+
+
+# --- the workload -------------------------------------------------------------------------------------------------
+def workload_overrides(workload: str) -> list[str]:
+    if workload == "default":
+        return []
+    presets = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+    if workload not in presets:
+        raise SystemExit(f"error: unknown workload {workload!r}; expected default or a preset: {', '.join(presets)}")
+    return [f"experiment={workload}"]
+
+
+def compose(overrides: list[str], hydra_config: bool = False):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=hydra_config)
+
+
+def pinned(workload: list[str]) -> list[str]:
+    """A preset's own sweep, but for what the map sweeps, pinned to its first value (e.g. mnist_cnn_peers's
+    data.alpha to 0.1, the non-iid shares)."""
+    from omegaconf import OmegaConf
+
+    params = compose(workload, hydra_config=True).hydra.sweeper.params
+    params = OmegaConf.to_container(params) if params is not None else {}
+    assert isinstance(params, dict)
+    return [
+        f"{k}={str(v).split(',')[0]}"
+        for k, v in params.items()
+        if k not in SWEPT_BY_THE_MAP and not str(k).startswith("algorithm.")
+    ]
+
+
+def measure_compute(cfg: dict, repeats: int = 30) -> tuple[float, int, int]:
+    """Median seconds of one peer's forward and backward pass on one batch (one core), the model's bytes and the
+    training set's size."""
+    import torch
+
+    from dpsgd import build, metrics
+
+    torch.set_num_threads(1)
+    split = build.load_data(cfg)
+    model = build.build_model(cfg, split)
+    loss_fn = metrics.loss_function(split.y_train)
+    x, y = split.x_train[: int(cfg["batch_size"])], split.y_train[: int(cfg["batch_size"])]
+    times = []
+    for _ in range(repeats + 3):
+        t0 = time.perf_counter()
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return float(np.median(times[3:])), int(nbytes), len(split.x_train)
+
+
+def epochs_for(cfg: dict, n: int, train_size: int, min_steps: int) -> int:
+    """The workload's epochs, or more where n peers would take fewer than `min_steps` steps in them."""
+    per_epoch = max(1, train_size // (n * int(cfg["batch_size"])))
+    return max(int(cfg["epochs"]), math.ceil(min_steps / per_epoch))
+
+
+# --- 1. steps to the target on the fleet --------------------------------------------------------------------------
+def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) -> dict:
+    """{label: {n: [steps to target per seed, None where not reached]}} (and samples), from fleet sweeps."""
+    found: dict[str, dict] = {}
+    for algorithm, n in itertools.product(ALGORITHMS, args.peers):
+        sweep = out / "fleet" / f"{algorithm.label.replace(' ', '_').replace('=', '')}_n{n}"
+        seeds = ",".join(str(s) for s in range(args.seeds))
+        if not finished(sweep, args.seeds):
+            started = time.perf_counter()
+            run_sweep(
+                [
+                    *base,
+                    *algorithm.overrides,
+                    "backend=fleet",
+                    "backend.threads=1",
+                    f"peers={n}",
+                    f"seed={seeds}",
+                    f"epochs={epochs_for(cfg, n, train_size, args.min_steps)}",
+                    f"target_accuracy={args.target}",
+                    f"log_every={args.log_every}",
+                ],
+                sweep,
+            )
+            print(f"fleet: {algorithm.label}, {n} peers, {args.seeds} seed(s): {time.perf_counter() - started:.0f} s")
+        runs = sorted((json.loads(p.read_text()) for p in sweep.rglob("summary.json")), key=lambda s: s.get("seed", 0))
+        entry = found.setdefault(algorithm.label, {})
+        entry[str(n)] = {
+            "steps": [r.get("steps_to_target") for r in runs],
+            "samples": [r.get("samples_to_target") for r in runs],
+            "final_accuracy": [r.get("test_accuracy") for r in runs],
+        }
+    return found
+
+
+# --- 2. the grid --------------------------------------------------------------------------------------------------
+def times_to_target(
+    algorithm: Algorithm, steps: list, n: int, nbytes: float, compute_s: float, net: Network
+) -> list[float]:
+    return [math.inf if s is None else clock_after(algorithm, int(s), n, nbytes, compute_s, net) for s in steps]
+
+
+def decide(times: dict[str, list[float]]) -> dict:
+    """Winner (least mean time to target), margin (runner-up's mean / winner's) and whether their 95% intervals over
+    seeds are apart (None: one seed, no interval)."""
+    means = {}
+    for label, ts in times.items():
+        means[label] = math.inf if any(math.isinf(t) for t in ts) else float(np.mean(ts))
+    ranked = sorted(means, key=lambda k: means[k])
+    winner, runner = ranked[0], ranked[1]
+    if math.isinf(means[winner]):
+        return {"winner": None, "runner_up": None, "margin": None, "apart": None, "mean_s": means}
+    margin = means[runner] / means[winner]
+    apart = None
+    if math.isinf(means[runner]):
+        apart = True
+    elif len(times[winner]) > 1:
+        hw_w, hw_r = intervals.half_width(times[winner]), intervals.half_width(times[runner])
+        apart = bool(means[winner] + hw_w < means[runner] - hw_r)
+    return {"winner": winner, "runner_up": runner, "margin": margin, "apart": apart, "mean_s": means}
+
+
+def cells(steps: dict, axes: dict, peers: list[int], nbytes: float, compute_s: float) -> list[dict]:
+    out = []
+    for n in peers:
+        for bw, lat, ppr, slow in itertools.product(*axes.values()):
+            net = Network(lat, bw, ppr, slow)
+            times = {
+                a.label: times_to_target(a, steps[a.label][str(n)]["steps"], n, nbytes, compute_s, net)
+                for a in ALGORITHMS
+            }
+            d = decide(times)
+            out.append({
+                "peers": n, "bandwidth_bytes_per_s": bw, "latency_s": lat, "peers_per_host": ppr, "slowdown": slow,
+                "winner": d["winner"], "runner_up": d["runner_up"], "margin": d["margin"], "apart": d["apart"],
+                "times": {k: (None if math.isinf(v) else v) for k, v in d["mean_s"].items()},
+            })  # fmt: skip
+    return out
+
+
+# --- 3. checks against real runs ----------------------------------------------------------------------------------
+def check_cells(found: list[dict], n: int, count: int) -> list[dict]:
+    """`count` cells at `n` peers, one peer per host, with different winners (or stragglers) where possible, and
+    links slow enough (<= 1 Gb/s) that the emulated waits, not this machine, set the pace."""
+    candidates = [
+        c
+        for c in found
+        if c["peers"] == n and c["winner"] and c["peers_per_host"] == 1 and c["bandwidth_bytes_per_s"] <= 1.25e8
+    ]
+    chosen: list[dict] = []
+    for c in sorted(candidates, key=lambda c: -(c["margin"] or 0)):
+        if len(chosen) < count and all((c["winner"], c["slowdown"]) != (o["winner"], o["slowdown"]) for o in chosen):
+            chosen.append(c)
+    for c in candidates:
+        if len(chosen) < count and c not in chosen:
+            chosen.append(c)
+    return chosen
+
+
+def real_run(
+    base: list[str], algorithm: Algorithm, cell: dict, floor_s: float, epochs: int, args, run_dir: Path
+) -> dict:
+    """One real run (mpi peers, the cell's network emulated in sleep mode, compute floor `floor_s`): its time to
+    the target on the peers' clock, and its steps."""
+    net = Network(cell["latency_s"], cell["bandwidth_bytes_per_s"], cell["peers_per_host"], cell["slowdown"])
+    network = net.config(floor_s, cell["peers"])
+    network["mode"] = "sleep"
+    sets = [f"network.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in network.items()]
+    sets = [s.replace("=None", "=null") for s in sets]
+    cmd = [
+        sys.executable, "-m", "experiments.train", *base, *algorithm.overrides, "backend=mpi",
+        f"peers={cell['peers']}", "seed=0", "network=loopback", *sets, f"epochs={epochs}",
+        f"target_accuracy={args.target}", f"log_every={args.log_every}", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: a check run failed: {' '.join(cmd[3:])}\n{proc.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"measured_s": summary.get("emulated_time_to_target_s"), "steps": summary.get("steps_to_target")}
+
+
+def checks(args, base: list[str], cfg: dict, steps: dict, found: list[dict], train_size: int, out: Path) -> list[dict]:
+    n = args.check_peers
+    rows = []
+    by_label = {a.label: a for a in ALGORITHMS}
+    for i, cell in enumerate(check_cells(found, n, args.check_cells)):
+        net = Network(cell["latency_s"], cell["bandwidth_bytes_per_s"], cell["peers_per_host"], cell["slowdown"])
+        # the two fastest at the check's compute; AD-PSGD's real peers record rank 0's own model only (no common
+        # step), which the fleet's records of the average model do not predict: not checked
+        predicted_s = {
+            a.label: clock_after(a, steps[a.label][str(n)]["steps"][0], n, args.model_bytes, args.check_compute_s, net)
+            for a in ALGORITHMS
+            if a.kind != "async" and steps[a.label][str(n)]["steps"][0] is not None
+        }
+        for label in sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
+            algorithm = by_label[label]
+            predicted_steps = steps[label][str(n)]["steps"][0]
+            per_epoch = max(1, train_size // (n * int(cfg["batch_size"])))
+            epochs = math.ceil((predicted_steps + 2 * args.log_every) / per_epoch)
+            run_dir = out / "checks" / f"cell{i}_{label.replace(' ', '_').replace('=', '')}"
+            started = time.perf_counter()
+            real = real_run(base, algorithm, cell, args.check_compute_s, epochs, args, run_dir)
+            predicted = predicted_s[label]
+            rows.append({
+                "algorithm": label, "cell": i, "peers": n, "bandwidth_bytes_per_s": cell["bandwidth_bytes_per_s"],
+                "latency_s": cell["latency_s"], "peers_per_host": cell["peers_per_host"], "slowdown": cell["slowdown"],
+                "compute_s": args.check_compute_s, "predicted_steps": predicted_steps, "measured_steps": real["steps"],
+                "predicted_s": predicted, "measured_s": real["measured_s"],
+                "ratio": None if not real["measured_s"] else predicted / real["measured_s"],
+                "run_s": time.perf_counter() - started,
+            })  # fmt: skip
+            print(f"check: {label} at cell {i}: predicted {predicted:.3g} s, measured {real['measured_s']} s")
+    return rows
+
+
+# --- output -------------------------------------------------------------------------------------------------------
+def regions(found: list[dict], axes: dict) -> list[str]:
+    """The map in words: per peer count, hosts and straggler, where each algorithm wins."""
+    lines = []
+    for (n, ppr, slow), group in itertools.groupby(
+        sorted(found, key=lambda c: (c["peers"], c["peers_per_host"], c["slowdown"])),
+        key=lambda c: (c["peers"], c["peers_per_host"], c["slowdown"]),
+    ):
+        group = list(group)
+        parts = []
+        for winner in sorted({c["winner"] for c in group}, key=str):
+            mine = [c for c in group if c["winner"] == winner]
+            bws = sorted({c["bandwidth_bytes_per_s"] for c in mine})
+            lats = sorted({c["latency_s"] for c in mine})
+            apart = sum(1 for c in mine if c["apart"])
+            sure = "one seed: no interval" if all(c["apart"] is None for c in mine) else f"{apart} beyond the intervals"
+            parts.append(
+                f"**{winner}** in {len(mine)}/{len(group)} cells (bandwidth {_span(bws, _rate)}, latency "
+                f"{_span(lats, _seconds)}; margin up to {max(c['margin'] or 1 for c in mine):.2f}x; {sure})"
+            )
+        straggler = f"peer {STRAGGLER} {slow:g}x slower" if slow != 1 else "no straggler"
+        lines.append(f"- {n} peers, {ppr} per host, {straggler}: " + "; ".join(parts) + ".")
+    return lines
+
+
+def _span(values: list, fmt) -> str:
+    return fmt(values[0]) if len(values) == 1 else f"{fmt(values[0])} to {fmt(values[-1])}"
+
+
+def _rate(bytes_per_s: float) -> str:
+    bits = bytes_per_s * 8
+    return f"{bits / 1e9:g} Gb/s" if bits >= 1e9 else f"{bits / 1e6:g} Mb/s"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:g} ms" if s >= 1e-3 else f"{s * 1e6:g} us"
+
+
+def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    combos = list(itertools.product(axes["peers_per_host"], axes["slowdown"]))
+    colours = {a.label: plt.get_cmap("tab10")(i) for i, a in enumerate(ALGORITHMS)}
+    bws, lats = axes["bandwidth_bytes_per_s"], axes["latency_s"]
+    fig, grid_axes = plt.subplots(len(combos), len(peers), figsize=(3.2 * len(peers), 2.9 * len(combos)), squeeze=False)
+    for (row, (ppr, slow)), (col, n) in itertools.product(enumerate(combos), enumerate(peers)):
+        ax = grid_axes[row][col]
+        image = np.ones((len(lats), len(bws), 4))
+        for c in found:
+            if (c["peers"], c["peers_per_host"], c["slowdown"]) != (n, ppr, slow) or not c["winner"]:
+                continue
+            i, j = lats.index(c["latency_s"]), bws.index(c["bandwidth_bytes_per_s"])
+            shade = 0.3 + 0.7 * min(1.0, math.log(c["margin"]) / math.log(4)) if c["margin"] else 0.3
+            image[i, j] = (*colours[c["winner"]][:3], shade)
+            if c["apart"] is not True:
+                ax.text(j, i, "~", ha="center", va="center", fontsize=12)
+        ax.imshow(image, origin="lower", aspect="auto")
+        ax.set_xticks(range(len(bws)), [_rate(b).replace(" ", "\n") for b in bws], fontsize=7)
+        ax.set_yticks(range(len(lats)), [_seconds(s) for s in lats], fontsize=7)
+        ax.set_title(f"{n} peers, {ppr}/host, slow x{slow:g}", fontsize=8)
+    fig.legend(
+        handles=[Patch(color=colours[a.label], label=a.label) for a in ALGORITHMS],
+        loc="lower center",
+        ncol=len(ALGORITHMS),
+        fontsize=7,
+    )
+    fig.suptitle("Fastest to the target: colour the winner, shade its margin (full at 4x), ~ intervals overlap")
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"# Map: {result['workload']}",
+        "",
+        f"Target test accuracy {result['target']}; {result['seeds']} seed(s); peers {result['peers']}; "
+        f"model {result['model_bytes'] / MB:.3g} MB; compute {result['compute_s'] * 1e3:.3g} ms a step (one core). "
+        f"Command: `{result['command']}` ({result['elapsed_s']:.0f} s).",
+        "",
+        "Steps to the target on the fleet (per seed; - not reached):",
+        "",
+        "| algorithm | " + " | ".join(f"{n} peers" for n in result["peers"]) + " |",
+        "|---|" + "---|" * len(result["peers"]),
+    ]
+    for label, per_n in result["steps"].items():
+        lines.append(
+            f"| {label} | "
+            + " | ".join(
+                ", ".join("-" if s is None else str(s) for s in per_n[str(n)]["steps"]) for n in result["peers"]
+            )
+            + " |"
+        )
+    lines += ["", "Where each algorithm wins:", "", *regions(result["cells"], result["axes"]), ""]
+    if result["checks"]:
+        lines += [
+            "Checks (mpi peers, the cell's network emulated in sleep mode, compute floor "
+            f"{result['checks'][0]['compute_s'] * 1e3:g} ms):",
+            "",
+            "| cell | algorithm | bandwidth | latency | slowdown | steps predicted / measured | predicted s | "
+            "measured s | predicted / measured |",
+            "|---|---|---|---|---|---|---:|---:|---:|",
+        ]
+        for c in result["checks"]:
+            ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+            lines.append(
+                f"| {c['cell']} | {c['algorithm']} | {_rate(c['bandwidth_bytes_per_s'])} | {_seconds(c['latency_s'])} "
+                f"| {c['slowdown']:g} | {c['predicted_steps']} / {c['measured_steps']} | {c['predicted_s']:.3g} | "
+                f"{c['measured_s'] if c['measured_s'] is None else format(c['measured_s'], '.3g')} | {ratio} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workload", help="default, or an experiment= preset's name")
+    p.add_argument("--quick", action="store_true", help="a coarse grid, one seed, 4 and 8 peers")
+    p.add_argument("--peers", type=int, nargs="+", help="peer counts (default 4 8 16 32; quick: 4 8)")
+    p.add_argument("--seeds", type=int, help="seeds per algorithm and peer count (default 3; quick: 1)")
+    p.add_argument("--target", type=float, help=f"target test accuracy (default per workload: {TARGETS})")
+    p.add_argument("--log-every", type=int, default=1, help="steps between evaluations (the steps' resolution)")
+    p.add_argument("--min-steps", type=int, default=120, help="more epochs where a peer count would take fewer")
+    p.add_argument("--check-cells", type=int, default=3, help="cells checked against real runs (0: none)")
+    p.add_argument("--check-peers", type=int, default=4, help="peers of the real runs (one of --peers)")
+    p.add_argument("--check-compute-s", type=float, default=0.03, help="compute floor of each real step")
+    p.add_argument("--out", type=Path, help="default outputs/map/WORKLOAD")
+    p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run (e.g. data.alpha=0.1)")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    args.peers = args.peers or ([4, 8] if args.quick else [4, 8, 16, 32])
+    args.seeds = args.seeds or (1 if args.quick else 3)
+    if args.target is None:
+        if args.workload not in TARGETS:
+            raise SystemExit(f"error: no default target for {args.workload!r}; give --target (e.g. 0.9)")
+        args.target = TARGETS[args.workload]
+    if args.check_cells and args.check_peers not in args.peers:
+        raise SystemExit(f"error: --check-peers {args.check_peers} must be one of --peers {args.peers}")
+    out = args.out or ROOT / "outputs" / "map" / args.workload
+    out.mkdir(parents=True, exist_ok=True)
+    workload = workload_overrides(args.workload)
+    base = [*workload, *pinned(workload), *args.overrides]
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(compose([*base, "backend=fleet"]), resolve=True)
+    assert isinstance(cfg, dict)
+    compute_s, args.model_bytes, train_size = measure_compute(cfg)
+    print(f"{args.workload}: model {args.model_bytes / MB:.3g} MB, compute {compute_s * 1e3:.3g} ms a step")
+    steps = fleet_steps(args, base, cfg, train_size, out)
+    axes = grid(args.quick)
+    found = cells(steps, axes, args.peers, args.model_bytes, compute_s)
+    rows = checks(args, base, cfg, steps, found, train_size, out) if args.check_cells else []
+    command = "python -m experiments.map " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "workload": args.workload, "overrides": base, "target": args.target, "seeds": args.seeds,
+        "peers": args.peers, "compute_s": compute_s, "model_bytes": args.model_bytes, "axes": axes,
+        "steps": steps, "cells": found, "checks": rows, "command": command,
+        "elapsed_s": time.perf_counter() - started,
+    }  # fmt: skip
+    (out / "map.json").write_text(json.dumps(result, indent=1))
+    plot(found, axes, args.peers, out / "map.png")
+    (out / "map.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"map: {out / 'map.json'}, {out / 'map.png'}, {out / 'map.md'} ({result['elapsed_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

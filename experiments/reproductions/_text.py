@@ -1,0 +1,34 @@
+"""The workload the text reproductions share: data=text_corpus (next-character prediction on the King James
+Version, the test split its held-out last 2.5%) with the small transformer (dim 64, 2 layers), 8 peers on the
+fleet, 4 windows of 64 characters per peer per step, 250 steps (2 passes over 4000 windows); one inner
+optimizer (AdamW, lr 0.003, weight decay 0.1) wherever the method has one. A run takes about a minute of CPU."""
+
+from __future__ import annotations
+
+from experiments.reproduce import Configuration
+
+WORKLOAD = [
+    "backend=fleet",
+    "peers=8",
+    "data=text_corpus",
+    "model=transformer",
+    "batch_size=4",
+    "epochs=2",
+    "log_every=25",
+    "data.test_fraction=0.025",
+    "data.split_seed=0",
+]
+INNER = ["algorithm.optimizer=adamw", "algorithm.lr=0.003", "algorithm.weight_decay=0.1", "algorithm.momentum=0.0"]
+
+
+def mb_to_reach(config: Configuration, target: float, key: str = "test_perplexity") -> list[float | None]:
+    """Per seed, the MB a peer had sent at the first record whose `key` is at or below `target` (None: never)."""
+    out: list[float | None] = []
+    for run in config.runs:
+        hits = [r["mb_sent_per_peer"] for r in run["metrics"] if r.get(key) is not None and r[key] <= target]
+        out.append(hits[0] if hits else None)
+    return out
+
+
+def setting(config: Configuration, key: str):
+    return config.runs[0]["config"][key]

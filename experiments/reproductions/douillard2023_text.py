@@ -1,0 +1,110 @@
+"""Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=text_corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from experiments.reproduce import Configuration, Finding, plot_curves
+from experiments.reproductions._text import INNER, WORKLOAD
+from experiments.reproductions._verdicts import compare, overall
+from experiments.reproductions.douillard2023 import bytes_fall_as_1_over_h, near_synchronous
+
+PAPER = "Douillard et al. 2023, DiLoCo (rerun on text: next-character prediction on the King James Version)"
+CLAIM = (
+    "Workers that take H inner AdamW steps alone and then one outer Nesterov step on the averaged change reach about "
+    "the loss of fully synchronous data-parallel training, while they communicate H times less; plain model "
+    "averaging in the outer step does worse."
+)
+PERIODS = (10, 25, 50)
+SWEEPS = {
+    "diloco": [*WORKLOAD, *INNER, "algorithm=diloco", f"++algorithm.period={','.join(map(str, PERIODS))}"],
+    "synchronous": [*WORKLOAD, *INNER, "algorithm=allreduce"],
+    "averaging": [*WORKLOAD, *INNER, "algorithm=local_sgd", f"++algorithm.period={PERIODS[-1]}"],
+}
+RUNS = {"diloco": len(PERIODS), "synchronous": 1, "averaging": 1}
+
+
+def period(c: Configuration) -> int:
+    return int(c.runs[0]["config"]["algorithm.period"])
+
+
+def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
+    diloco = sorted(configs["diloco"], key=period)
+    (sync,) = configs["synchronous"]
+    (averaging,) = configs["averaging"]
+    steps, peers, seeds = int(sync.summary["steps"]), int(sync.summary["peers"]), int(sync.summary["seeds"])
+    periods, mb = [period(c) for c in diloco], [c.mean("mb_sent_per_peer") for c in diloco]
+    near = [
+        near_synchronous(c.mean("test_loss"), c.ci("test_loss"), sync.mean("test_loss"), sync.ci("test_loss"))
+        for c in diloco
+    ]
+    bytes_ok = bytes_fall_as_1_over_h(periods, mb)
+    outer_helps = compare(averaging, diloco[-1], "test_loss") > 0  # averaging's loss wholly above DiLoCo's
+    gap = lambda c: (c.mean("test_loss") - sync.mean("test_loss")) / sync.mean("test_loss")  # noqa: E731
+    table = "\n".join(
+        [
+            "| | paper (paraphrased) | ours |",
+            "|---|---|---|",
+            "| loss as H grows | about synchronous training's up to H = 500, worsening slowly | "
+            + "; ".join(f"H = {h}: {gap(c):+.1%}" for h, c in zip(periods, diloco))
+            + " test loss against synchronous |",
+            "| communication | H times less | "
+            + ", ".join(f"{m / mb[0]:.4f} (H_min / H = {periods[0] / h:.4f})" for h, m in zip(periods, mb))
+            + " |",
+            "| plain averaging | worse than the outer Nesterov step | "
+            f"{averaging.mean('test_loss'):.4f} against DiLoCo's {diloco[-1].mean('test_loss'):.4f} at H = "
+            f"{periods[-1]} |",
+            "",
+            f"Ours: {peers} peers on data=text_corpus (transformer), {steps} steps, inner AdamW for all, "
+            f"{seeds} seeds.",
+            "",
+            "| method | test loss (vs synchronous) | test perplexity | MB sent per peer |",
+            "|---|---|---|---|",
+            f"| synchronous (all-reduce every step) | {sync.text('test_loss')} | {sync.text('test_perplexity', 3)} | "
+            f"{sync.mean('mb_sent_per_peer'):.2f} |",
+            *(
+                f"| DiLoCo H = {h} | {c.text('test_loss')} ({gap(c):+.1%}) | {c.text('test_perplexity', 3)} | "
+                f"{c.mean('mb_sent_per_peer'):.3f} |"
+                for h, c in zip(periods, diloco)
+            ),
+            f"| plain averaging H = {period(averaging)} | {averaging.text('test_loss')} ({gap(averaging):+.1%}) | "
+            f"{averaging.text('test_perplexity', 3)} | {averaging.mean('mb_sent_per_peer'):.3f} |",
+        ]
+    )
+    parts = [all(near), bytes_ok, outer_helps]
+    far = [h for h, ok in zip(periods, near) if not ok]
+    verdict = (
+        {True: "holds", False: "does not hold", None: "partly holds"}[overall(parts)]
+        + ": DiLoCo's test loss is "
+        + ("near synchronous training's at every H" if not far else f"more than 5% above it at H = {far}")
+        + " ("
+        + ", ".join(f"H = {h}: {gap(c):+.1%}" for h, c in zip(periods, diloco))
+        + f"); the bytes {'fall' if bytes_ok else 'do not fall'} as 1/H; plain averaging at H = {periods[-1]} ends "
+        + f"at {averaging.mean('test_loss'):.4f} against DiLoCo's {diloco[-1].mean('test_loss'):.4f} "
+        + ("(worse beyond the intervals)." if outer_helps else "(not worse beyond the intervals).")
+    )
+
+    def label(c: Configuration) -> str:
+        name = c.runs[0]["config"]["algorithm.name"]
+        return {"allreduce": "synchronous", "diloco": f"DiLoCo, H = {period(c) if name == 'diloco' else 0}"}.get(
+            name, f"averaging, H = {period(c)}"
+        )
+
+    every = [sync, *diloco, averaging]
+    title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
+    plots = [
+        plot_curves(
+            every, "step", [("test_loss", "test loss (averaged model)")], out / "vs_steps.png", title, label=label
+        ),
+        plot_curves(
+            every,
+            "mb_sent_per_peer",
+            [("test_loss", "test loss (averaged model)")],
+            out / "vs_mb_sent.png",
+            title,
+            x_label="MB sent per peer",
+            label=label,
+            log_x=True,
+        ),
+    ]
+    return Finding(table, verdict, overall(parts), plots)

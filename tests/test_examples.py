@@ -1,0 +1,72 @@
+"""The scripts of examples/ run as their docstrings say: the own loop under mpiexec and under torchrun (2 peers,
+one epoch), mixed precision with an overflow on one peer, and a resume that ends with the parameters of a run
+never stopped (those two on the local backend, in this process)."""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpsgd.backends import spawn
+from dpsgd.backends.launch import peer_env
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, args: list[str], capsys) -> str:
+    """examples/NAME.py with `args`, in this process (its local-backend peers are threads); its stdout."""
+    saved = sys.argv
+    sys.argv = [str(EXAMPLES / name), *args]
+    try:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return capsys.readouterr().out
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_own_loop_under_mpiexec(tmp_path):
+    code = spawn("mpi", 2, [str(EXAMPLES / "own_loop.py"), "--epochs", "1"], timeout_s=150, log_dir=tmp_path)
+    assert code == 0, (tmp_path / "rank0.log").read_text()[-2000:]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_own_loop_under_torchrun():
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "own_loop.py")]
+    env = {**peer_env(), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*cmd, "--backend", "torch", "--epochs", "1", "--partition", "dirichlet"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    accuracy = float(re.search(r"accuracy ([\d.]+)", done.stdout).group(1))
+    assert accuracy > 0.5  # four classes: better than chance
+
+
+def test_mixed_precision_skips_an_overflow_on_one_peer_on_every_peer(capsys):
+    out = run_example("mixed_precision.py", ["--backend", "local", "--peers", "4", "--overflow-at", "3"], capsys)
+    assert "dpsgd in fp16 on cpu: 7 steps of 8 batches" in out and "parameters finite: True" in out
+    out = run_example("mixed_precision.py", ["--backend", "local", "--peers", "2", "--precision", "bf16"], capsys)
+    assert "dpsgd in bf16 on cpu: 16 steps of 16 batches" in out
+
+
+def test_resume_gives_the_parameters_of_a_run_never_stopped(tmp_path, capsys):
+    common = ["--backend", "local", "--peers", "4", "--epochs", "1"]
+    whole = run_example("resume.py", [*common, "--dir", str(tmp_path / "whole")], capsys)
+    stopped = run_example("resume.py", [*common, "--dir", str(tmp_path / "cut"), "--stop-after", "12"], capsys)
+    resumed = run_example("resume.py", [*common, "--dir", str(tmp_path / "cut")], capsys)
+    assert stopped == "" and "resumed from step 10" in resumed
+    digest = re.search(r"parameters (\w+)", whole).group(1)
+    assert f"parameters {digest}" in resumed

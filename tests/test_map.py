@@ -1,0 +1,79 @@
+"""experiments.map: the winner, margin and interval test of a cell; the cells, picture and words of a map from given
+steps to target (no runs); and, in `make soak`, the quick map of the default workload end to end with its checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from experiments import map as gossip_map
+from experiments.cost_model import Network, clock_after
+
+
+def test_decide_names_the_winner_its_margin_and_whether_the_intervals_part():
+    d = gossip_map.decide({"a": [1.0, 1.1, 0.9], "b": [2.0, 2.1, 1.9], "c": [math.inf, 1.0, 1.0]})
+    assert (d["winner"], d["runner_up"]) == ("a", "b")
+    assert d["margin"] == pytest.approx(2.0) and d["apart"] is True
+    close = gossip_map.decide({"a": [1.0, 1.5, 0.5], "b": [1.1, 1.6, 0.6]})
+    assert close["winner"] == "a" and close["apart"] is False  # the seeds' spread swallows a 10% margin
+    one_seed = gossip_map.decide({"a": [1.0], "b": [3.0]})
+    assert one_seed["margin"] == pytest.approx(3.0) and one_seed["apart"] is None
+    nobody = gossip_map.decide({"a": [math.inf], "b": [math.inf]})
+    assert nobody["winner"] is None
+
+
+def _steps(n_values, per_algorithm):
+    return {
+        a.label: {str(n): {"steps": per_algorithm[a.label], "samples": None} for n in n_values}
+        for a in gossip_map.ALGORITHMS
+    }
+
+
+def test_cells_pick_allreduce_on_fast_links_and_local_sgd_on_slow_ones(tmp_path):
+    same = {a.label: [100, 110] for a in gossip_map.ALGORITHMS}
+    axes = {"bandwidth_bytes_per_s": [1e6, 1e10], "latency_s": [1e-5], "peers_per_host": [1], "slowdown": [1.0]}
+    nbytes, compute = 4e6, 0.01
+    found = gossip_map.cells(_steps([8], same), axes, [8], nbytes, compute)
+    assert len(found) == 2
+    slow, fast = sorted(found, key=lambda c: c["bandwidth_bytes_per_s"])
+    # equal steps: the least communication wins where links are slow (an all-reduce every 8 steps)...
+    assert slow["winner"] == "diloco H=8" and slow["runner_up"] == "local_sgd H=4"
+    assert slow["margin"] == pytest.approx(slow["times"]["local_sgd H=4"] / slow["times"]["diloco H=8"])
+    net = Network(1e-5, 1e6)
+    algorithm = next(a for a in gossip_map.ALGORITHMS if a.label == "diloco H=8")
+    want = clock_after(algorithm, 100, 8, nbytes, compute, net) + clock_after(algorithm, 110, 8, nbytes, compute, net)
+    assert slow["times"]["diloco H=8"] == pytest.approx(want / 2)
+    # ... and on a 100 Gb/s link nothing but the steps' compute is left: a tie the intervals cannot part
+    assert fast["apart"] is False and fast["margin"] == pytest.approx(1.0, abs=0.01)
+    gossip_map.plot(found, axes, [8], tmp_path / "map.png")
+    assert (tmp_path / "map.png").stat().st_size > 10_000
+    words = gossip_map.regions(found, axes)
+    assert words[0].startswith("- 8 peers, 1 per host, no straggler: ") and "**diloco H=8**" in words[0]
+
+
+def test_fewer_steps_beat_cheaper_steps_where_compute_dominates():
+    per = {a.label: [200] for a in gossip_map.ALGORITHMS}
+    per["allreduce"] = [100]
+    axes = {"bandwidth_bytes_per_s": [1.25e10], "latency_s": [1e-5], "peers_per_host": [1], "slowdown": [1.0]}
+    (cell,) = gossip_map.cells(_steps([8], per), axes, [8], 1e5, 0.05)
+    assert cell["winner"] == "allreduce" and cell["margin"] > 1.9
+
+
+@pytest.mark.slow  # make soak: about 5 min on 2 busy cores (fleet sweeps, then 6 real mpi runs)
+@pytest.mark.processes
+@pytest.mark.timeout(900)
+def test_quick_map_of_the_default_workload(tmp_path):
+    started = time.perf_counter()
+    assert gossip_map.main(["default", "--quick", "--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - started < 600
+    result = json.loads((tmp_path / "map.json").read_text())
+    assert (tmp_path / "map.png").exists() and "Where each algorithm wins" in (tmp_path / "map.md").read_text()
+    assert len(result["cells"]) == 2 * 3 * 3 * 2 * 2
+    assert all({"winner", "margin", "times", "latency_s", "bandwidth_bytes_per_s"} <= set(c) for c in result["cells"])
+    assert len({c["cell"] for c in result["checks"]}) >= 3
+    for check in result["checks"]:
+        assert check["measured_s"] is not None, check
+        assert check["predicted_s"] / check["measured_s"] == pytest.approx(1.0, abs=0.15), check

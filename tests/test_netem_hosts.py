@@ -1,0 +1,128 @@
+"""The host-aware cost model (`network.peers_per_host`): peers of one host talk over a fast intra-host
+link and share the host's one link to other hosts. The emulator's clock of real (threaded) peers against
+closed forms written here from the link arithmetic alone, on 2 hosts x 2 peers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import topologies
+from dpsgd.comm import run_local
+from dpsgd.comm.netem import Hosts, Link, NetworkEmulator
+from dpsgd.optim import DPSGD, AllReduce, LocalSGD
+
+ALPHA, BETA = 1e-3, 1e7  # between hosts: 1 ms per message, 10 MB/s
+INTRA_ALPHA, INTRA_BETA = 1e-5, 1e9  # inside a host
+FLOOR = 0.02
+NUMEL = 25_000  # 100 kB of float32
+M = 4 * NUMEL
+HOSTS = {
+    "latency_s": ALPHA,
+    "bandwidth_bytes_per_s": BETA,
+    "peers_per_host": 2,
+    "intra_latency_s": INTRA_ALPHA,
+    "intra_bandwidth_bytes_per_s": INTRA_BETA,
+}
+
+
+def _clock(comm, algorithm, network: dict, steps: int, **options) -> float:
+    """`steps` steps of `algorithm` on a quadratic under `network`; this peer's emulated seconds per step."""
+    torch.manual_seed(comm.rank)
+    net = NetworkEmulator.from_config({"compute_time": FLOOR, **network}, comm.rank, comm.size)
+    comm.attach_network(net)
+    w = torch.nn.Parameter(torch.randn(NUMEL))
+    opt = algorithm(torch.optim.SGD([w], lr=0.1), comm=comm, **options)
+    comm.barrier()
+    net.clock.reset()
+    for _ in range(steps):
+        net.start_compute()
+        opt.zero_grad()
+        w.pow(2).sum().backward()
+        net.finish_compute()
+        opt.step()
+    return net.clock.elapsed() / steps
+
+
+def _ring_allreduce(n: int, alpha: float, beta: float) -> float:
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * M / beta
+
+
+def test_allreduce_on_two_hosts_costs_what_the_ring_puts_on_each_host_link():
+    # the ring 0-1-2-3-0 leaves each host once: one hop of M/n a round on each host's link
+    want = FLOOR + _ring_allreduce(4, ALPHA, BETA)
+    assert run_local(4, _clock, AllReduce, HOSTS, 4) == pytest.approx([want] * 4, rel=1e-9)
+    # all four on one host: every hop inside it
+    one_host = {**HOSTS, "peers_per_host": 4}
+    want = FLOOR + _ring_allreduce(4, INTRA_ALPHA, INTRA_BETA)
+    assert run_local(4, _clock, AllReduce, one_host, 4) == pytest.approx([want] * 4, rel=1e-9)
+
+
+def test_one_peer_gossip_shares_the_host_link():
+    """One-peer exponential on 4 peers alternates offsets 1 and 2. Offset 1: one peer of each host sends
+    across (host link: 1 model), the other inside; offset 2: both send across (2 models on the link). Every
+    peer waits for a message from the other host, so each step takes the host link's time: on average
+    alpha + 1.5 M / beta, where a link per peer would give alpha + M / beta."""
+    topo = topologies.make("one_peer_exponential", 4)
+    steps = 6
+    across = np.array([1 if s % 2 == 0 else 2 for s in range(steps)])  # messages on a host's link at step s
+    offsets = [(sorted(topo.neighbors(0, s).send)[0] - 0) % 4 for s in range(steps)]
+    assert offsets == [3, 2] * 3  # the schedule assumed above: offset 1 (to rank - 1), then 2
+    want = FLOOR + np.mean(ALPHA + across * M / BETA)
+    got = run_local(4, _clock, DPSGD, HOSTS, steps, topology=topo)
+    assert got == pytest.approx([want] * 4, rel=1e-9)
+    flat = {k: v for k, v in HOSTS.items() if not k.startswith(("peers", "intra"))}
+    assert run_local(4, _clock, DPSGD, flat, steps, topology=topo) == pytest.approx(
+        [FLOOR + ALPHA + M / BETA] * 4, rel=1e-9
+    )
+
+
+def test_local_sgd_pays_one_all_reduce_a_period():
+    period, steps = 3, 6
+    want = FLOOR + _ring_allreduce(4, ALPHA, BETA) / period
+    assert run_local(4, _clock, LocalSGD, HOSTS, steps, period=period) == pytest.approx([want] * 4, rel=1e-9)
+
+
+def test_ring_gossip_on_two_hosts_sends_one_model_across_each_way():
+    """Ring on 2 x 2: each peer sends to both neighbours, one inside its host and one across; each host
+    sends 2 messages across (ranks 1 -> 2 and 0 -> 3 from host 0)."""
+    topo = topologies.make("ring", 4)
+    want = FLOOR + max(ALPHA + 2 * M / BETA, INTRA_ALPHA + M / INTRA_BETA)
+    assert run_local(4, _clock, DPSGD, HOSTS, 4, topology=topo) == pytest.approx([want] * 4, rel=1e-9)
+
+
+def test_hosts_send_time_counts_the_whole_hosts_messages():
+    hosts, link = Hosts(2, Link(INTRA_ALPHA, INTRA_BETA)), Link(ALPHA, BETA)
+    sends = {0: [1], 1: [2], 2: [3], 3: [0]}.__getitem__  # offset 1 on 2 x 2
+    assert hosts.send_time(link, 0, 4, M, sends) == pytest.approx(INTRA_ALPHA + M / INTRA_BETA)
+    assert hosts.send_time(link, 1, 4, M, sends) == pytest.approx(ALPHA + M / BETA)
+    across = {0: [2], 1: [3], 2: [0], 3: [1]}.__getitem__
+    assert hosts.send_time(link, 0, 4, M, across) == pytest.approx(ALPHA + 2 * M / BETA)
+    assert Hosts(1).send_time(link, 0, 4, M, across) == pytest.approx(link.message_time(M))
+    assert Hosts(1).allreduce_time(link, M, 8) == pytest.approx(link.allreduce_time(M, 8))
+
+
+def test_peers_per_host_must_be_a_whole_number():
+    with pytest.raises(ValueError, match="peers_per_host"):
+        NetworkEmulator.from_config({"peers_per_host": 0})
+    with pytest.raises(ValueError, match="peers_per_host"):
+        NetworkEmulator.from_config({"peers_per_host": 1.5})
+    assert NetworkEmulator.from_config({"peers_per_host": 2.0}).hosts.peers_per_host == 2
+
+
+def test_a_paused_clock_leaves_evaluation_off_the_sleep_mode_clock():
+    import time
+
+    from dpsgd.comm.netem import EmulatedClock
+
+    clock = EmulatedClock("sleep")
+    with clock.paused():
+        time.sleep(0.05)
+    assert clock.elapsed() < 0.02
+    time.sleep(0.03)
+    assert clock.elapsed() >= 0.03
+    model = EmulatedClock("model")
+    with model.paused():
+        model.advance(1.0)  # model mode: only what is added counts, paused or not
+    assert model.elapsed() == 1.0
