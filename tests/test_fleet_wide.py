@@ -31,9 +31,9 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", [*MODELS, "mlp"])
 def test_wide_gradients_equal_vmaps(model):
-    fleet = Fleet(image_config(MODELS[model]))
+    fleet = Fleet(image_config(MODELS[model]) if model in MODELS else runs.experiment(runs.load("algorithm", "dpsgd")))
     assert fleet._wide is not None  # the fleet chose the wide layout
     with torch.no_grad():  # peers with different weights: a layout that mixed peers would show
         for p in fleet.params:
@@ -57,8 +57,8 @@ def test_wide_fleet_equals_local_backend():
 
 
 def test_widen_refuses_what_it_cannot_lay_out():
-    with pytest.raises(ValueError, match="no convolution"):
-        widen(torch.nn.Sequential(torch.nn.Linear(3, 2)), 2)
+    with pytest.raises(ValueError, match="no wide form of LayerNorm"):  # a network of linear layers takes no norm
+        widen(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2)), 2)
     with pytest.raises(ValueError, match="no wide form of BatchNorm2d"):
         widen(torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3), torch.nn.BatchNorm2d(2)), 2)
 

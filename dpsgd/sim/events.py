@@ -2,8 +2,8 @@
 algorithm's own optimizer over a `SimulatedCommunicator` whose clock is the simulator's, so the rule is
 written once, in the optimizer.
 
-The peers' models and gradients live on the config's `device` (a GPU too: the same numbers as on the CPU to
-float tolerance). How it works: docs/guide/internals.md#events.
+The peers' models and gradients live on the config's `device` (a GPU too); messages are staged in host memory.
+How it works: docs/guide/internals.md#events.
 """
 
 from __future__ import annotations

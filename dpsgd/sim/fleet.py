@@ -2,9 +2,10 @@
 
 Every model parameter is one tensor with a leading peer axis (n, *shape). Each step draws every
 peer's minibatch from its own share (`FleetBatches`, the real run's order), computes all peers'
-losses in one call (torch.func.vmap over functional_call of the one model; a convolutional one as one
-wide network, dpsgd.sim.wide, when it computes vmap's losses) and their gradients in one backward pass,
-and calls the algorithm's own `step()` (dpsgd.optim, unchanged) on the stacked tensors.
+losses in one call (torch.func.vmap over functional_call of the one model; a convolutional one or one
+of linear layers as one wide network, dpsgd.sim.wide, when it computes vmap's losses) and their
+gradients in one backward pass, and calls the algorithm's own `step()` (dpsgd.optim, unchanged) on the
+stacked tensors.
 torch.optim's rules are elementwise, so one SGD/Adam/AdamW over stacked tensors is n independent ones.
 
 The algorithm talks to its peers through `FleetCommunicator`, whose operations act on the peer axis:
@@ -259,7 +260,9 @@ class Fleet:
         return wide if ok else None
 
     def _wide_losses(self, wide: torch.nn.Module, params: Sequence[torch.Tensor], x, y) -> torch.Tensor:
-        out = peer_outputs(functional_call(wide, dict(zip(self.names, params)), (wide_input(x),)))
+        channels = bool(wide.channels)
+        inputs = (wide_input(x, channels),)
+        out = peer_outputs(functional_call(wide, dict(zip(self.names, params)), inputs), channels)
         return self.loss_fn(out, y, reduction="none").reshape(len(out), -1).mean(1)
 
     def train_step(self) -> torch.Tensor:

@@ -182,7 +182,11 @@ def part_events(work: Path) -> dict:
     from dpsgd.sim.events import Simulation
     from experiments.bench import fleet as fleet_bench
 
-    cfg = fleet_bench.config(8, 8, "synthetic_cifar", num_samples=640)
+    cfg = (
+        fleet_bench.config(4, 8, "synthetic_cifar", num_samples=320)
+        if DRY
+        else fleet_bench.config(8, 8, "synthetic_cifar", num_samples=640)
+    )
     cfg["algorithm"] = yaml.safe_load((CONF / "algorithm" / "adpsgd.yaml").read_text())
     cfg["topology"] = yaml.safe_load((CONF / "topology" / "ring.yaml").read_text())
     cfg["model"] = {"name": "cnn", "width": 16, "groups": 2}
@@ -201,7 +205,7 @@ def part_fleet_vs_batch(work: Path) -> dict:
 
     out = work / "fleet_vs_batch.json"
     if DRY:
-        argv = ["--models", "mlp", "cnn", "--peers", "4", "8", "--steps", "1", "--repeats", "1", "--bandwidth-mib", "8"]
+        argv = ["--models", "mlp", "cnn", "--peers", "4", "--steps", "1", "--repeats", "1", "--bandwidth-mib", "8"]
     else:
         argv = [
             "--device",
