@@ -182,7 +182,7 @@ def test_accumulated_micro_batches_give_the_whole_batchs_step():
 
 @pytest.mark.processes
 def test_options_run_in_the_app_with_the_same_numbers_on_local_mpi_and_the_fleet(app, tmp_path):
-    args = ["epochs=1", "log_every=5", "schedule=cosine", "schedule.warmup_steps=10"]
+    args = ["peers=2", "epochs=1", "log_every=5", "schedule=cosine", "schedule.warmup_steps=10"]
     args += [f"{k}={v}" for k, v in OPTIONS.items()]
     done = {}
     for backend in ("local", "mpi", "fleet"):
