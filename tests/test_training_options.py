@@ -182,7 +182,7 @@ def test_accumulated_micro_batches_give_the_whole_batchs_step():
 
 @pytest.mark.processes
 def test_options_run_in_the_app_with_the_same_numbers_on_local_mpi_and_the_fleet(app, tmp_path):
-    args = ["epochs=1", "log_every=5", "schedule=cosine", "schedule.warmup_steps=10"]
+    args = ["peers=2", "epochs=1", "log_every=5", "schedule=cosine", "schedule.warmup_steps=10"]
     args += [f"{k}={v}" for k, v in OPTIONS.items()]
     done = {}
     for backend in ("local", "mpi", "fleet"):
@@ -199,7 +199,11 @@ def test_options_run_in_the_app_with_the_same_numbers_on_local_mpi_and_the_fleet
         assert done["fleet"][key] == pytest.approx(done["local"][key], rel=tol, abs=1e-6), key
 
 
-def test_the_event_simulator_refuses_options_it_does_not_take(hydra_config):
+def test_the_event_simulator_refuses_options_it_does_not_take_and_records_its_rate(hydra_config, tmp_path):
+    from dpsgd.sim.run import train_fleet
+
+    train_fleet(hydra_config("backend=fleet", "algorithm=adpsgd", "epochs=1", "log_every=5"), tmp_path)
+    assert {r["lr"] for r in records(tmp_path)} == {0.1}  # the configured rate, constant
     from experiments.validate import ConfigError, validate
 
     validate(hydra_config("backend=fleet", "algorithm=adpsgd"))
