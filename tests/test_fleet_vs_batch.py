@@ -20,6 +20,7 @@ def test_rows_and_targets(tmp_path):
     for r in rows:
         assert {"model", "peers", "device", "ratio", "floor_ratio"} <= set(r)
         assert r["device"] == "cpu" and r["ratio"] > 0 and 0 < r["floor_ratio"]
+        assert r["layout"] == "wide" and r["vmap_ratio"] > 0  # both models take the wide layout
         assert all(v > 0 for v in r["floor_bytes"].values()), r["floor_bytes"]
         assert (r["target"] is None) == (r["peers"] < bench.TARGET_FROM)
         if r["target"] is not None and not r["target"]["holds"]:

@@ -116,7 +116,8 @@ def test_allreduce_overlap_refuses_a_grad_scaler_in_one_line():
 @pytest.mark.timeout(300)
 def test_a_users_loop_under_mpiexec_restores_exactly_and_survives_an_inf_on_one_peer(tmp_path):
     """4 mpi peers: warmup then cosine, two groups, clipping, bf16 autocast, a restore at step 4 equal to the
-    uninterrupted run for every synchronous algorithm; a GradScaler with an inf on rank 1 for every algorithm."""
+    uninterrupted run for every synchronous algorithm; a GradScaler with an inf on rank 1 and module= on ranks
+    seeded differently (their whole model: buffers, a frozen layer) for every algorithm."""
     code = spawn("mpi", N, [SCRIPT, "mpi", str(tmp_path)], timeout_s=240)
     assert code == 0, f"mpi peers exited with {code}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)]
@@ -126,7 +127,10 @@ def test_a_users_loop_under_mpiexec_restores_exactly_and_survives_an_inf_on_one_
             assert runs["restored"] == runs["uninterrupted"], f"{name}, rank {r}: the restored run differs"
             lrs = [step[0][0] for step in runs["uninterrupted"]["used"]]
             assert lrs[0] < lrs[3] and lrs[-1] < lrs[3], f"{name}: the warmup and cosine did not reach the base"
+    rank0 = {k: v.double().reshape(-1).tolist() for k, v in loop.whole_model(0).state_dict().items()}
     for name in ALGORITHMS:
+        assert all(r["module"][name] == ranks[0]["module"][name] for r in ranks), f"{name}: module= left them apart"
+        assert ranks[0]["module"][name] == rank0, f"{name}: not rank 0's state"
         for r, result in enumerate(ranks):
             got = result["scaler"][name]
             assert all(math.isfinite(v) for v in got["inf"]), f"{name}, rank {r}: an inf reached the parameters"
@@ -134,3 +138,33 @@ def test_a_users_loop_under_mpiexec_restores_exactly_and_survives_an_inf_on_one_
                 assert got["inf"] == got["skipped"], f"{name}, rank {r}: the peers did not skip together"
         if name in EXACT:
             assert all(r["scaler"][name]["inf"] == ranks[0]["scaler"][name]["inf"] for r in ranks), name
+
+
+@pytest.mark.parametrize("wrapper", ["trimmed_mean", "top_k"])
+def test_the_skip_and_rank_0s_buffers_travel_plain_under_robust_rules_and_compression(wrapper):
+    """The skip flag and the broadcast buffers are no model exchange: a robust rule would trim the one peer's
+    flag away (and hang the others), a codec would encode them; both go through the plain communicator."""
+    from dpsgd.comm import codecs, robust
+    from dpsgd.optim import DPSGD
+
+    def peer(comm):
+        spec = {"name": "top_k", "ratio": 0.5}
+        wrapped = robust.wrap(comm, wrapper) if wrapper == "trimmed_mean" else codecs.wrap(comm, spec)
+        model = loop.whole_model(comm.rank)
+        base = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        opt = DPSGD(base, topology=loop.topologies.make("ring", comm.size), comm=wrapped, module=model)
+        scaler = torch.amp.GradScaler("cpu")
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(comm.rank))
+        scaler.scale(model(x).pow(2).mean()).backward()
+        if comm.rank == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        skipped = opt.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        model(x * (1 + comm.rank)).pow(2).mean().backward()  # the peers' statistics differ
+        opt.step()
+        return skipped, model[1].running_mean.clone()
+
+    results = run_local(N, peer, timeout_s=60)
+    assert all(skipped for skipped, _ in results), "a peer stepped while another's gradients held an inf"
+    assert all(torch.equal(mean, results[0][1]) for _, mean in results), "the buffers are not rank 0's"

@@ -38,11 +38,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     exchanges are counted in `comm.stats`.
 
     `step()` fires torch's step hooks and keeps `torch.amp.GradScaler`'s contract
-    (`_step_supports_amp_scaling`): it unscales the gradients, and when any peer's have an inf or nan
-    (one one-element all-reduce) every peer skips the step together, as DDP's ranks do, so no inf reaches
-    a neighbour and the peers stay on one step; an asynchronous optimizer skips its own step alone (its
-    exchanges go on). `state_dict()` holds the base's state and the algorithm's own (`algorithm_state()`),
-    so a run resumes bit for bit.
+    (`_step_supports_amp_scaling`): it unscales the gradients, and when any peer's have an inf or nan (one
+    one-element all-reduce, not counted in `comm.stats`) every peer skips the step together, as DDP's ranks
+    do, so no inf reaches a neighbour and the peers stay on one step; an asynchronous optimizer skips its
+    own step alone (its exchanges go on). `state_dict()` holds the base's state and the algorithm's own
+    (`algorithm_state()`), so a run resumes bit for bit.
 
     A subclass implements `step()` with `self.base.step()` and the communicator's operations
     (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...) (the base
@@ -170,8 +170,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self.asynchronous and self.comm.size > 1 and not self.comm.peer_shape:
             # a fleet has one scaler over every peer's rows: its flag is already every peer's. A control
             # message, not counted as the algorithm's traffic (the fleet, with the same numbers, sends none)
-            with self.comm.exact.uncounted():
-                flag = self.comm.exact.allreduce_sum([flag])[0]
+            plain = _plain(self.comm)
+            with plain.uncounted():
+                flag = plain.allreduce_sum([flag])[0]
         return bool(flag.item() > 0)
 
     def check_grad_scaler(self) -> None:
@@ -186,8 +187,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _exchange_buffers(self) -> None:
         if self.module is None or self.buffers == "local":
             return
-        comm = self.comm.exact
         if self.buffers == "broadcast":  # rank 0's buffers: a sum to which only rank 0 contributes
+            comm = _plain(self.comm)
             groups: dict[tuple, list[torch.Tensor]] = {}
             for b in self.module.buffers():
                 groups.setdefault((b.dtype, b.device), []).append(b)
@@ -198,6 +199,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         if not self.buffers_due(self.step_count):
             return
+        comm = self.comm.exact  # the model's own exchange, uncompressed
         floating = [b for b in self.module.buffers() if b.is_floating_point()]  # counters stay local
         by_dtype: dict[tuple, list[torch.Tensor]] = {}
         for b in floating:
@@ -382,6 +384,15 @@ _ADVICE = {
     ),
     "column": ("column stochastic", 0, "column", "- use a directed (push-sum) or undirected topology"),
 }
+
+
+def _plain(comm: Communicator) -> Communicator:
+    """The communicator under its wrappers (compression, robust aggregation: each keeps it as `inner`), for
+    messages that are no model exchange: a skip flag, or rank 0's buffers (a robust rule or a codec would
+    turn a sum with zeros into something else)."""
+    while getattr(comm, "inner", None) is not None:
+        comm = comm.inner  # type: ignore[attr-defined]
+    return comm
 
 
 def _names_common(init) -> bool:

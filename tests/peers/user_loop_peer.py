@@ -44,6 +44,36 @@ def model_for(seed: int) -> torch.nn.Module:
     return model
 
 
+def whole_model(seed: int) -> torch.nn.Module:
+    """Linear, BatchNorm, a frozen Linear: every kind of state a model holds, drawn from its own generator."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(torch.rand(t.shape, generator=generator) + 0.5)
+            else:
+                t.fill_(seed)
+    model[2].requires_grad_(False)  # frozen: not in any optimizer
+    return model
+
+
+def module_state(comm) -> dict:
+    """Each algorithm built with module= on a whole model seeded by this rank: its state afterwards."""
+    out = {}
+    for name in ALGORITHMS:
+        model = whole_model(comm.rank)
+        base = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        options = factories({k: v for k, v in conf(name).items() if k not in BASE_KEYS})
+        topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
+        opt = build(name, base, topology=topology, comm=comm, module=model, **options)
+        if opt.asynchronous:
+            opt.set_budget(steps=0, samples=0)
+            opt.finish()
+        out[name] = {k: v.double().reshape(-1).tolist() for k, v in model.state_dict().items()}
+    return out
+
+
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Peer `rank`'s batch at `step` (a function of both, so a restored loop draws the same batches)."""
     generator = torch.Generator().manual_seed(10_000 * rank + step)
@@ -165,8 +195,8 @@ def scaled(comm, name: str, inf: bool) -> list[float]:
 
 def all_trajectories(comm) -> dict:
     """Under mpiexec: the user loop with a warmup-then-cosine schedule, bf16 autocast and a mid-run restore for
-    every synchronous algorithm, and the GradScaler with an inf on one peer for every algorithm."""
-    out: dict = {"restore": {}, "scaler": {}}
+    every synchronous algorithm, the GradScaler with an inf on one peer and module= for every algorithm."""
+    out: dict = {"restore": {}, "scaler": {}, "module": module_state(comm)}
     for name in SYNCHRONOUS:
         out["restore"][name] = {
             "uninterrupted": train(comm, name, "sequential", bf16=True),
