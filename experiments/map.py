@@ -20,6 +20,7 @@ import argparse
 import itertools
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -122,10 +123,10 @@ def measure_compute(cfg: dict, repeats: int = 30) -> tuple[float, int, int]:
     return float(np.median(times[3:])), int(nbytes), len(split.x_train)
 
 
-def epochs_for(cfg: dict, n: int, train_size: int, min_steps: int) -> int:
-    """The workload's epochs, or more where n peers would take fewer than `min_steps` steps in them."""
+def epochs_for(cfg: dict, n: int, train_size: int, min_steps: int, epochs: int | None = None) -> int:
+    """The workload's epochs (or `epochs`), or more where n peers would take fewer than `min_steps` steps in them."""
     per_epoch = max(1, train_size // (n * int(cfg["batch_size"])))
-    return max(int(cfg["epochs"]), math.ceil(min_steps / per_epoch))
+    return max(int(epochs or cfg["epochs"]), math.ceil(min_steps / per_epoch))
 
 
 # --- 1. steps to the target on the fleet --------------------------------------------------------------------------
@@ -136,6 +137,7 @@ def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) ->
         sweep = out / "fleet" / f"{algorithm.label.replace(' ', '_').replace('=', '')}_n{n}"
         seeds = ",".join(str(s) for s in range(args.seeds))
         if not finished(sweep, args.seeds):
+            shutil.rmtree(sweep, ignore_errors=True)  # an interrupted sweep's runs: run again
             started = time.perf_counter()
             run_sweep(
                 [
@@ -145,7 +147,7 @@ def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) ->
                     "backend.threads=1",
                     f"peers={n}",
                     f"seed={seeds}",
-                    f"epochs={epochs_for(cfg, n, train_size, args.min_steps)}",
+                    f"epochs={epochs_for(cfg, n, train_size, args.min_steps, args.epochs)}",
                     f"target_accuracy={args.target}",
                     f"log_every={args.log_every}",
                 ],
@@ -241,6 +243,7 @@ def real_run(
         f"peers={cell['peers']}", "seed=0", "network=loopback", *sets, f"epochs={epochs}",
         f"target_accuracy={args.target}", f"log_every={args.log_every}", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier invocation: measured again
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"error: a check run failed: {' '.join(cmd[3:])}\n{proc.stderr[-2000:]}")
@@ -279,6 +282,78 @@ def checks(args, base: list[str], cfg: dict, steps: dict, found: list[dict], tra
                 "run_s": time.perf_counter() - started,
             })  # fmt: skip
             print(f"check: {label} at cell {i}: predicted {predicted:.3g} s, measured {real['measured_s']} s")
+    return rows
+
+
+TCP_PAYLOAD = 1448 / 1514  # payload of a full TCP segment (timestamps) over its bytes on the wire, which tbf counts
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """A tc rate (e.g. 1mbit) in payload bytes per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    unit = next((u for u in units if rate.endswith(u)), None)
+    if unit is None:
+        raise SystemExit(f"error: --test-hosts {rate!r}: expected a tc rate such as 1mbit or 500kbit")
+    return float(rate[: -len(unit)]) * units[unit] / 8 * TCP_PAYLOAD
+
+
+def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: int, out: Path) -> list[dict]:
+    """The default placement for real: 4 mpi peers on 2 test hosts (tools/testhosts.py, network namespaces), ranks
+    0, 1 on host 1 and 2, 3 on host 2, each host's link capped at `--test-hosts` (tc tbf both ways), nothing emulated
+    but the compute floor. The prediction: the cost model with 2 peers per host, that rate's payload and 100 us."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import testhosts
+
+    from dpsgd.backends.launch import peer_env
+
+    if why := testhosts.unavailable():
+        print(f"test hosts: {why}; no check on a capped link")
+        return []
+    n, net, compute = 4, Network(1e-4, rate_bytes_per_s(args.test_hosts), peers_per_host=2), args.test_host_compute_s
+    if str(n) not in next(iter(steps.values())):
+        print(f"test hosts: 4 peers are not among --peers {args.peers}; no check on a capped link")
+        return []
+    # algorithms that send every step: tbf's 64 KiB bucket refills while a link idles, and lets that much through at
+    # line speed, which for a small model is most of a periodic all-reduce (LocalSGD, DiLoCo): not checked here
+    predicted_s = {
+        a.label: clock_after(a, steps[a.label][str(n)]["steps"][0], n, args.model_bytes, compute, net)
+        for a in ALGORITHMS
+        if a.kind in ("allreduce", "gossip") and steps[a.label][str(n)]["steps"][0] is not None
+    }
+    rows = []
+    with testhosts.TestHosts(2, rate=args.test_hosts) as hosts:
+        for label in sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
+            algorithm = next(a for a in ALGORITHMS if a.label == label)
+            predicted_steps = steps[label][str(n)]["steps"][0]
+            per_epoch = max(1, train_size // (n * int(cfg["batch_size"])))
+            run_dir = out / "checks" / f"testhosts_{label.replace(' ', '_').replace('=', '')}"
+            cmd = [
+                sys.executable, "-m", "experiments.train", *base, *algorithm.overrides,
+                f"backend={args.test_host_backend}", f"peers={n}", "seed=0", "network=loopback",
+                f"network.compute_time={compute}",
+                f"epochs={math.ceil((predicted_steps + 2 * args.log_every) / per_epoch)}",
+                f"target_accuracy={args.target}", f"log_every={args.log_every}", f"hydra.run.dir={run_dir}",
+                f"launcher.hosts=[{hosts.address(1)},{hosts.address(2)}]",
+                f"launcher.runner={ROOT / 'tools' / 'netns_exec.sh'}",
+            ]  # fmt: skip
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier invocation: measured again
+            started = time.perf_counter()
+            proc = hosts.run(1, cmd, timeout=600, cwd=ROOT, env=peer_env(), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"error: a test-host run failed: {' '.join(cmd[3:])}\n{proc.stderr[-2000:]}")
+            summary = json.loads((run_dir / "summary.json").read_text())
+            measured = summary.get("emulated_time_to_target_s")
+            rows.append({
+                "algorithm": label, "cell": "test hosts", "peers": n, "latency_s": net.latency_s,
+                "bandwidth_bytes_per_s": net.bandwidth_bytes_per_s, "peers_per_host": 2, "slowdown": 1.0,
+                "link": f"tc tbf {args.test_hosts}, {args.test_host_backend}",
+                "compute_s": compute, "predicted_steps": predicted_steps,
+                "measured_steps": summary.get("steps_to_target"), "predicted_s": predicted_s[label],
+                "measured_s": measured, "ratio": None if not measured else predicted_s[label] / measured,
+                "run_s": time.perf_counter() - started,
+            })  # fmt: skip
+            print(f"check: {label} on test hosts at {args.test_hosts}: predicted {predicted_s[label]:.3g} s, "
+                  f"measured {measured} s")  # fmt: skip
     return rows
 
 
@@ -382,19 +457,21 @@ def markdown(result: dict) -> str:
     lines += ["", "Where each algorithm wins:", "", *regions(result["cells"], result["axes"]), ""]
     if result["checks"]:
         lines += [
-            "Checks (mpi peers, the cell's network emulated in sleep mode, compute floor "
-            f"{result['checks'][0]['compute_s'] * 1e3:g} ms):",
+            "Checks (mpi peers: the cell's network emulated in sleep mode, or test hosts with capped links; compute "
+            "floor per step as given):",
             "",
-            "| cell | algorithm | bandwidth | latency | slowdown | steps predicted / measured | predicted s | "
-            "measured s | predicted / measured |",
-            "|---|---|---|---|---|---|---:|---:|---:|",
+            "| cell | algorithm | link | peers per host | slowdown | compute floor | steps predicted / measured | "
+            "predicted s | measured s | predicted / measured |",
+            "|---|---|---|---|---|---|---|---:|---:|---:|",
         ]
         for c in result["checks"]:
             ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+            link = c.get("link") or f"emulated {_rate(c['bandwidth_bytes_per_s'])}, {_seconds(c['latency_s'])}"
+            measured = "-" if c["measured_s"] is None else f"{c['measured_s']:.3g}"
             lines.append(
-                f"| {c['cell']} | {c['algorithm']} | {_rate(c['bandwidth_bytes_per_s'])} | {_seconds(c['latency_s'])} "
-                f"| {c['slowdown']:g} | {c['predicted_steps']} / {c['measured_steps']} | {c['predicted_s']:.3g} | "
-                f"{c['measured_s'] if c['measured_s'] is None else format(c['measured_s'], '.3g')} | {ratio} |"
+                f"| {c['cell']} | {c['algorithm']} | {link} | {c['peers_per_host']} | {c['slowdown']:g} | "
+                f"{c['compute_s'] * 1e3:g} ms | "
+                f"{c['predicted_steps']} / {c['measured_steps']} | {c['predicted_s']:.3g} | {measured} | {ratio} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -407,13 +484,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, help="seeds per algorithm and peer count (default 3; quick: 1)")
     p.add_argument("--target", type=float, help=f"target test accuracy (default per workload: {TARGETS})")
     p.add_argument("--log-every", type=int, default=1, help="steps between evaluations (the steps' resolution)")
+    p.add_argument("--epochs", type=int, help="the fleet runs' epochs (default: the workload's)")
     p.add_argument("--min-steps", type=int, default=120, help="more epochs where a peer count would take fewer")
     p.add_argument("--check-cells", type=int, default=3, help="cells checked against real runs (0: none)")
     p.add_argument("--check-peers", type=int, default=4, help="peers of the real runs (one of --peers)")
     p.add_argument("--check-compute-s", type=float, default=0.03, help="compute floor of each real step")
+    p.add_argument("--test-hosts", metavar="RATE", help="also check 4 peers on 2 test hosts capped at RATE (root)")
+    p.add_argument(
+        "--test-host-backend",
+        default="torch",
+        choices=["mpi", "torch"],
+        help="test-host runs' backend (torch: gloo's ring)",
+    )
+    p.add_argument("--test-host-compute-s", type=float, default=0.01, help="compute floor of the test-host runs")
     p.add_argument("--out", type=Path, help="default outputs/map/WORKLOAD")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run (e.g. data.alpha=0.1)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     started = time.perf_counter()
     args.peers = args.peers or ([4, 8] if args.quick else [4, 8, 16, 32])
     args.seeds = args.seeds or (1 if args.quick else 3)
@@ -437,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     axes = grid(args.quick)
     found = cells(steps, axes, args.peers, args.model_bytes, compute_s)
     rows = checks(args, base, cfg, steps, found, train_size, out) if args.check_cells else []
+    if args.test_hosts:
+        rows += test_host_checks(args, base, cfg, steps, train_size, out)
     command = "python -m experiments.map " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
         "workload": args.workload, "overrides": base, "target": args.target, "seeds": args.seeds,

@@ -191,6 +191,16 @@ class FleetCommunicator(Communicator):
         return out
 
 
+def check_model(model: torch.nn.Module) -> None:
+    """The fleet stacks every peer's parameters, not its buffers: a model whose training changes its buffers
+    (BatchNorm's running statistics, one set per peer) is refused."""
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ValueError(
+            "the fleet stacks each peer's parameters but not BatchNorm's running statistics, which are per peer: "
+            "run it on real peers (backend=local, mpi or torch) or use model.norm=group"
+        )
+
+
 class Fleet:
     """n peers of the experiment config `cfg` (the dict a Hydra run resolves): the same data split,
     shares, batch order, initial model, topology and algorithm as the real run with the same seed."""
@@ -208,6 +218,7 @@ class Fleet:
             int(cfg["seed"]),
         )
         self.model = build_model(cfg, run.split).to(self.device)
+        check_model(self.model)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.params = [
             p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_() for p in self.model.parameters()

@@ -71,6 +71,7 @@ class EventsRun(FleetRun):
         from .events import Simulation
 
         self.sim = sim = Simulation(cfg)
+        self.lr = float(cfg["algorithm"]["lr"])  # constant: the simulator takes no schedule (experiments.validate)
         self.plan, self.topology = sim.plan, sim.topology
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
         self.step_count, self.total_steps = 0, sim.plan.total_steps
@@ -114,6 +115,7 @@ class EventsRun(FleetRun):
             samples=samples,
             wall_time_s=wall_s,
             **{**measured, "peak_mb_sent_per_step": None},  # no global step
+            lr=self.lr,
             scope="all peers",
         )
 
