@@ -161,10 +161,13 @@ def base_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
     )
 
 
-def build_optimizer(cfg: dict, params, topology, comm) -> DistributedOptimizer:
+def build_optimizer(cfg: dict, params, topology, comm, module: torch.nn.Module | None = None) -> DistributedOptimizer:
     """The config's distributed optimizer (a registered name or a `_target_` class) over `params`, talking
-    through `comm` wearing the config's `compression` (dpsgd.comm.codecs.wrap): real peers and the fleet alike."""
+    through `comm` wearing the config's `compression` (dpsgd.comm.codecs.wrap): real peers and the fleet alike.
+    `module`: a real peer's model, whose buffers the config's `buffers` (broadcast, average, local) governs."""
     options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
+    if module is not None:
+        options.update(module=module, buffers=cfg.get("buffers"))
     comm = codecs.wrap(comm, cfg.get("compression"))  # every algorithm's means and mixes, encoded
     corrupted = corrupt.from_faults(cfg.get("faults"), comm.size, int(cfg.get("seed", 0)))
     comm = robust.wrap(comm, cfg.get("robust"), corrupted)  # corrupt senders, robust receivers (both: off by default)
@@ -290,7 +293,7 @@ def build_peer(comm, cfg: dict) -> Peer:
     split = run.split
     model = build_model(cfg, split).to(device)
     topology = build_topology(cfg, comm.size)
-    optimizer = build_optimizer(cfg, model.parameters(), topology, comm)
+    optimizer = build_optimizer(cfg, model.parameters(), topology, comm, module=model)
     synchronous = not getattr(optimizer, "asynchronous", False)  # peers in lockstep can agree on a skip
     return Peer(
         plan=run,

@@ -88,6 +88,10 @@ class Guard:
         self.run = run
         self.first: Diverged | None = None  # this process's first divergence (mark)
         self._params, self._peers, self._rank, self._comm = self._watched(run)
+        self._sim = getattr(
+            run, "sim", None
+        )  # the event simulator: every peer's live x, checked once per step of peer 0
+        self._checked = -1
 
     @staticmethod
     def _watched(run):
@@ -97,7 +101,7 @@ class Guard:
             return list(peer.model.parameters()), None, run.comm.rank, getattr(peer.optimizer, "comm", None)
         if fleet is not None:
             return list(fleet.params), fleet.n, 0, getattr(fleet.algorithm, "comm", None)
-        return [], None, 0, None  # the event simulator: its peers' losses only
+        return [], None, 0, None  # the event simulator: its peers' losses, and their live x (below)
 
     def check(self, step: int, loss: float) -> None:
         """After step `step` (whose mean training loss over this process's peers was `loss`)."""
@@ -114,6 +118,12 @@ class Guard:
         sender = getattr(self._comm, "nonfinite_from", None)
         if sender is not None:  # (sender, receiver): a neighbour's message, named as that neighbour's
             return Diverged(sender[0], step, f"it sent non-finite values (received by peer {sender[1]})")
+        if self._sim is not None and step != self._checked:
+            self._checked = step
+            rows = torch.linalg.vector_norm(self._sim.live, dim=1)  # (n, D): as many entries as n events step
+            bad = [(peer, what) for peer, value in enumerate(rows.tolist()) if (what := problem(None, value))]
+            if bad:
+                return Diverged(bad[0][0], step, bad[0][1])
         if not self._params:
             what = problem(loss, None)
             return None if what is None else Diverged(self._rank, step, what)

@@ -41,12 +41,16 @@ def score(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y:
 def evaluate(
     model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
 ) -> tuple[float, float, int]:
-    """(sum of losses, number correct, count) of `model` with `params` on (x, y); for sequences, count is
-    in tokens."""
-    loss, correct = 0.0, 0.0
-    for i in range(0, len(x), batch_size):
-        part_loss, part_correct = score(model, params, x[i : i + batch_size], y[i : i + batch_size])
-        loss, correct = loss + part_loss.item(), correct + part_correct.item()
+    """(sum of losses, number correct, count) of `model` with `params` on (x, y), in eval mode (BatchNorm: its
+    running statistics, left as they are); for sequences, count is in tokens."""
+    loss, correct, training = 0.0, 0.0, model.training
+    model.eval()
+    try:
+        for i in range(0, len(x), batch_size):
+            part_loss, part_correct = score(model, params, x[i : i + batch_size], y[i : i + batch_size])
+            loss, correct = loss + part_loss.item(), correct + part_correct.item()
+    finally:
+        model.train(training)
     return loss, correct, y.numel()
 
 

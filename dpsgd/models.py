@@ -3,9 +3,9 @@
 - `linear`: multinomial logistic (or linear) regression, a convex problem.
 - `mlp`: fully connected with ReLU, `hidden` widths.
 - `cnn`: two 3x3 conv blocks (conv, GroupNorm, ReLU, max-pool) and a linear head; any image size.
-- `resnet20`: He et al. 2016's CIFAR ResNet-20 (0.27 M parameters) with GroupNorm instead of
-  BatchNorm, as in the decentralized literature (Hsieh et al. 2020): batch statistics are local
-  to a peer and do not average meaningfully.
+- `resnet20`: He et al. 2016's CIFAR ResNet-20 (0.27 M parameters), with GroupNorm by default, as in
+  the decentralized literature (Hsieh et al. 2020): batch statistics are local to a peer and do not
+  average meaningfully; `norm="batch"` gives the original BatchNorm (running statistics per peer).
 - `transformer`: a small causal transformer language model over token ids (pre-norm encoder
   layers with a causal mask, learned positions, no dropout so that peers stay deterministic).
 """
@@ -18,9 +18,11 @@ from math import prod
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer")
+NORMS = ("group", "batch")  # resnet20's normalization layers
 _init_lock = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
 
 
@@ -44,11 +46,14 @@ def build(
     dim: int = 64,
     layers: int = 2,
     heads: int = 4,
+    norm: str = "group",
 ) -> nn.Module:
     """Every peer calls this with the same seed and gets the same initial parameters.
     `num_outputs` is the class count (1 for regression; the vocabulary size for a language model)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
+    if norm not in NORMS:
+        raise ValueError(f"model.norm must be one of {', '.join(NORMS)}, got {norm!r}")
     if name == "transformer" and len(input_shape) != 1:
         raise ValueError(f"model transformer needs token sequences (data=tiny_text), got inputs of shape {input_shape}")
     if name in ("cnn", "resnet20") and len(input_shape) != 3:
@@ -63,7 +68,7 @@ def build(
             return _cnn(input_shape, num_outputs, width, groups)
         if name == "transformer":
             return TinyTransformer(num_outputs, input_shape[0], dim, layers, heads)
-        return ResNet20(input_shape[0], num_outputs, groups)
+        return ResNet20(input_shape[0], num_outputs, groups, norm)
 
 
 def _mlp(inputs: int, hidden: list[int], outputs: int) -> nn.Module:
@@ -83,17 +88,21 @@ def _cnn(input_shape, outputs: int, width: int, groups: int) -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(2 * width * 4, outputs))
 
 
+def _norm(kind: str, groups: int, channels: int) -> nn.Module:
+    return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(groups, channels)
+
+
 class _Block(nn.Module):
-    def __init__(self, c_in: int, c_out: int, stride: int, groups: int):
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int, norm: str = "group"):
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.norm1 = nn.GroupNorm(groups, c_out)
+        self.norm1 = _norm(norm, groups, c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.norm2 = nn.GroupNorm(groups, c_out)
+        self.norm2 = _norm(norm, groups, c_out)
         self.shortcut = (
             nn.Identity()
             if stride == 1 and c_in == c_out
-            else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(groups, c_out))
+            else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), _norm(norm, groups, c_out))
         )
 
     def forward(self, x):
@@ -103,15 +112,16 @@ class _Block(nn.Module):
 
 class ResNet20(nn.Module):
     """ResNet-20 (He et al. 2016, the CIFAR variant: 3 stages of 3 basic blocks, 16/32/64 channels), with
-    GroupNorm instead of BatchNorm so that no batch statistics differ between peers; 0.27 M parameters."""
+    GroupNorm (`norm="group"`, the default: no batch statistics differ between peers) or the original
+    BatchNorm (`norm="batch"`: running statistics kept per peer, in buffers); 0.27 M parameters."""
 
-    def __init__(self, channels: int = 3, num_classes: int = 10, groups: int = 2):
+    def __init__(self, channels: int = 3, num_classes: int = 10, groups: int = 2, norm: str = "group"):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(channels, 16, 3, 1, 1, bias=False), nn.GroupNorm(groups, 16), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(channels, 16, 3, 1, 1, bias=False), _norm(norm, groups, 16), nn.ReLU())
         blocks, c_in = [], 16
         for c_out, stride in ((16, 1), (32, 2), (64, 2)):
             for i in range(3):
-                blocks.append(_Block(c_in, c_out, stride if i == 0 else 1, groups))
+                blocks.append(_Block(c_in, c_out, stride if i == 0 else 1, groups, norm))
                 c_in = c_out
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
@@ -132,10 +142,22 @@ class TinyTransformer(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
     def forward(self, tokens):
         t = tokens.shape[1]
-        mask = cast(torch.Tensor, self.mask)  # a registered buffer
         h = self.embed(tokens) + self.position[:t]
-        return self.head(self.norm(self.encoder(h, mask=mask[:t, :t], is_causal=True)))
+        for layer in cast(list[nn.TransformerEncoderLayer], self.encoder.layers):  # pre-norm, no dropout
+            h = h + _causal_attention(layer.self_attn, layer.norm1(h))
+            h = h + layer.linear2(layer.activation(layer.linear1(layer.norm2(h))))
+        return self.head(self.norm(h))
+
+
+def _causal_attention(attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """nn.MultiheadAttention's self-attention with a causal mask, its products on (batch x positions, width):
+    the same numbers, and under vmap (the fleet) one batched product each instead of one per position."""
+    b, t, d = x.shape
+    heads = attn.num_heads
+    qkv = F.linear(x.reshape(b * t, d), attn.in_proj_weight, attn.in_proj_bias)
+    q, k, v = qkv.reshape(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # each (b, heads, t, d / heads)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * t, d)
+    return F.linear(out, attn.out_proj.weight, attn.out_proj.bias).reshape(b, t, d)

@@ -1,17 +1,29 @@
 """The network interface a run uses: the one on this host's route to the master's address.
 
 gloo otherwise binds the address the hostname resolves to (often 127.0.0.1, so a peer on another host
-cannot connect), and MPICH listens on every interface. Loopback masters get `lo`, so single-host runs
-stay off external interfaces as before.
+cannot connect), NCCL's bootstrap and socket transport pick an interface of their own, and MPICH listens on
+every interface. Loopback masters get `lo`, so single-host runs stay off external interfaces as before.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import subprocess
 
 _TIMEOUT_S = 10.0
+TORCH_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # gloo's and NCCL's interface
+
+
+def set_torch_interface(master: str, env=None) -> str:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the interface on the route to `master`, where the user has not
+    set them (in `env`, default os.environ); returns that interface."""
+    env = os.environ if env is None else env
+    iface = interface_to(master)
+    for var in TORCH_VARIABLES:
+        env.setdefault(var, iface)
+    return iface
 
 
 def resolve(host: str) -> str:

@@ -172,7 +172,8 @@ def run_loop(
                 if kept is not None and out_dir is not None:
                     checkpoint.save(run.comm, out_dir, step, kept)
     wall = time.perf_counter() - start
-    final = run.final(last, running / seen if seen else float("nan"), wall)
+    # no step since the last record (an asynchronous peer may stop right after one): that record's loss
+    final = run.final(last, running / seen if seen else last.get("train_loss", float("nan")), wall)
     extra = run.summary(final, wall)
     if final is not last:  # taken after training: with the totals of the summary's blocks (e.g. AD-PSGD's)
         totals = {

@@ -27,6 +27,7 @@ from dpsgd import backends
 from dpsgd.backends import Backend
 from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signals
 from dpsgd.divergence import Diverged
+from experiments import overrides
 from experiments.table import format_table
 from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, check_same_run, validate
 
@@ -79,6 +80,12 @@ def _startup_timeout(argv: list[str]) -> float:
     return DEFAULT_TIMEOUT_S
 
 
+def launched() -> Backend | None:
+    """The launcher that made this process a rank (dpsgd.backends.launched), the command line's backend= first."""
+    asked = [a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+").startswith("backend=")]
+    return backends.launched(asked[-1] if asked else None)
+
+
 def _elastic(argv: list[str]) -> bool:
     return any(a.lower() in ("elastic=true", "++elastic=true", "+elastic=true") for a in argv)
 
@@ -119,7 +126,8 @@ def resume_line(cfg: dict, run_dir: Path, launcher: Backend | None) -> str:
         return f"stopped by {{signal}}; {kept}; an elastic world continues from it when the launcher re-forms it"
     if launcher is not None:  # the user's launcher command is not ours to repeat
         return f"interrupted by {{signal}}; {kept}; resume with your launcher command plus: {shlex.join(again)}"
-    command = shlex.join(["python", "-m", "experiments.train", *args, *again])
+    program = ["dpsgd-train"] if Path(sys.argv[0]).name == "dpsgd-train" else ["python", "-m", "experiments.train"]
+    command = shlex.join([*program, *args, *again])
     return f"interrupted by {{signal}}; {kept}; resume with: {command}"
 
 
@@ -210,10 +218,14 @@ def signal_name(signum: int) -> str:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    launcher = backends.launched()
+    launcher = launched()
     rank, world_size = launcher.world() if launcher is not None else (0, None)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
+        if launcher is not None and resolved["backend"]["name"] != launcher.name:
+            # srun's tasks are a world for mpi and torch alike: the config's backend, where it sees one
+            launcher = backends.launched(resolved["backend"]["name"]) or launcher
+            rank, world_size = launcher.world() or (rank, world_size)
         if launcher is not None and resolved["backend"]["name"] != launcher.name:
             raise ConfigError(
                 f"started by a {launcher.name} launcher but backend={resolved['backend']['name']}; "
@@ -263,12 +275,12 @@ def expand_seeds(argv: list[str]) -> list[str]:
 
 def main() -> None:
     try:
-        argv = expand_seeds(sys.argv[1:])
+        argv = overrides.check(expand_seeds(sys.argv[1:]))  # Hydra's own errors, as one line
         sys.argv[1:] = argv  # Hydra reads the command line itself
         check_group_overrides(argv)
     except ConfigError as exc:
         fail(str(exc))
-    launcher = backends.launched()
+    launcher = launched()
     if launcher is not None:
         if "-m" in argv or "--multirun" in argv:
             fail(

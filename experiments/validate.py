@@ -191,6 +191,11 @@ def validate(cfg: dict, world_size: int | None = None, launched: bool = False) -
     try:
         alone = {**cfg, "faults": None, "device": "cpu", "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}
         build_peer(LocalCommunicator(LocalWorld(peers), 0, float(cfg["comm"]["timeout_s"])), alone)
+        if not record.real_peers:  # every peer in one simulation: what the fleet refuses of a model
+            from dpsgd.build import build_model, load_data
+            from dpsgd.sim.fleet import check_model
+
+            check_model(build_model(cfg, load_data(cfg)))
     except (ValueError, TypeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
 

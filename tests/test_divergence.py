@@ -119,7 +119,8 @@ def test_bad_mode_is_refused():
 )
 def test_app_ends_with_one_line(app, tmp_path, backend):
     run_dir = tmp_path / "run"
-    proc = app([f"backend={backend}", *BLOWS_UP], run_dir)
+    threads = ["backend.threads=1"] if backend == "fleet" else []  # small model: one thread is faster under load
+    proc = app([f"backend={backend}", *BLOWS_UP, *threads], run_dir)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -149,3 +150,12 @@ def test_report_marks_and_tune_fails_diverged_runs(tmp_path, capsys):
         t["summary"]["evaluated_on"] = "validation"
     choice = tune.select(found, ["algorithm.lr"])
     assert choice["failed"] == 1 and choice["chosen"] == {"algorithm.lr": 0.1}
+
+
+def test_event_simulator_is_checked_too(tmp_path):
+    """AD-PSGD on the event simulator: every peer's live parameters, once per step of peer 0."""
+    cfg = {**_config(1e6), "algorithm": {**load("algorithm", "adpsgd"), "lr": 1e6}, "backend": {"name": "fleet"}}
+    with pytest.raises(divergence.Diverged) as caught:
+        train_fleet(cfg, tmp_path)
+    assert 1 <= caught.value.step <= 5
+    assert _outputs_clean(tmp_path)["status"] == "diverged"

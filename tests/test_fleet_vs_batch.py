@@ -12,14 +12,17 @@ from experiments.bench import fleet_vs_batch as bench
 
 
 def test_rows_and_targets(tmp_path):
-    out = tmp_path / "rows.json"
-    argv = ["--models", "mlp", "cnn", "--peers", "4", "64", "--steps", "1", "--repeats", "1", "--bandwidth-mib", "8"]
-    assert bench.main([*argv, "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert [(r["model"], r["peers"]) for r in rows] == [("mlp", 4), ("mlp", 64), ("cnn", 4), ("cnn", 64)]
+    fast = ["--steps", "1", "--repeats", "1", "--bandwidth-mib", "8"]
+    rows = []
+    for models, peers in ((["mlp"], ["4", "64"]), (["cnn"], ["4"])):  # a target from 64 peers; the CNN small
+        out = tmp_path / f"{models[0]}.json"
+        assert bench.main(["--models", *models, "--peers", *peers, *fast, "--out", str(out)]) == 0
+        rows += json.loads(out.read_text())
+    assert [(r["model"], r["peers"]) for r in rows] == [("mlp", 4), ("mlp", 64), ("cnn", 4)]
     for r in rows:
         assert {"model", "peers", "device", "ratio", "floor_ratio"} <= set(r)
         assert r["device"] == "cpu" and r["ratio"] > 0 and 0 < r["floor_ratio"]
+        assert r["layout"] == "wide" and r["vmap_ratio"] > 0  # both models take the wide layout
         assert all(v > 0 for v in r["floor_bytes"].values()), r["floor_bytes"]
         assert (r["target"] is None) == (r["peers"] < bench.TARGET_FROM)
         if r["target"] is not None and not r["target"]["holds"]:

@@ -1,5 +1,6 @@
-"""The fleet's wide layout (dpsgd.sim.wide) for convolutional models: the same losses and gradients as vmap
-over peers with different weights, and a CNN fleet (ring D-PSGD) equal to the local backend's threads."""
+"""The fleet's faster paths against the plain ones: the wide layout (dpsgd.sim.wide) for convolutional models
+(the same gradients as vmap over peers with different weights; a CNN fleet equal to the local backend's
+threads), the transformer's attention under vmap, and gossip as gathers of rows (a GPU's form)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import runs
 import torch
 from test_fleet import local_parameters
 
+import topologies
 from dpsgd.sim import Fleet
+from dpsgd.sim.fleet import mixing
 from dpsgd.sim.wide import widen
 
 torch.set_num_threads(1)
@@ -28,9 +31,9 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", [*MODELS, "mlp"])
 def test_wide_gradients_equal_vmaps(model):
-    fleet = Fleet(image_config(MODELS[model]))
+    fleet = Fleet(image_config(MODELS[model]) if model in MODELS else runs.experiment(runs.load("algorithm", "dpsgd")))
     assert fleet._wide is not None  # the fleet chose the wide layout
     with torch.no_grad():  # peers with different weights: a layout that mixed peers would show
         for p in fleet.params:
@@ -54,7 +57,30 @@ def test_wide_fleet_equals_local_backend():
 
 
 def test_widen_refuses_what_it_cannot_lay_out():
-    with pytest.raises(ValueError, match="no convolution"):
-        widen(torch.nn.Sequential(torch.nn.Linear(3, 2)), 2)
+    with pytest.raises(ValueError, match="no wide form of LayerNorm"):  # a network of linear layers takes no norm
+        widen(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2)), 2)
     with pytest.raises(ValueError, match="no wide form of BatchNorm2d"):
         widen(torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3), torch.nn.BatchNorm2d(2)), 2)
+
+
+def test_transformer_fleet_equals_local_backend():
+    """The transformer under vmap (attention as its decomposed products) against the local backend's threads."""
+    cfg = runs.experiment(runs.load("algorithm", "dpsgd"), "ring", 4, "fleet")
+    cfg = {**cfg, "model": {"name": "transformer", "dim": 16, "layers": 1, "heads": 2}, "batch_size": 4,
+           "data": {**runs.load("data", "tiny_text"), "num_samples": 200, "seq_len": 12}}  # fmt: skip
+    fleet = Fleet(copy.deepcopy(cfg))
+    for _ in range(5):
+        fleet.train_step()
+    torch.testing.assert_close(fleet.flat(), local_parameters(cfg, 5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["ring", "exponential", "one_peer_exponential", "directed_exponential", "complete"])
+def test_gossip_as_gathers_equals_the_product(name):
+    """The GPU's form of W(k) x (d gathers of rows), run here on the CPU, against the dense product."""
+    w = topologies.make(name, 12).mixing_matrix(3)
+    x = torch.randn(12, 5, 3)
+    m = mixing(w, torch.float32, torch.device("cpu"), gather=True)
+    assert m.gather is not None and m.gather[0].shape[1] == (w != 0).sum(1).max()
+    expected = (torch.as_tensor(w, dtype=torch.float32) @ x.reshape(12, -1)).reshape(x.shape)
+    torch.testing.assert_close(m.apply(x), expected)
+    torch.testing.assert_close(mixing(w, torch.float32, torch.device("cpu")).apply(x), expected)

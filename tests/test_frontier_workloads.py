@@ -1,6 +1,6 @@
 """NoLoCo, DeMo, SparseLoCo and DES-LOC train the default workload (digits, MLP) and data=text_corpus (a
 transformer on the King James Version) on the fleet, the local backend and 4 mpi processes, with the same
-parameters after 8 steps; and data=text_corpus itself: the pinned corpus, its held-out continuation, and
+parameters after 5 steps; and data=text_corpus itself: the pinned corpus, its held-out continuation, and
 test_perplexity in a run's records and summary."""
 
 from __future__ import annotations

@@ -159,6 +159,14 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     proc = subprocess.run(cmd, env={**os.environ, "GPU_CHECK_DRY": "1"}, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["dry_run"] and set(result["parts"]) == {"gpu_tests", "peers", "adpsgd", "nccl", "fleet"}
+    assert result["dry_run"] and set(result["parts"]) == {
+        "gpu_tests",
+        "peers",
+        "adpsgd",
+        "nccl",
+        "fleet",
+        "events",
+        "fleet_vs_batch",
+    }
     assert all(r["differences"]["train_loss"] == 0 for r in result["parts"]["peers"]["runs"])  # staged == direct
     assert "largest n at >= 1 step/s" in proc.stdout

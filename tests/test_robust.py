@@ -58,6 +58,7 @@ RULES = [
     Rule("clipped_gossip", tau=0.5),
     Rule("centered_clip"),
     Rule("trimmed_mean", byzantine=2),
+    Rule("trimmed_mean", byzantine=1),
 ]
 
 

@@ -28,9 +28,11 @@ def get(name: str) -> Backend:
     return transport.lookup(_REGISTRY, name)
 
 
-def launched() -> Backend | None:
-    """The backend whose launcher made this process one rank of its world, or None (a plain process)."""
-    return next((b for b in _REGISTRY.values() if b.world() is not None), None)
+def launched(prefer: str | None = None) -> Backend | None:
+    """The backend whose launcher made this process one rank of its world, or None (a plain process). `prefer`: the
+    backend asked for, tried first (srun's tasks are a world for mpi, through PMI, and for torch alike)."""
+    first = [_REGISTRY[prefer]] if prefer in _REGISTRY else []
+    return next((b for b in [*first, *_REGISTRY.values()] if b.world() is not None), None)
 
 
 def connect(cfg: dict) -> Communicator:

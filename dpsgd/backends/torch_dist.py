@@ -1,5 +1,6 @@
 """The `torch` backend's driver: it spawns `peers` torch.distributed processes (here, or on `launcher.hosts`);
-under torchrun (RANK, WORLD_SIZE) every rank joins that world (dpsgd.comm.torch_dist)."""
+under torchrun (RANK, WORLD_SIZE) every rank joins that world (dpsgd.comm.torch_dist), and under a plain srun
+each task is a rank (dpsgd.backends.slurm)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,20 @@ from pathlib import Path
 from dpsgd import netif
 from dpsgd.comm.torch_dist import TorchTransport
 
-from . import hosts, launch
+from . import hosts, launch, slurm
 from .driver import Backend
 
 
 class TorchBackend(TorchTransport, Backend):
+    def world(self) -> tuple[int, int] | None:
+        found = super().world()
+        if found is None:
+            srun = slurm.torch_env()
+            if srun is not None:  # torch.distributed's env:// and dpsgd.placement read these
+                os.environ.update(srun)
+                found = super().world()
+        return found
+
     def exit(self) -> None:
         # results written, group down: skip the interpreter's teardown, where gloo's threads can abort
         # the process ("terminate called without an active exception"), as in experiments.peer

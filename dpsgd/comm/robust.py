@@ -96,9 +96,11 @@ class Rule:
                 tau = self.radius(v, others)
                 v = v + sum(clip(x - v, tau) for x in values) / len(values)
             return v
-        b = min(self.byzantine, (len(values) - 1) // 2)  # trimmed_mean: at least one value is kept
-        ordered = torch.stack(values).sort(0).values  # nan sorts last: trimmed as the largest
-        return ordered[b : len(values) - b].mean(0)
+        b, m = min(self.byzantine, (len(values) - 1) // 2), len(values)  # trimmed_mean: at least one value kept
+        stacked = torch.stack(values)
+        if b == 1 and bool(torch.isfinite(stacked).all()):  # the sum less the largest and smallest: 1/20 of a sort
+            return (stacked.sum(0) - stacked.amax(0) - stacked.amin(0)) / (m - 2)
+        return stacked.sort(0).values[b : m - b].mean(0)  # nan sorts last: trimmed as the largest
 
 
 def make(spec: str | dict | Rule | None) -> Rule:

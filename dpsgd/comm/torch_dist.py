@@ -20,13 +20,21 @@ from dpsgd import netif
 from .base import DEFAULT_TIMEOUT_S, Communicator
 from .pending import Exchange, PeerTimeoutError, Pending, Request
 from .staging import HostStaging, check_mode
+from .store import master_store
 from .transport import Transport, register
 
 
 def _init_group(dist_backend: str, timeout_s: float, init_method: str | None = None) -> None:
-    """The default process group, gloo bound to the interface on the route to the master (`lo` on one host)."""
+    """The default process group, gloo and nccl bound to the interface on the route to the master (`lo` on one host)."""
     if "MASTER_ADDR" in os.environ:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
+        netif.set_torch_interface(os.environ["MASTER_ADDR"])
+    store = None if init_method else master_store(timeout_s)  # bound to MASTER_ADDR, not every interface
+    if store is not None:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            dist_backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        return
     dist.init_process_group(dist_backend, init_method=init_method or "env://", timeout=timedelta(seconds=timeout_s))
 
 

@@ -2,6 +2,7 @@
 algorithm's own optimizer over a `SimulatedCommunicator` whose clock is the simulator's, so the rule is
 written once, in the optimizer.
 
+The peers' models and gradients live on the config's `device` (a GPU too); messages are staged in host memory.
 How it works: docs/guide/internals.md#events.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad_and_value
 
+from dpsgd import placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
 from dpsgd.comm.base import Communicator
 from dpsgd.comm.netem import NetworkEmulator
@@ -98,7 +100,8 @@ class Simulation:
         self.compute = compute if compute is not None else compute_times(cfg, n)
         self.plan = run = plan(cfg, n)
         self.batches = [run.batches(r) for r in range(n)]
-        self.model = build_model(cfg, run.split)
+        self.device = placement.single_device(cfg)  # the config's `device`: the peers' tensors, all on one
+        self.model = build_model(cfg, run.split).to(self.device)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.topology = build_topology(cfg, n)
         self.loss_fn = loss_function(run.split.y_train)
@@ -197,7 +200,7 @@ class Simulation:
 
     def _step(self, i: int) -> None:
         opt, params = self.opts[i], self.params[i]
-        x, y = self.batches[i].next()
+        x, y = (t.to(self.device) for t in self.batches[i].next())  # the data stays in host memory, as a peer's
         grads, loss = self._grad(tuple(params), x, y)
         for p, g in zip(params, grads):
             p.grad = g

@@ -2,9 +2,10 @@
 
 Every model parameter is one tensor with a leading peer axis (n, *shape). Each step draws every
 peer's minibatch from its own share (`FleetBatches`, the real run's order), computes all peers'
-losses in one call (torch.func.vmap over functional_call of the one model; a convolutional one as one
-wide network, dpsgd.sim.wide, when it computes vmap's losses) and their gradients in one backward pass,
-and calls the algorithm's own `step()` (dpsgd.optim, unchanged) on the stacked tensors.
+losses in one call (torch.func.vmap over functional_call of the one model; a convolutional one or one
+of linear layers as one wide network, dpsgd.sim.wide, when it computes vmap's losses) and their
+gradients in one backward pass, and calls the algorithm's own `step()` (dpsgd.optim, unchanged) on the
+stacked tensors.
 torch.optim's rules are elementwise, so one SGD/Adam/AdamW over stacked tensors is n independent ones.
 
 The algorithm talks to its peers through `FleetCommunicator`, whose operations act on the peer axis:
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpsgd import metrics, placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
@@ -34,33 +36,63 @@ from .batches import FleetBatches
 from .wide import peer_outputs, wide_input, widen
 
 SPARSE_BELOW = 0.25  # density of W under which the product is taken with a sparse matrix
+GATHER_UP_TO = 16  # on a GPU, W with at most this many nonzeros per row is applied as that many gathers
 
 
 @dataclass(frozen=True)
 class Mixing:
     """W(k) ready to apply: `matrix` (in the tensors' dtype), and per peer the number of
-    peers it sends to (`sends`, off-diagonal nonzeros of its column) and receives from (`recvs`, of its row)."""
+    peers it sends to (`sends`, off-diagonal nonzeros of its column) and receives from (`recvs`, of its row).
+    `gather`, when set: (columns, weights), each (n, d), row i's d nonzeros (padded with weight 0), applied
+    as d gathers of rows instead of the product (a GPU: no n x n product, no sparse kernel)."""
 
-    matrix: torch.Tensor  # dense, or sparse (COO) when W has few nonzeros
+    matrix: torch.Tensor | None  # dense, or sparse (COO) when W has few nonzeros; None with `gather`
     sends: torch.Tensor
     recvs: torch.Tensor
+    gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """sum_j W[i, j] x_j for every peer i, x with a leading peer axis."""
         flat = x.reshape(x.shape[0], -1)
-        out = torch.sparse.mm(self.matrix, flat) if self.matrix.is_sparse else self.matrix @ flat
+        if self.gather is not None:
+            cols, weights = self.gather
+            out = flat.index_select(0, cols[:, 0]).mul_(weights[:, :1])
+            for k in range(1, cols.shape[1]):
+                out.addcmul_(flat.index_select(0, cols[:, k]), weights[:, k : k + 1])
+        elif self.matrix is not None and self.matrix.is_sparse:
+            out = torch.sparse.mm(self.matrix, flat)
+        else:
+            assert self.matrix is not None
+            out = self.matrix @ flat
         return out.reshape(x.shape)
 
 
-def mixing(w: np.ndarray, dtype: torch.dtype, device) -> Mixing:
-    """W ready to apply to tensors of `dtype` on `device`: sparse on a CPU when it has few nonzeros."""
+def mixing(w: np.ndarray, dtype: torch.dtype, device, gather: bool | None = None) -> Mixing:
+    """W ready to apply to tensors of `dtype` on `device`: sparse on a CPU when it has few nonzeros; as
+    gathers (`gather`; None: on a GPU, when rows have at most GATHER_UP_TO nonzeros)."""
     w = np.asarray(w, dtype=np.float64)
-    off = (w != 0) & ~np.eye(len(w), dtype=bool)
-    sends = torch.as_tensor(off.sum(0), dtype=torch.float64)
-    recvs = torch.as_tensor(off.sum(1), dtype=torch.float64)
-    dense = torch.as_tensor(w, dtype=dtype, device=device)
-    sparse = np.count_nonzero(w) < SPARSE_BELOW * w.size and device.type == "cpu"
-    return Mixing(dense.to_sparse().coalesce() if sparse else dense, sends, recvs)
+    n = len(w)
+    rows, cols = np.nonzero(w)  # row-major: the order of a coalesced COO tensor
+    off = rows != cols
+    sends = torch.as_tensor(np.bincount(cols[off], minlength=n), dtype=torch.float64)
+    recvs = torch.as_tensor(np.bincount(rows[off], minlength=n), dtype=torch.float64)
+    per_row = np.bincount(rows, minlength=n)
+    if gather is None:
+        gather = device.type != "cpu" and per_row.max() <= GATHER_UP_TO
+    if gather:
+        d = int(per_row.max())
+        slot = np.arange(len(rows)) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # k-th nonzero of its row
+        columns = np.repeat(np.arange(n)[:, None], d, 1)  # padding: the row itself, weight 0
+        weights = np.zeros((n, d))
+        columns[rows, slot], weights[rows, slot] = cols, w[rows, cols]
+        as_device = (torch.as_tensor(columns, device=device), torch.as_tensor(weights, dtype=dtype, device=device))
+        return Mixing(None, sends, recvs, as_device)
+    if len(rows) < SPARSE_BELOW * w.size and device.type == "cpu":  # no dense (n, n) tensor on the way
+        index = torch.as_tensor(np.stack([rows, cols]))
+        values = torch.as_tensor(w[rows, cols], dtype=dtype)
+        coo = torch.sparse_coo_tensor(index, values, (n, n), device=device, is_coalesced=True, check_invariants=False)
+        return Mixing(coo, sends, recvs)
+    return Mixing(torch.as_tensor(w, dtype=dtype, device=device), sends, recvs)
 
 
 class FleetCommunicator(Communicator):
@@ -159,6 +191,16 @@ class FleetCommunicator(Communicator):
         return out
 
 
+def check_model(model: torch.nn.Module) -> None:
+    """The fleet stacks every peer's parameters, not its buffers: a model whose training changes its buffers
+    (BatchNorm's running statistics, one set per peer) is refused."""
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ValueError(
+            "the fleet stacks each peer's parameters but not BatchNorm's running statistics, which are per peer: "
+            "run it on real peers (backend=local, mpi or torch) or use model.norm=group"
+        )
+
+
 class Fleet:
     """n peers of the experiment config `cfg` (the dict a Hydra run resolves): the same data split,
     shares, batch order, initial model, topology and algorithm as the real run with the same seed."""
@@ -176,6 +218,7 @@ class Fleet:
             int(cfg["seed"]),
         )
         self.model = build_model(cfg, run.split).to(self.device)
+        check_model(self.model)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.params = [
             p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_() for p in self.model.parameters()
@@ -217,7 +260,9 @@ class Fleet:
         return wide if ok else None
 
     def _wide_losses(self, wide: torch.nn.Module, params: Sequence[torch.Tensor], x, y) -> torch.Tensor:
-        out = peer_outputs(functional_call(wide, dict(zip(self.names, params)), (wide_input(x),)))
+        channels = bool(wide.channels)
+        inputs = (wide_input(x, channels),)
+        out = peer_outputs(functional_call(wide, dict(zip(self.names, params)), inputs), channels)
         return self.loss_fn(out, y, reduction="none").reshape(len(out), -1).mean(1)
 
     def train_step(self) -> torch.Tensor:
@@ -239,8 +284,9 @@ class Fleet:
             with stepper.options.autocast(self.device):
                 if self._wide is not None:
                     losses = self._wide_losses(self._wide, self.params, xm, ym)
-                else:
-                    losses = self._losses(tuple(self.params), xm, ym)
+                else:  # attention as its decomposed products: vmap has no batching rule for the fused kernels
+                    with sdpa_kernel(SDPBackend.MATH):
+                        losses = self._losses(tuple(self.params), xm, ym)
             # peer i's loss depends on its own weights only, so the gradient of the sum is each peer's own
             stepper.backward(losses.sum())
             total = total + losses.detach()

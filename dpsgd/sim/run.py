@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpsgd import metrics
 from dpsgd.training import Run, run_loop
@@ -47,9 +48,10 @@ class FleetRun(Run):
             "peak_step_bytes": self.peak_step_bytes,
         }
         samples, optimum = step * fleet.plan.batch_size * fleet.n, fleet.plan.split.optimum
-        measured = metrics.measure_stacked(
-            fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic, False
-        )
+        with sdpa_kernel(SDPBackend.MATH):  # under vmap: attention as its products, not a loop over peers
+            measured = metrics.measure_stacked(
+                fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic, False
+            )
         return metrics.record(
             step=step,
             epoch=fleet.plan.epoch(samples),
@@ -69,6 +71,7 @@ class EventsRun(FleetRun):
         from .events import Simulation
 
         self.sim = sim = Simulation(cfg)
+        self.lr = float(cfg["algorithm"]["lr"])  # constant: the simulator takes no schedule (experiments.validate)
         self.plan, self.topology = sim.plan, sim.topology
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
         self.step_count, self.total_steps = 0, sim.plan.total_steps
@@ -94,23 +97,25 @@ class EventsRun(FleetRun):
             "emulated_wait_s": waits,
             "clock_s": sim.now,
         }
-        measured = metrics.measure_stacked(
-            sim.model,
-            sim.names,
-            sim.live_params(),
-            split.x_test,
-            split.y_test,
-            train_loss,
-            split.optimum,
-            traffic,
-            True,
-        )
+        with sdpa_kernel(SDPBackend.MATH):
+            measured = metrics.measure_stacked(
+                sim.model,
+                sim.names,
+                sim.live_params(),
+                split.x_test.to(sim.device),  # the simulator's peers may sit on a GPU
+                split.y_test.to(sim.device),
+                train_loss,
+                split.optimum,
+                traffic,
+                True,
+            )
         return metrics.record(
             step=round(sum(sim.steps) / sim.n),
             epoch=sim.plan.epoch(samples),
             samples=samples,
             wall_time_s=wall_s,
             **{**measured, "peak_mb_sent_per_step": None},  # no global step
+            lr=self.lr,
             scope="all peers",
         )
 

@@ -1,4 +1,4 @@
-"""n convolutional networks computed as one wide one, without vmap.
+"""n networks computed as one wide one, without vmap.
 
 Peer i's activations are channels [i C, (i + 1) C) of one (b, n C, H, W) tensor, so every layer of a
 convolutional network runs as one native call over all peers: a convolution with n times the groups (each peer's
@@ -6,12 +6,15 @@ filters see only its own channels), GroupNorm with n times the groups (each peer
 channels), elementwise and per-channel layers (ReLU, pooling, residual sums) as they are, and a linear head
 on the flattened features (peer-major) as one batched product. The parameters keep their names (the wide
 model holds one peer's) and are called with the fleet's stacked ones, (n, *shape):
-`functional_call(wide, stacked, (wide_input(x),))` returns every peer's outputs.
+`functional_call(wide, stacked, (wide_input(x, True),))` returns every peer's outputs. A network of linear
+layers (and elementwise ones) runs peer-major instead, (n, b, features), each Linear one batched product with
+its bias added in the same call.
 
 vmap computes the same, but moves the peer axis in and out of the batch axis around every convolution and
 applies GroupNorm's affine part as separate products; this layout leaves those copies out (on CPU, ResNet-20's
-forward and backward in about two thirds of the time). `widen` refuses a model with other parametrized
-layers; the fleet checks the wide model's losses against vmap's on its first batch before using it.
+forward and backward in about two thirds of the time; the MLP of 64 peers in about half). `widen`
+refuses a model with other parametrized layers; the fleet checks the wide model's losses against vmap's
+on its first batch before using it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# layers without parameters that act per sample and per channel (or elementwise): the same in the wide layout
-PER_CHANNEL = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Identity)
+# layers without parameters that act elementwise, or per sample and channel: the same in the wide layouts
+ELEMENTWISE = (nn.ReLU, nn.Identity, nn.Tanh, nn.GELU, nn.Sigmoid, nn.SiLU, nn.LeakyReLU)
+PER_CHANNEL = (*ELEMENTWISE, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 
 
 class WideConv2d(nn.Module):
@@ -68,46 +72,60 @@ class WideFlatten(nn.Module):
 
 
 class WideLinear(nn.Module):
-    """n peers' Linear on (b, n, in): one batched product, (b, n, out)."""
+    """n peers' Linear as one batched product: on (b, n, in) after a convolutional network's flattening, or on
+    (n, b, in), peer-major, in a network of linear layers."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, peer_major: bool):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight, self.bias, self.peer_major = linear.weight, linear.bias, peer_major
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.bmm(x.transpose(0, 1), self.weight.transpose(1, 2))  # (n, b, out)
-        if self.bias is not None:
-            out = out + self.bias[:, None, :]
-        return out.transpose(0, 1)
+        x = x if self.peer_major else x.transpose(0, 1)
+        if self.bias is None:
+            out = torch.bmm(x, self.weight.transpose(1, 2))
+        else:
+            out = torch.baddbmm(self.bias[:, None, :], x, self.weight.transpose(1, 2))
+        return out if self.peer_major else out.transpose(0, 1)
+
+
+class PeerFlatten(nn.Module):
+    """Flatten of (n, b, ...) peer-major batches: (n, b, features)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(2)
 
 
 def widen(model: nn.Module, n: int) -> nn.Module:
-    """A copy of the convolutional `model` computing n peers at once (the module's docstring); ValueError
-    for a layer this layout cannot take (the fleet then uses vmap)."""
+    """A copy of `model` computing n peers at once (the module's docstring): a convolutional one in the channel
+    layout, one of linear layers peer-major (its `channels` attribute says which); ValueError for a layer
+    neither layout takes (the fleet then uses vmap)."""
     wide = copy.deepcopy(model)
-    if not any(isinstance(m, nn.Conv2d) for m in wide.modules()):
-        raise ValueError("widen: no convolution (vmap's batched products are this layout already)")
+    channels = any(isinstance(m, nn.Conv2d) for m in wide.modules())
+    allowed = PER_CHANNEL if channels else ELEMENTWISE
     for parent in list(wide.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Conv2d) and child.padding_mode == "zeros":
+            if channels and isinstance(child, nn.Conv2d) and child.padding_mode == "zeros":
                 setattr(parent, name, WideConv2d(child))
-            elif isinstance(child, nn.GroupNorm):
+            elif channels and isinstance(child, nn.GroupNorm):
                 setattr(parent, name, WideGroupNorm(child))
             elif isinstance(child, nn.Linear):
-                setattr(parent, name, WideLinear(child))
+                setattr(parent, name, WideLinear(child, peer_major=not channels))
             elif isinstance(child, nn.Flatten) and child.start_dim == 1 and child.end_dim == -1:
-                setattr(parent, name, WideFlatten(n))
-            elif next(child.children(), None) is None and not isinstance(child, PER_CHANNEL):
+                setattr(parent, name, WideFlatten(n) if channels else PeerFlatten())
+            elif next(child.children(), None) is None and not isinstance(child, allowed):
                 raise ValueError(f"widen: no wide form of {type(child).__name__}")
+    wide.channels = channels  # type: ignore[assignment]  # which layout: wide_input and peer_outputs ask
     return wide
 
 
-def wide_input(x: torch.Tensor) -> torch.Tensor:
-    """(n, b, C, H, W) stacked batches as (b, n C, H, W)."""
+def wide_input(x: torch.Tensor, channels: bool) -> torch.Tensor:
+    """(n, b, C, H, W) stacked batches as (b, n C, H, W) for the channel layout; as they are, peer-major."""
+    if not channels:
+        return x
     n, b = x.shape[:2]
     return x.transpose(0, 1).reshape(b, n * x.shape[2], *x.shape[3:])
 
 
-def peer_outputs(out: torch.Tensor) -> torch.Tensor:
-    """The wide model's (b, n, ...) outputs as (n, b, ...)."""
-    return out.transpose(0, 1)
+def peer_outputs(out: torch.Tensor, channels: bool) -> torch.Tensor:
+    """The wide model's outputs as (n, b, ...)."""
+    return out.transpose(0, 1) if channels else out

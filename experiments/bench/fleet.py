@@ -72,11 +72,12 @@ def local_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
 
 
 def fleet_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
-    """Steps per second of the fleet, its operations on every core (as the local backend's threads are)."""
+    """Steps per second of the fleet, its operations on every core (as the local backend's threads are), after
+    a warm-up that covers the topology's period (its mixing matrices are made once per step of the period)."""
     fleet = Fleet(copy.deepcopy(cfg))
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        for _ in range(warmup):
+        for _ in range(max(warmup, fleet.topology.period or 0)):
             fleet.train_step()
         t0 = time.perf_counter()
         for _ in range(steps):

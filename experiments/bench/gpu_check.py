@@ -9,6 +9,8 @@ Parts, each on its own (one that fails or cannot run here is recorded with why, 
 3. adpsgd: AD-PSGD's peers on the GPU over torch/gloo, their averaging thread staging its messages.
 4. nccl: a world of one over nccl (an all-reduce and a barrier), and the app's training loop on it.
 5. fleet: the fleet's scaling table (experiments.bench.fleet_gpu): ResNet-20 peers per GPU.
+6. events: AD-PSGD's event simulator (dpsgd.sim.events) with its peers on the GPU against the CPU.
+7. fleet_vs_batch: the fleet against one model at batch n*b (experiments.bench.fleet_vs_batch), 40-90 s.
 One JSON (GPU_CHECK_OUT, default outputs/gpu_check.json), rewritten after each part, and a table on stdout.
 GPU_CHECK_DRY=1 runs the same script on CPU tensors, small (the CPU's peers stage with backend.staging=always,
 the fleet's ladder is 4 and 8 peers): what CI runs, since no CI machine has a GPU.
@@ -28,8 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+CONF = ROOT / "conf"
 DRY = os.environ.get("GPU_CHECK_DRY") == "1"
 DEVICE = "cpu" if DRY else "cuda"
 OUT = Path(os.environ.get("GPU_CHECK_OUT", "outputs/gpu_check.json"))
@@ -170,16 +174,74 @@ def part_fleet(work: Path) -> dict:
     return {"passed": True, **fleet_gpu.scan(DEVICE, ladder, batch_size=8, steps=3, budget_s=80)}
 
 
+def part_events(work: Path) -> dict:
+    """AD-PSGD's event simulator with its peers on the device against the same simulation on the CPU: the
+    same history (virtual times do not depend on the numbers) and parameters within float tolerance."""
+    import copy
+
+    from dpsgd.sim.events import Simulation
+    from experiments.bench import fleet as fleet_bench
+
+    cfg = (
+        fleet_bench.config(4, 8, "synthetic_cifar", num_samples=320)
+        if DRY
+        else fleet_bench.config(8, 8, "synthetic_cifar", num_samples=640)
+    )
+    cfg["algorithm"] = yaml.safe_load((CONF / "algorithm" / "adpsgd.yaml").read_text())
+    cfg["topology"] = yaml.safe_load((CONF / "topology" / "ring.yaml").read_text())
+    cfg["model"] = {"name": "cnn", "width": 16, "groups": 2}
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full float32, as the CPU
+    on_device = Simulation({**copy.deepcopy(cfg), "device": DEVICE}).run()
+    on_cpu = Simulation({**copy.deepcopy(cfg), "device": "cpu"}).run()
+    diff = float((on_device.live.cpu() - on_cpu.live).abs().max() / on_cpu.live.abs().max())
+    same = on_device.log == on_cpu.log
+    return {"passed": same and diff < 1e-4, "same_history": same, "max_relative_difference": diff,
+            "steps": sum(on_device.steps), "device": str(on_device.device)}  # fmt: skip
+
+
+def part_fleet_vs_batch(work: Path) -> dict:
+    """experiments.bench.fleet_vs_batch on the device: the fleet against one model at batch n*b. No new
+    measurement after 40 s; at the part's limit the rows measured so far are kept."""
+    from experiments.bench import fleet_vs_batch
+
+    out = work / "fleet_vs_batch.json"
+    if DRY:
+        argv = ["--models", "mlp", "cnn", "--peers", "4", "--steps", "1", "--repeats", "1", "--bandwidth-mib", "8"]
+    else:
+        ladder = ["64", "256", "1024", "4096"]
+        argv = ["--device", DEVICE, "--peers", *ladder, "--steps", "2", "--repeats", "2", "--budget-s", "40"]
+        argv += ["--memory-fraction", "0.8"]
+    stopped = "the ladder's end or its budget"
+    try:
+        fleet_vs_batch.main([*argv, "--out", str(out)])
+    except PartTimeout:
+        stopped = f"the part's limit ({PART_TIMEOUT_S['fleet_vs_batch']} s)"
+    rows = json.loads(out.read_text()) if out.exists() else []
+    judged = [r for r in rows if r["target"] is not None]
+    return {"passed": bool(rows), "rows": rows, "stopped": stopped,
+            "targets_met": sum(r["target"]["holds"] for r in judged), "targets": len(judged)}  # fmt: skip
+
+
 PARTS = {
     "gpu_tests": part_gpu_tests,
     "peers": part_peers,
     "adpsgd": part_adpsgd,
     "nccl": part_nccl,
     "fleet": part_fleet,
+    "events": part_events,
+    "fleet_vs_batch": part_fleet_vs_batch,
 }
 # each part's own limit (s): a hang is recorded as that part's failure and the next part runs. The sum is a
-# bound for a machine where everything hangs, well above what a healthy run takes
-PART_TIMEOUT_S = {"gpu_tests": 120, "peers": 180, "adpsgd": 90, "nccl": 90, "fleet": 120}
+# bound for a machine where everything hangs, well above what a healthy run takes (about 5 minutes on the H200)
+PART_TIMEOUT_S = {
+    "gpu_tests": 120,
+    "peers": 180,
+    "adpsgd": 90,
+    "nccl": 90,
+    "fleet": 120,
+    "events": 60,
+    "fleet_vs_batch": 90,
+}
 
 
 class PartTimeout(Exception):
@@ -234,6 +296,11 @@ def table(result: dict) -> str:
             shown = ", ".join(f"{k} {v:.1e}" for k, v in d.items()) if d else r.get("error", "")
             lines.append(f"    {r['backend']:6s} {r['algorithm']:9s} {' '.join(r['options']):45s} {shown}")
         for r in p.get("rows", []):
+            if "ratio" in r:  # fleet_vs_batch
+                lines.append(
+                    f"    {r['model']:11s} {r['peers']:5d} peers  ratio {r['ratio']:.3f}  floor {r['floor_ratio']:.3f}"
+                )
+                continue
             rate, peer_rate = r["steps_per_s"], r["peer_steps_per_s"]
             lines.append(f"    {r['peers']:5d} peers  {rate:8.2f} steps/s  {peer_rate:10.1f} peer-steps/s")
         if "largest_n_at_1_step_per_s" in p:

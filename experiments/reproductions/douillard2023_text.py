@@ -1,13 +1,29 @@
-"""Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=text_corpus."""
+"""Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=text_corpus.
+
+Its DiLoCo runs are sparseloco2025's (the same sweep: H = 15, 30, 50 on the same workload and seeds), read from
+that reproduction's folder beside this one's (and run there first if it is not complete)."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 
-from experiments.reproduce import Configuration, Finding, plot_curves
+from experiments.report import load_runs
+from experiments.reproduce import (
+    Configuration,
+    Finding,
+    _children_cpu_s,
+    configurations,
+    fleet_threads,
+    plot_curves,
+)
+from experiments.reproductions import sparseloco2025
 from experiments.reproductions._text import INNER, WORKLOAD
 from experiments.reproductions._verdicts import compare, overall
 from experiments.reproductions.douillard2023 import bytes_fall_as_1_over_h, near_synchronous
+from experiments.sweeps import finished, run_sweep
 
 PAPER = "Douillard et al. 2023, DiLoCo (rerun on text: next-character prediction on the King James Version)"
 CLAIM = (
@@ -15,13 +31,29 @@ CLAIM = (
     "the loss of fully synchronous data-parallel training, while they communicate H times less; plain model "
     "averaging in the outer step does worse."
 )
-PERIODS = (10, 25, 50)
+PERIODS = sparseloco2025.PERIODS
 SWEEPS = {
-    "diloco": [*WORKLOAD, *INNER, "algorithm=diloco", f"++algorithm.period={','.join(map(str, PERIODS))}"],
     "synchronous": [*WORKLOAD, *INNER, "algorithm=allreduce"],
     "averaging": [*WORKLOAD, *INNER, "algorithm=local_sgd", f"++algorithm.period={PERIODS[-1]}"],
 }
-RUNS = {"diloco": len(PERIODS), "synchronous": 1, "averaging": 1}
+RUNS = {"synchronous": 1, "averaging": 1}
+
+
+def shared_diloco(out: Path, seeds: int) -> list[Configuration]:
+    """sparseloco2025's DiLoCo sweep (OUT/../sparseloco2025/diloco), run there first if it is not complete."""
+    folder = out.parent / "sparseloco2025" / "diloco"
+    if not finished(folder, len(PERIODS) * seeds):
+        overrides = sparseloco2025.SWEEPS["diloco"]
+        print(f"douillard2023_text: sparseloco2025's sweep 'diloco' ({len(PERIODS) * seeds} runs) ...", flush=True)
+        started, load, cpu = time.perf_counter(), os.getloadavg()[0], _children_cpu_s()
+        run_sweep([*overrides, *fleet_threads(overrides), f"seed=range({seeds})"], folder)
+        timing = {
+            "seconds": time.perf_counter() - started,
+            "cpu_seconds": _children_cpu_s() - cpu,
+            "load_average": [load, os.getloadavg()[0]],
+        }
+        folder.with_suffix(".timing.json").write_text(json.dumps(timing) + "\n")
+    return configurations(load_runs(folder))
 
 
 def period(c: Configuration) -> int:
@@ -29,8 +61,8 @@ def period(c: Configuration) -> int:
 
 
 def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
-    diloco = sorted(configs["diloco"], key=period)
     (sync,) = configs["synchronous"]
+    diloco = sorted(configs.get("diloco") or shared_diloco(out, int(sync.summary["seeds"])), key=period)
     (averaging,) = configs["averaging"]
     steps, peers, seeds = int(sync.summary["steps"]), int(sync.summary["peers"]), int(sync.summary["seeds"])
     periods, mb = [period(c) for c in diloco], [c.mean("mb_sent_per_peer") for c in diloco]
@@ -86,9 +118,9 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
 
     def label(c: Configuration) -> str:
         name = c.runs[0]["config"]["algorithm.name"]
-        return {"allreduce": "synchronous", "diloco": f"DiLoCo, H = {period(c) if name == 'diloco' else 0}"}.get(
-            name, f"averaging, H = {period(c)}"
-        )
+        if name == "allreduce":
+            return "synchronous"
+        return f"{'DiLoCo' if name == 'diloco' else 'averaging'}, H = {period(c)}"
 
     every = [sync, *diloco, averaging]
     title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"

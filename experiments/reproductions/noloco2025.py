@@ -47,14 +47,14 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     times = sync_times(model_bytes)
     speedups = [allreduce / pairwise for _, pairwise, allreduce in times]
     ppl_vs_diloco = compare(noloco, diloco, "test_perplexity")  # +1: NoLoCo's interval wholly above (worse)
-    gain = (diloco.mean("test_perplexity") - noloco.mean("test_perplexity")) / diloco.mean("test_perplexity")
+    rel = (noloco.mean("test_perplexity") - diloco.mean("test_perplexity")) / diloco.mean("test_perplexity")
     table = "\n".join(
         [
             "| | paper (paraphrased) | ours |",
             "|---|---|---|",
             "| convergence at equal steps | as fast as DiLoCo or up to 4% faster (125M-6.8B, up to 1000 replicas) | "
             f"NoLoCo {noloco.text('test_perplexity')}, DiLoCo {diloco.text('test_perplexity')} test perplexity "
-            f"({gain:+.1%} for NoLoCo); all-reduce every step {sync.text('test_perplexity')} |",
+            f"(NoLoCo's {rel:+.1%} against DiLoCo's); all-reduce every step {sync.text('test_perplexity')} |",
             "| one sync step | about 10x faster than an all-reduce at a few hundred replicas over the internet | "
             + ", ".join(f"{n} replicas: {s:.0f}x" for (n, _, _), s in zip(times, speedups))
             + " (emulated, wan link) |",
@@ -84,7 +84,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     verdict = (
         {True: "holds", False: "does not hold", None: "partly holds"}[overall(parts)]
         + f": NoLoCo's test perplexity is {noloco.mean('test_perplexity'):.3f} against DiLoCo's "
-        + f"{diloco.mean('test_perplexity'):.3f} ({gain:+.1%}; "
+        + f"{diloco.mean('test_perplexity'):.3f} ({rel:+.1%}; "
         + {1: "worse beyond the intervals", 0: "the intervals overlap", -1: "better beyond the intervals"}[
             ppl_vs_diloco
         ]

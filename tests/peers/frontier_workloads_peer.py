@@ -18,7 +18,7 @@ import runs  # noqa: E402
 
 from dpsgd.build import build_peer  # noqa: E402
 
-STEPS = 8
+STEPS = 5  # every rule communicates by step 3 (periods below)
 # short periods, so that every rule communicates within STEPS
 OPTIONS = {
     "noloco": {"period": 3},

@@ -1,0 +1,82 @@
+"""Every bad command line gets one line (experiments.overrides, called by experiments.train before Hydra)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from experiments import overrides
+from experiments.validate import ConfigError
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["epochz=3"], ["unknown key 'epochz'", "no such key", "did you mean epochs?"]),
+        (["+epochz=3"], ["unknown key 'epochz'", "nothing reads it", "did you mean epochs?"]),
+        (["algorithm.lrr=0.1"], ["unknown key 'algorithm.lrr'", "did you mean algorithm.lr"]),
+        (["+data.rot=x"], ["unknown key 'data.rot'", "nothing reads it", "the keys under data"]),
+        (["+epochs=3"], ["the config has epochs already", "epochs=..."]),
+        (["algorithm=dpsgdd"], ["unknown algorithm 'dpsgdd'", "did you mean dpsgd"]),
+        (["robust=clipped"], ["unknown robust 'clipped'", "did you mean clipped_gossip"]),
+        (["data.root=a(b"], ["cannot read the override 'data.root=a(b'", "\"data.root='a(b'\""]),
+        (
+            ["-m", "algorithm=dpsgd,local_sgd", "algorithm.period=2"],
+            ["algorithm.period exists with some of the swept choices but not with algorithm=dpsgd"],
+        ),
+    ],
+)
+def test_refused_in_one_line(argv, words):
+    with pytest.raises(ConfigError) as caught:
+        overrides.check(argv)
+    line = str(caught.value)
+    assert "\n" not in line
+    for w in words:
+        assert w in line, (w, line)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["epochs=3", "algorithm=local_sgd", "algorithm.period=2"],
+        ["algorithm=local_sgd", "~algorithm.outer", "+algorithm.outer={_target_: torch.optim.Adam, lr: 0.01}"],
+        ["+algorithm.dampening=0.1"],  # a new option of the algorithm's constructor (which refuses unknown ones)
+        ["++epochs=3", "hydra.run.dir=x", "hydra/launcher=basic"],
+        ["-m", "seed=range(3)", "algorithm=dpsgd,allreduce", "algorithm.lr=0.1,0.2"],
+        ["--cfg", "job", "whatever=1"],  # Hydra's own flags: left to Hydra
+        ["data=mnist", "data.root=/tmp/x"],
+    ],
+)
+def test_accepted(argv):
+    assert overrides.check(argv) == argv
+
+
+def test_home_is_expanded():
+    home = os.path.expanduser("~")
+    assert overrides.check(["data=mnist", "data.root=~/data"]) == ["data=mnist", f"data.root={home}/data"]
+    assert overrides.expand_home(["+x=~", "a=b~c"]) == [f"+x={home}", "a=b~c"]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("arg", ["epochz=3", pytest.param("+epochz=3", marks=pytest.mark.slow)])
+def test_app_unknown_key_one_line_exit_2_no_folder(app, tmp_path, arg):
+    run_dir = tmp_path / "run"
+    proc = app(["backend=local", arg], run_dir, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: unknown key 'epochz'"), proc.stderr
+    assert "did you mean epochs?" in lines[0]
+    assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_users_config_folder_joins(tmp_path):
+    (tmp_path / "algorithm").mkdir()
+    (tmp_path / "algorithm" / "mine.yaml").write_text("defaults:\n  - dpsgd\n  - _self_\nlr: 0.2\nextra_knob: 3\n")
+    where = f"hydra.searchpath=[file://{tmp_path}]"
+    argv = [where, "algorithm=mine", "algorithm.extra_knob=4"]
+    assert overrides.check(argv) == argv
+    with pytest.raises(ConfigError, match="did you mean algorithm.extra_knob"):
+        overrides.check([where, "algorithm=mine", "algorithm.extra_knb=4"])
+    with pytest.raises(ConfigError, match="unknown algorithm 'mien'.*did you mean mine"):
+        overrides.check([where, "algorithm=mien"])
