@@ -74,6 +74,7 @@ def main() -> None:
     comm = dpsgd.comm.init(args.backend)
     try:
         train(comm, args)
+        comm.barrier()  # every peer done with its last exchange before the connections are torn down
     finally:
         comm.close()
 

@@ -116,6 +116,7 @@ def test_mpi_peer_killed_the_driver_relaunches_the_survivors(app, tmp_path):
     assert all(checkpoint.torn(f) is None for f in (tmp_path / "checkpoints").glob("step_*"))
 
 
+@pytest.mark.slow  # 81 s, the suite's longest: make soak (the mpi relaunch above keeps elasticity in make test)
 @pytest.mark.processes
 @pytest.mark.timeout(400)
 def test_chaos_short_one_of_3_torchrun_nodes_killed_and_one_added(tmp_path, capsys):
