@@ -535,3 +535,41 @@ class _All(Pending):
     def progress(self) -> None:
         for part in self._parts:
             part.progress()
+
+
+class Wrapped(Communicator):
+    """A communicator worn over another (`inner`): a codec's (dpsgd.comm.codecs) or a robust rule's
+    (dpsgd.comm.robust), which change means and mixes. It takes the inner's identity, counters and network, and
+    passes through the rest: the transport's primitives, point-to-point operations (they carry what their
+    caller encoded, and the inner counts them), the barrier, broadcasts and flattening (a fleet's: with the
+    peer axis)."""
+
+    def __init__(self, comm: Communicator):
+        super().__init__(comm.rank, comm.size, comm.timeout_s)
+        self.inner = comm
+        self.stats, self.network, self.staging = comm.stats, comm.network, comm.staging
+        self.peer_shape, self.backend, self.in_process = comm.peer_shape, comm.backend, comm.in_process
+        self._counting = False  # the inner communicator's operations count the traffic
+
+    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+        return self.inner._start_exchange(buf, send_to, recv_from, tag)
+
+    def _start_allreduce_sum(self, buf) -> Pending:
+        return self.inner._start_allreduce_sum(buf)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+
+def _passed_through(name: str):
+    def method(self: Wrapped, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__, method.__qualname__ = name, f"Wrapped.{name}"
+    return method
+
+
+for _name in ("duplicate", "start_neighbor_exchange", "start_exchange", "start_send", "start_recv", "wait_request"):
+    setattr(Wrapped, _name, _passed_through(_name))
+for _name in ("broadcast_", "flatten", "unflatten", "uncounted"):
+    setattr(Wrapped, _name, _passed_through(_name))

@@ -19,8 +19,7 @@ import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Handle, _Done, group_neighbors, mixing_neighbors, unflatten
-from .pending import Exchange, Pending
+from .base import Communicator, Handle, Wrapped, _Done, group_neighbors, mixing_neighbors, unflatten
 
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
 
@@ -442,7 +441,7 @@ class PerPeerCounts(Protocol):
     def count_per_peer(self, sent, received) -> None: ...
 
 
-class Compressed(Communicator):
+class Compressed(Wrapped):
     """`comm` whose means and mixes travel encoded by `codec` (see the module); all else is `comm`'s."""
 
     codec: Codec | PowerSGD
@@ -450,11 +449,8 @@ class Compressed(Communicator):
     def __init__(self, comm: Communicator, codec: Codec | PowerSGD, error_feedback: bool = True):
         if isinstance(comm, Compressed):
             raise ValueError(f"this communicator is compressed already ({comm.codec!r}); wrap the exact one")
-        super().__init__(comm.rank, comm.size, comm.timeout_s)
-        self.inner, self.codec, self.error_feedback = comm, codec, bool(error_feedback)
-        self.stats, self.network, self.staging = comm.stats, comm.network, comm.staging
-        self.peer_shape, self.backend, self.in_process = comm.peer_shape, comm.backend, comm.in_process
-        self._counting = False  # the inner communicator's operations count the encoded traffic
+        super().__init__(comm)
+        self.codec, self.error_feedback = codec, bool(error_feedback)
         self.streams: dict[str, dict] = {}  # per stream of means: its error memories
         self.calls = 0  # compressed operations so far: part of every random codec's key
 
@@ -631,30 +627,5 @@ class Compressed(Communicator):
             for name, stream in (state.get("streams") or {}).items()
         }
 
-    # --- everything else is the exact communicator's ----------------------------------------------------
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
-        return self.inner._start_exchange(buf, send_to, recv_from, tag)
-
-    def _start_allreduce_sum(self, buf) -> Pending:
-        return self.inner._start_allreduce_sum(buf)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
-
     def __repr__(self) -> str:
         return f"Compressed({self.inner!r}, {self.codec!r}, error_feedback={self.error_feedback})"
-
-
-def _delegated(name: str):
-    def method(self: Compressed, *args, **kwargs):
-        return getattr(self.inner, name)(*args, **kwargs)
-
-    method.__name__, method.__qualname__ = name, f"Compressed.{name}"
-    return method
-
-
-# Point-to-point operations carry what their caller encoded, and the exact communicator counts them.
-for _name in ("duplicate", "start_neighbor_exchange", "start_exchange", "start_send", "start_recv", "wait_request"):
-    setattr(Compressed, _name, _delegated(_name))
-for _name in ("broadcast_", "flatten", "unflatten", "uncounted"):  # the inner's (a fleet's: with the peer axis)
-    setattr(Compressed, _name, _delegated(_name))

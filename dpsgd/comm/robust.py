@@ -28,10 +28,9 @@ import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Handle, _Done, group_neighbors, mixing_neighbors
+from .base import Communicator, Handle, Wrapped, _Done, group_neighbors, mixing_neighbors
 from .codecs import Compressed, PerPeerCounts
 from .corrupt import Corruption
-from .pending import Exchange, Pending
 
 RULES = ("none", "clipped_gossip", "centered_clip", "trimmed_mean")
 
@@ -129,15 +128,12 @@ def wrap(comm: Communicator, spec, corruption: Corruption | None = None) -> Comm
     return Robust(comm, rule, corruption)
 
 
-class Robust(Communicator):
+class Robust(Wrapped):
     """`comm` whose mixes and means go through `rule`, with corrupt peers' messages altered (see the module)."""
 
     def __init__(self, comm: Communicator, rule: Rule, corruption: Corruption | None = None):
-        super().__init__(comm.rank, comm.size, comm.timeout_s)
-        self.inner, self.rule, self.corruption = comm, rule, corruption
-        self.stats, self.network, self.staging = comm.stats, comm.network, comm.staging
-        self.peer_shape, self.backend, self.in_process = comm.peer_shape, comm.backend, comm.in_process
-        self._counting = False  # the inner communicator counts the messages
+        super().__init__(comm)
+        self.rule, self.corruption = rule, corruption
         self.calls = 0  # exchanges so far: the key of a corrupt peer's noise
         self.nonfinite_from: tuple[int, int] | None = None  # (sender, receiver) of the first non-finite message
         self._seen: dict[tuple[str, int], list[torch.Tensor]] = {}  # what each peer received last, per kind (alie)
@@ -245,29 +241,5 @@ class Robust(Communicator):
         mean = self.start_allreduce_mean([buf])
         return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
 
-    # --- everything else is the inner communicator's ----------------------------------------------------
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
-        return self.inner._start_exchange(buf, send_to, recv_from, tag)
-
-    def _start_allreduce_sum(self, buf) -> Pending:
-        return self.inner._start_allreduce_sum(buf)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
-
     def __repr__(self) -> str:
         return f"Robust({self.inner!r}, {self.rule!r}, {self.corruption!r})"
-
-
-def _delegated(name: str):
-    def method(self: Robust, *args, **kwargs):
-        return getattr(self.inner, name)(*args, **kwargs)
-
-    method.__name__, method.__qualname__ = name, f"Robust.{name}"
-    return method
-
-
-for _name in ("duplicate", "start_neighbor_exchange", "start_exchange", "start_send", "start_recv", "wait_request"):
-    setattr(Robust, _name, _delegated(_name))
-for _name in ("broadcast_", "flatten", "unflatten", "uncounted"):
-    setattr(Robust, _name, _delegated(_name))
