@@ -20,7 +20,7 @@ import torch
 
 import topologies
 from dpsgd import data, faults, metrics, models, placement, supervisor
-from dpsgd.comm import Communicator, codecs, corrupt, netem, robust
+from dpsgd.comm import codecs, corrupt, netem, robust
 from dpsgd.optim import DistributedOptimizer, build_base
 from dpsgd.schedule import Schedule
 from dpsgd.seeds import batch_seed
@@ -312,13 +312,6 @@ def build_peer(comm, cfg: dict) -> Peer:
             optimizer,
             Schedule(cfg.get("schedule"), run.total_steps),
             device,
-            agree=(lambda flag: any_peer(comm, flag, device)) if synchronous else None,
+            agree=(lambda flag: comm.any_peer(flag, device)) if synchronous else None,
         ),
     )
-
-
-def any_peer(comm: Communicator, flag: bool, device) -> bool:
-    """Whether `flag` is set on any peer (a collective; not counted as the algorithm's traffic)."""
-    with comm.uncounted():
-        mean = comm.allreduce_mean([torch.tensor([float(flag)], device=device)])[0]
-    return bool(mean.item() > 0)

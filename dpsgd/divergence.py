@@ -146,10 +146,7 @@ class Guard:
         """Whether every peer may save now (a collective under `mark` with real peers: all call it at the step)."""
         if self.mode == "stop" or not self._collective():
             return self.first is None
-        comm = self.run.comm
-        with comm.uncounted():
-            flag = torch.tensor([float(self.first is not None)])
-            return float(comm.allreduce_sum([flag])[0]) == 0.0
+        return not self.run.comm.any_peer(self.first is not None, self._params[0].device)
 
     def summary(self) -> dict:
         """The summary's `status` and, when diverged, which peer first and at which step (a collective with real

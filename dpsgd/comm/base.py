@@ -195,6 +195,14 @@ class Communicator(ABC):
     def barrier(self) -> None:
         """Return once every peer has called `barrier()` (within the deadline)."""
 
+    def any_peer(self, flag: bool, device: torch.device | str | None = None) -> bool:
+        """Whether `flag` is set on any peer: a collective of one number (on `device`, where the transport needs
+        it), control traffic left out of `stats`. A wrapper passes it to the communicator it wears, so a robust
+        rule or a codec never turns the sum into something else."""
+        with self.uncounted():
+            total = self.allreduce_sum([torch.tensor([float(flag)], device=device)])[0]
+        return bool(total.item() > 0)
+
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release backend resources; the communicator cannot be used afterwards."""
 
@@ -571,5 +579,5 @@ def _passed_through(name: str):
 
 for _name in ("duplicate", "start_neighbor_exchange", "start_exchange", "start_send", "start_recv", "wait_request"):
     setattr(Wrapped, _name, _passed_through(_name))
-for _name in ("broadcast_", "flatten", "unflatten", "uncounted"):
+for _name in ("broadcast_", "flatten", "unflatten", "uncounted", "any_peer"):
     setattr(Wrapped, _name, _passed_through(_name))

@@ -166,14 +166,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for p in self.params():
                     if p.grad is not None:
                         p.grad.mul_(inv.to(p.grad.device))
-        flag = found_inf.detach().float().reshape(1)
+        overflow = bool(found_inf.item() > 0)
         if not self.asynchronous and self.comm.size > 1 and not self.comm.peer_shape:
             # a fleet has one scaler over every peer's rows: its flag is already every peer's. A control
             # message, not counted as the algorithm's traffic (the fleet, with the same numbers, sends none)
-            plain = _plain(self.comm)
-            with plain.uncounted():
-                flag = plain.allreduce_sum([flag])[0]
-        return bool(flag.item() > 0)
+            return self.comm.any_peer(overflow, found_inf.device)
+        return overflow
 
     def check_grad_scaler(self) -> None:
         """Raise, saying what to change, if this optimizer cannot be stepped by a GradScaler as configured."""
