@@ -8,7 +8,8 @@ in several lines (or not at all) ends in the app's one line (experiments.train: 
   closest valid keys ("did you mean"); `+` on a key that exists says to drop it;
 - a group option that does not exist (`algorithm=dpsgdd`) gets the closest valid ones.
 The config is composed for the group choices on the command line (each combination of a sweep's, up to a few)
-to know its keys. Command lines with Hydra's own flags other than -m (--cfg, --config-name, ...) are left to Hydra.
+to know its keys, with the user's own config folders (`hydra.searchpath`, `--config-dir`). Command lines with
+Hydra's other flags (--cfg, --config-name, ...) are left to Hydra.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from experiments.validate import CONF_DIR, GROUPS, ConfigError, group_options, s
 OPEN = ("algorithm", "model", "topology", "compression", "robust", "logger", "hydra")
 MAX_COMPOSED = 8  # combinations of swept group choices composed to learn the keys
 HYDRA_FLAGS = ("-m", "--multirun")
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")  # Hydra's flag adding a folder to the search path (checked here too)
 
 
 def expand_home(argv: list[str]) -> list[str]:
@@ -103,13 +105,40 @@ def _suggest(key: str, keys: set[str]) -> str:
     return f"{hint}the keys {where}: {shown}"
 
 
+def _without_config_dirs(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The command line without `--config-dir DIR` (`-cd DIR`, `--config-dir=DIR`), and those folders."""
+    rest: list[str] = []
+    dirs: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg in CONFIG_DIR_FLAGS:
+            dirs.append(next(args, ""))
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg.partition("=")[2])
+        else:
+            rest.append(arg)
+    return rest, dirs
+
+
+def _search_path_override(args: list[str], dirs: list[str]) -> list[str]:
+    """The one `hydra.searchpath=[...]` override that composes with the command line's own search path: its
+    `hydra.searchpath` entries and its `--config-dir` folders."""
+    searched = [a for a in args if a.lstrip("+").startswith("hydra.searchpath=")]
+    if not dirs:
+        return searched
+    entries = [e.strip() for a in searched for e in a.partition("=")[2].strip("[]").split(",") if e.strip()]
+    entries += [f"'file://{os.path.abspath(os.path.expanduser(d))}'" for d in dirs]
+    return [f"hydra.searchpath=[{','.join(entries)}]"]
+
+
 def check(argv: list[str]) -> list[str]:
     """The command line with `~` expanded; ConfigError (one line) for an override that cannot run (see the module)."""
     argv = expand_home(argv)
-    extra = search_path(argv)  # the user's own config folders (hydra.searchpath)
-    if extra is None or any(a.startswith("-") and a not in HYDRA_FLAGS for a in argv):
-        return argv  # Hydra's own flags (--config-dir, --cfg, ...): its own business
-    overrides = _parse([a for a in argv if a not in HYDRA_FLAGS])
+    extra = search_path(argv)  # the user's own config folders (hydra.searchpath, --config-dir)
+    args, dirs = _without_config_dirs(argv)
+    if extra is None or any(a.startswith("-") and a not in HYDRA_FLAGS for a in args):
+        return argv  # Hydra's own flags (--cfg, --config-name, ...): its own business
+    overrides = _parse([a for a in args if a not in HYDRA_FLAGS])
     known = set(GROUPS) | {p.name for d in extra if d.is_dir() for p in d.iterdir() if p.is_dir()}
     groups: dict[str, list[str]] = {}
     for o in overrides:
@@ -126,8 +155,7 @@ def check(argv: list[str]) -> list[str]:
     keyed = [o for o in keyed if not o.key_or_group.startswith("hydra.") and o.package is None]
     if not keyed:
         return argv
-    searched = [a for a in argv if a.lstrip("+").startswith("hydra.searchpath=")]
-    composed = _composed_keys({k: v for k, v in groups.items() if v}, searched)
+    composed = _composed_keys({k: v for k, v in groups.items() if v}, _search_path_override(args, dirs))
     keys = set().union(*(k for _, k in composed))
     removed: set[str] = set()  # keys deleted by an earlier `~key` (which a later `+key=` may add anew)
     for o in keyed:

@@ -80,3 +80,30 @@ def test_a_users_config_folder_joins(tmp_path):
         overrides.check([where, "algorithm=mine", "algorithm.extra_knb=4"])
     with pytest.raises(ConfigError, match="unknown algorithm 'mien'.*did you mean mine"):
         overrides.check([where, "algorithm=mien"])
+
+
+def test_config_dir_gets_the_same_one_line_checks(tmp_path):
+    """`--config-dir DIR` (the documented other way to add a folder) is checked as `hydra.searchpath` is, alone and
+    with it: before, any mistake on such a command line fell through to Hydra's several-line message, exit 1."""
+    own, searched = tmp_path / "own", tmp_path / "searched"
+    (own / "algorithm").mkdir(parents=True)
+    (own / "algorithm" / "mine.yaml").write_text("defaults:\n  - dpsgd\n  - _self_\nextra_knob: 3\n")
+    (searched / "topology").mkdir(parents=True)
+    (searched / "topology" / "square.yaml").write_text("name: torus\nrows: 2\ncols: 2\n")
+    for flag in (["--config-dir", str(own)], ["-cd", str(own)], [f"--config-dir={own}"]):
+        argv = [*flag, "algorithm=mine", "algorithm.extra_knob=4"]
+        assert overrides.check(argv) == argv
+        with pytest.raises(ConfigError, match="unknown key 'epochz'.*did you mean epochs"):
+            overrides.check([*flag, "epochz=3"])
+        with pytest.raises(ConfigError, match="did you mean algorithm.extra_knob"):
+            overrides.check([*flag, "algorithm=mine", "algorithm.extra_knb=4"])
+        with pytest.raises(ConfigError, match="cannot read the override 'data.root=a\\(b'"):
+            overrides.check([*flag, "data.root=a(b"])
+    both = ["--config-dir", str(own), f"hydra.searchpath=[file://{searched}]", "algorithm=mine", "topology=square"]
+    assert overrides.check([*both, "topology.rows=1", "topology.cols=4"]) == [
+        *both,
+        "topology.rows=1",
+        "topology.cols=4",
+    ]
+    with pytest.raises(ConfigError, match="did you mean topology.rows"):
+        overrides.check([*both, "topology.rowz=1"])
