@@ -127,7 +127,13 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
         with models.seeded(seed):
             model = cls(**options)
     else:
-        model = models.build(cfg["model"]["name"], split.input_shape, split.num_classes or 1, seed, **options)
+        name = cfg["model"]["name"]
+        if not split.x_train.is_floating_point() and name != "transformer":  # a text dataset's token ids
+            raise ValueError(
+                f"model {name} takes real-valued features, but data {cfg['data']['name']} gives token ids (text); "
+                f"use model=transformer"
+            )
+        model = models.build(name, split.input_shape, split.num_classes or 1, seed, **options)
     if not any(True for _ in model.parameters()):
         raise ValueError(f"the model {target or cfg['model']['name']!r} has no parameters to train")
     return model

@@ -55,7 +55,10 @@ def build(
     if norm not in NORMS:
         raise ValueError(f"model.norm must be one of {', '.join(NORMS)}, got {norm!r}")
     if name == "transformer" and len(input_shape) != 1:
-        raise ValueError(f"model transformer needs token sequences (data=tiny_text), got inputs of shape {input_shape}")
+        raise ValueError(
+            "model transformer needs token sequences (data=tiny_text or data=text_corpus), "
+            f"got inputs of shape {input_shape}"
+        )
     if name in ("cnn", "resnet20") and len(input_shape) != 3:
         raise ValueError(
             f"model {name} needs images (channels, height, width), got inputs of shape {input_shape}; "

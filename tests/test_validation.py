@@ -54,6 +54,10 @@ ROOT = Path(__file__).resolve().parent.parent
         ),
         (["backend=fleet", "launcher.hosts=[node1,node2]"], "but backend=fleet runs every peer in this process"),
         (["backend=torch", "launcher.hosts=[node1,node2]", "peers=3"], "cannot hold peers=3"),
+        # text gives token ids: a model of real-valued features crashed mid-run with a dtype traceback
+        (["data=tiny_text"], "model mlp takes real-valued features, but data tiny_text gives token ids"),
+        (["data=tiny_text", "model=cnn"], "use model=transformer"),
+        (["model=transformer"], "needs token sequences (data=tiny_text or data=text_corpus)"),
         pytest.param(
             ["backend=mpi", "faults.drop_messages=0.1"],
             "faults.drop_messages works on backend=local only",
