@@ -56,7 +56,7 @@ def train(comm, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="mpi", help="mpi (mpiexec, srun), torch (torchrun) or local")
     parser.add_argument("--peers", type=int, default=4, help="peers of the local backend")
     parser.add_argument(

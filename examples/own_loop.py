@@ -61,7 +61,7 @@ def train(comm, args) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="mpi", help="mpi (mpiexec, srun), torch (torchrun) or local")
     parser.add_argument("--peers", type=int, default=4, help="peers of the local backend")
     parser.add_argument("--epochs", type=int, default=2)

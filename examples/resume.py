@@ -62,6 +62,8 @@ def train(comm, args) -> str:
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": schedule.state_dict()}
                 dpsgd.checkpoint.save(comm, args.dir, step, state)
             if step == args.stop_after:
+                if comm.rank == 0:
+                    print(f"stopped after step {step}, as a crash would; run again without --stop-after to resume")
                 return "stopped"
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
     if comm.rank == 0:
@@ -70,7 +72,7 @@ def train(comm, args) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="mpi", help="mpi (mpiexec, srun), torch (torchrun) or local")
     parser.add_argument("--peers", type=int, default=4, help="peers of the local backend")
     parser.add_argument("--dir", type=Path, required=True, help="the checkpoint folder")

@@ -67,6 +67,6 @@ def test_resume_gives_the_parameters_of_a_run_never_stopped(tmp_path, capsys):
     whole = run_example("resume.py", [*common, "--dir", str(tmp_path / "whole")], capsys)
     stopped = run_example("resume.py", [*common, "--dir", str(tmp_path / "cut"), "--stop-after", "12"], capsys)
     resumed = run_example("resume.py", [*common, "--dir", str(tmp_path / "cut")], capsys)
-    assert stopped == "" and "resumed from step 10" in resumed
+    assert "stopped after step 12" in stopped and "resumed from step 10" in resumed
     digest = re.search(r"parameters (\w+)", whole).group(1)
     assert f"parameters {digest}" in resumed
