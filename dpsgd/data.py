@@ -326,21 +326,31 @@ def _read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
+# what a file-based dataset's data.root holds
+_FILES = {
+    "mnist": "the four MNIST IDX files (train-images-idx3-ubyte, ...; .gz is fine)",
+    "cifar10": "CIFAR-10's cifar-10-batches-bin (or cifar-10-batches-py) folder",
+}
+
+
 def _read_files(name: str, root: str | None) -> Split:
     if not root:
         raise DataNotFoundError(f"{name} is read from files: set data.root to the folder holding them")
     base = Path(root).expanduser()
     if not base.is_dir():
-        raise DataNotFoundError(f"{name}: data.root {base} is not a folder")
+        raise DataNotFoundError(
+            f"{name}: data.root {base} is not a folder; make it and put {_FILES[name]} there "
+            f"(nothing is downloaded at run time)"
+        )
     if name == "mnist":
-        hint = "put the four MNIST IDX files (train-images-idx3-ubyte, ...; .gz is fine) there"
+        hint = f"put {_FILES[name]} there"
         base = next(
             (sub for sub in (base, base / "MNIST" / "raw", base / "mnist") if any(sub.glob("train-images*"))), base
         )
         files = "train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte"
         x_tr, y_tr, x_te, y_te = [_read_idx(_find(base, f, "mnist", hint)) for f in files.split()]
         return _split(x_tr[:, None] / 255.0, y_tr, x_te[:, None] / 255.0, y_te, 10)
-    hint = "put CIFAR-10's cifar-10-batches-bin (or cifar-10-batches-py) folder there"
+    hint = f"put {_FILES[name]} there"
     batches = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]  # five for training, one for testing
     for sub in ("cifar-10-batches-bin", "cifar-10-batches-py", "."):
         folder = base / sub

@@ -117,6 +117,8 @@ def test_missing_files_say_where_and_what(tmp_path):
         data.load("mnist", root=str(tmp_path))
     with pytest.raises(data.DataNotFoundError, match="set data.root"):
         data.load("cifar10")
+    with pytest.raises(data.DataNotFoundError, match="is not a folder; make it and put CIFAR-10's cifar-10-batches"):
+        data.load("cifar10", root=str(tmp_path / "absent"))
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ class DPSGD(DistributedOptimizer):
 
     W(k) must be doubly stochastic (refused otherwise), so the average model moves only by the average
     increment. `qgm=True` adds quasi-global momentum (see `QGM`). Options: `order`, `overlap`, `qgm`,
-    `qgm_beta`, `qgm_mu`, and the keywords every optimizer takes (`topology`, `comm`, `broadcast_initial`).
+    `qgm_beta`, `qgm_mu`, and the keywords every optimizer takes (`topology`, `comm`, `broadcast_initial`,
+    `module`, `buffers`).
     Bytes per step: the model to each neighbour of W(k). With a compressing communicator (`compression=`,
     dpsgd.comm.codecs) each peer sends q_i = Q(x_i) and mixes x_i + sum_j W[i,j] (q_j - q_i), which keeps
     the average model.
