@@ -26,7 +26,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from experiments.overrides import check as check_overrides
 from experiments.sweeps import finished, run_sweep
+from experiments.validate import ConfigError, group_options
 
 # the algorithm's own main setting, searched beside the learning rate (the issue's "period, gamma, outer lr")
 KNOBS = {
@@ -159,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--search-seeds > 1 needs --sampler basic (an Optuna trial is one run)")
     if sampler != "basic" and not optuna_available():
         parser.error(f"--sampler {sampler} needs hydra-optuna-sweeper: pip install 'dpsgd[tune]' (or --sampler basic)")
+    _check_names(parser, args)
+    try:  # the app's one-line check of every override (unknown keys, unreadable values), before any run starts
+        overrides = check_overrides(overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
     factors = [float(f) for f in args.lr_factors.split(",")]
     knob_values = [_number(v) for v in args.knob_values.split(",")] if args.knob_values else None
     out = args.out or Path("multirun/tune") / time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -200,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "tuned.md").write_text(chosen_table(tuned) + "\n" + (out / "report.md").read_text())
     print(f"wrote {out / 'tuned.md'}, {out / 'tuned.json'}")
     return code
+
+
+def _check_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--algorithms and --schedules name options of their config groups (a typo was a Hydra traceback)."""
+    for group, given in (("algorithm", args.algorithms), ("schedule", args.schedules)):
+        valid = group_options(group)
+        unknown = [name for name in (given or "").split(",") if name and name not in valid]
+        if unknown:
+            parser.error(f"unknown {group} {', '.join(unknown)}; valid {group} options: {', '.join(valid)}")
 
 
 def chosen_table(tuned: dict) -> str:

@@ -122,3 +122,23 @@ def test_tune_searches_the_schedule(tmp_path):
     chosen = json.loads((out / "tuned.json").read_text())["algorithms"]["allreduce"]["chosen"]
     (final,) = [OmegaConf.load(s.parent / "config.yaml") for s in (out / "final").rglob("summary.json")]
     assert chosen["schedule"] in ("constant", "cosine") and final.schedule.name == chosen["schedule"]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--algorithms", "dpsgd,dpsgdd"], "unknown algorithm dpsgdd; valid algorithm options: adpsgd, allreduce"),
+        (["--schedules", "constant,cosin"], "unknown schedule cosin; valid schedule options: constant, cosine"),
+        (["epochz=3"], "unknown key 'epochz' (the config has no such key); did you mean epochs?"),
+    ],
+)
+def test_bad_names_and_overrides_end_in_one_error_line_before_any_run(argv, words, tmp_path, capsys):
+    """A typo in --algorithms, --schedules or an override was a Hydra traceback from inside the search."""
+    from experiments import tune
+
+    with pytest.raises(SystemExit) as exited:
+        tune.main([*argv, "--out", str(tmp_path / "tune")])
+    assert exited.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and words in errors[0], errors
+    assert not (tmp_path / "tune").exists()
