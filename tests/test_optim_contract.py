@@ -168,3 +168,14 @@ def test_the_skip_and_rank_0s_buffers_travel_plain_under_robust_rules_and_compre
     results = run_local(N, peer, timeout_s=60)
     assert all(skipped for skipped, _ in results), "a peer stepped while another's gradients held an inf"
     assert all(torch.equal(mean, results[0][1]) for _, mean in results), "the buffers are not rank 0's"
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_help_shows_the_keywords_every_optimizer_takes(name):
+    """NoLoCo, DeMo, SparseLoCo and DESLOC took module= and buffers= (through the base class) while their
+    signature, and so help(), did not show them."""
+    import inspect
+
+    parameters = inspect.signature(ALGORITHMS[name]).parameters
+    handed_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # QGM, BMUF: **options
+    assert handed_on or {"topology", "comm", "broadcast_initial", "module", "buffers"} <= set(parameters)

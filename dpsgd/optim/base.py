@@ -409,6 +409,10 @@ def _taking_common(init):
             self._common = (module, buffers)
         init(self, *args, **kwargs)
 
+    # help() and inspect.signature show the two keywords it takes, as every optimizer's
+    signature = inspect.signature(init)
+    common = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in ("module", "buffers")]
+    __init__.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *common])  # type: ignore[attr-defined]
     return __init__
 
 
