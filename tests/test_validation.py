@@ -128,6 +128,22 @@ def test_torch_without_distributed(hydra_config, monkeypatch):
         validate(hydra_config("backend=torch"))
 
 
+def test_torch_without_a_launcher_says_how_to_start_one(monkeypatch):
+    """A library user's init("torch") outside torchrun: the command it gives runs (it said `torchrun ... python -m`)."""
+    import torch.distributed as dist
+
+    import dpsgd.comm
+
+    if dist.is_initialized():
+        pytest.skip("this process already holds a torch.distributed world")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="RANK is not set") as info:
+        dpsgd.comm.init("torch")
+    assert "`torchrun --nproc-per-node N your_script.py`" in str(info.value)
+    assert "`torchrun --nproc-per-node N -m experiments.train backend=torch peers=N`" in str(info.value)
+
+
 def test_resume_refuses_a_different_config(hydra_config, tmp_path):
     saved = hydra_config("peers=8")
     with pytest.raises(ConfigError) as info:

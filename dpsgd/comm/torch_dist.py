@@ -131,8 +131,9 @@ class TorchCommunicator(Communicator):
                 if init_method is None and var not in os.environ:
                     raise RuntimeError(
                         f"backend=torch needs a launcher: {var} is not set. Start the peers with "
-                        f"`torchrun --nproc-per-node N python -m experiments.train backend=torch`, let "
-                        f"experiments.train spawn them, or call torch.distributed.init_process_group first"
+                        f"`torchrun --nproc-per-node N your_script.py` (the app: `torchrun --nproc-per-node N "
+                        f"-m experiments.train backend=torch peers=N`), let experiments.train spawn them, or call "
+                        f"torch.distributed.init_process_group first"
                     )
             _init_group(dist_backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout_s, init_method)
             # a group left alive at interpreter exit aborts the process (SIGABRT in gloo)
