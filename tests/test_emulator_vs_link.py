@@ -59,3 +59,17 @@ def test_one_peer_dpsgd_on_two_hosts_is_predicted_within_15_percent(tmp_path):
     assert capped["host_link_mb_per_step"] == pytest.approx(1.5 * capped["model_mb"], rel=0.02), capped
     assert capped["predicted_ratio"] == pytest.approx(1.0, abs=0.15), capped
     assert testhosts.made_here() == []
+
+
+@pytest.mark.slow
+def test_plain_tcp_one_way_reaches_the_cap(capsys):
+    """experiments.bench.two_way_tcp in its smallest form: one Reno flow of 1.125 MB each way through 100 Mbit/s
+    caps; one-way it takes what the cap's payload rate needs, within 10% (the table's first row)."""
+    from experiments.bench import two_way_tcp
+
+    argv = ["--sizes", "1125000", "--flows", "1", "--cc", "reno", "--reps", "3"]
+    assert two_way_tcp.main(argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("reno ")]
+    one_way = next(r for r in rows if r[3] == "one-way" and len(r) == 8)
+    assert float(one_way[-1]) == pytest.approx(1.0, abs=0.1), one_way
+    assert testhosts.made_here() == []
