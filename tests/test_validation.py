@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
             "top_k: ratio is the fraction of entries sent and must be in (0, 1], got 2",
         ),
         (["algorithm=choco", "compression=sign"], "name the codec once"),
+        (["algorithm=choco", "algorithm.compressor=null"], "or a compressing communicator (compression=NAME)"),
         (["algorithm=dpsgd", "compression=powersgd"], "compression=powersgd compresses all-reduce means"),
         (["algorithm=streaming_diloco", "algorithm.delay=4"], "delay 4 must be < period / fragments = 4"),
         (

@@ -74,8 +74,9 @@ class Choco(DistributedOptimizer):
         if not isinstance(codec, codecs.Codec):
             raise ValueError(
                 f"Choco needs a compressor, a codec of one message "
-                f"({', '.join(c for c in codecs.CODECS if c != 'powersgd')}), got {compressor!r}; "
-                "without compression use algorithm=dpsgd"
+                f"({', '.join(c for c in codecs.CODECS if c != 'powersgd')}): compressor=NAME "
+                f"(algorithm.compressor in a config) or a compressing communicator (compression=NAME); got "
+                f"{compressor!r}; without compression use DPSGD (algorithm=dpsgd)"
             )
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
             raise ValueError(f"Choco gamma (the consensus step size) must be in (0, 1], got {gamma!r}")
