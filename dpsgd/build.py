@@ -42,6 +42,23 @@ def import_target(target: str, what: str):
         ) from None
 
 
+def check_options(
+    what: str, fn: Callable, options: Mapping, *, set_here: tuple[str, ...] = (), listing: str = ""
+) -> None:
+    """A config's keys that `fn` does not take, refused by name with the ones it does (where a TypeError said
+    only "__init__() got an unexpected keyword argument"). `set_here`: arguments the app passes itself, not
+    listed; a `fn` that hands unnamed keywords on (`**options`) refuses them itself."""
+    import inspect
+
+    parameters = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = [k for k in options if k not in parameters or parameters[k].kind is inspect.Parameter.POSITIONAL_ONLY]
+    if unknown:
+        takes = ", ".join(k for k in parameters if k not in set_here) or "none"
+        raise ValueError(f"{what} takes no option {', '.join(map(repr, unknown))}; {listing or 'its options'}: {takes}")
+
+
 def factories(options: dict) -> dict:
     """The algorithm's options with each `_target_` dict (e.g. `outer: {_target_: torch.optim.SGD, lr: 0.7}`)
     made the factory it names: the class with the dict's other keys bound (functools.partial)."""
@@ -125,6 +142,7 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
     target = cfg["model"].get("_target_")
     if target:
         cls = import_target(target, "model")
+        check_options(f"model._target_={target}", cls, options)
         with models.seeded(seed):
             model = cls(**options)
     else:
@@ -134,6 +152,13 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
                 f"model {name} takes real-valued features, but data {cfg['data']['name']} gives token ids (text); "
                 f"use model=transformer"
             )
+        check_options(
+            f"model {name}",
+            models.build,
+            options,
+            set_here=("name", "input_shape", "num_outputs", "seed"),
+            listing=f"conf/model/{name}.yaml lists its own; the built-in models' options",
+        )
         model = models.build(name, split.input_shape, split.num_classes or 1, seed, **options)
     if not any(True for _ in model.parameters()):
         raise ValueError(f"the model {target or cfg['model']['name']!r} has no parameters to train")
@@ -178,7 +203,12 @@ def build_optimizer(cfg: dict, params, topology, comm, module: torch.nn.Module |
     comm = codecs.wrap(comm, cfg.get("compression"))  # every algorithm's means and mixes, encoded
     corrupted = corrupt.from_faults(cfg.get("faults"), comm.size, int(cfg.get("seed", 0)))
     comm = robust.wrap(comm, cfg.get("robust"), corrupted)  # corrupt senders, robust receivers (both: off by default)
-    return check_algorithm(cfg)(base_optimizer(cfg, params), topology=topology, comm=comm, **factories(options))
+    algorithm = check_algorithm(cfg)
+    set_here = ("base", "topology", "comm", "module", "buffers")
+    check_options(
+        f"algorithm {cfg['algorithm'].get('name')} ({algorithm.__name__})", algorithm, options, set_here=set_here
+    )
+    return algorithm(base_optimizer(cfg, params), topology=topology, comm=comm, **factories(options))
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,13 @@ ROOT = Path(__file__).resolve().parent.parent
         ),
         (["algorithm=choco", "compression=sign"], "name the codec once"),
         (["algorithm=choco", "algorithm.compressor=null"], "or a compressing communicator (compression=NAME)"),
+        # an option the constructor does not take, by name with those it does (was "__init__() got an unexpected ...")
+        (["+algorithm.foo=1"], "algorithm dpsgd (DPSGD) takes no option 'foo'; its options: broadcast_initial, order"),
+        (
+            ["algorithm=noloco", "+algorithm.perod=5"],
+            "NoLoCo) takes no option 'perod'; its options: broadcast_initial, period",
+        ),
+        (["+model.widht=3"], "model mlp takes no option 'widht'; conf/model/mlp.yaml lists its own"),
         (["algorithm=dpsgd", "compression=powersgd"], "compression=powersgd compresses all-reduce means"),
         (["algorithm=streaming_diloco", "algorithm.delay=4"], "delay 4 must be < period / fragments = 4"),
         (
