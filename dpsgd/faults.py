@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from dpsgd.comm import transport
 from dpsgd.comm.corrupt import MODES as CORRUPT_MODES
+from dpsgd.comm.corrupt import mode_name
 from dpsgd.comm.transport import Transport
 from dpsgd.seeds import message_loss_seed
 
@@ -56,6 +57,8 @@ class FaultPlan:
         unknown = sorted(set(section) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown faults option(s) {unknown}; valid: {', '.join(cls.__dataclass_fields__)}")
+        if "corrupt_mode" in section:
+            section["corrupt_mode"] = mode_name(section["corrupt_mode"])
         plan = cls(**{k: v for k, v in section.items() if v is not None or k.endswith("_peer")})
         for key in ("kill_peer", "delay_peer"):
             rank = getattr(plan, key)

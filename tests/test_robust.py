@@ -148,6 +148,14 @@ def test_nan_sender_is_named_as_the_diverged_peer(tmp_path):
     assert "it sent non-finite values (received by peer" in str(caught.value)
 
 
+def test_corrupt_mode_nan_from_the_command_line_is_the_nan_mode(hydra_config):
+    """Hydra's grammar reads `faults.corrupt_mode=nan` as the float NaN: it was refused as 'got nan'."""
+    faults = hydra_config("faults.corrupt_peer=2", "faults.corrupt_mode=nan")["faults"]
+    assert isinstance(faults["corrupt_mode"], float) and math.isnan(faults["corrupt_mode"])
+    assert FaultPlan.from_config(faults, 4, transport.get("local")).corrupt_mode == "nan"
+    assert Corruption(frozenset([2]), faults["corrupt_mode"]).mode == "nan"
+
+
 def test_config_checks():
     local = transport.get("local")
     with pytest.raises(ValueError, match=r"corrupt_peer must be a peer rank in \[0, 4\)"):

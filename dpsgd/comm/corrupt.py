@@ -22,6 +22,14 @@ import numpy as np
 import torch
 
 MODES = ("nan", "scale", "sign", "noise", "alie")
+
+
+def mode_name(mode):
+    """The mode a config gives: `faults.corrupt_mode=nan` on the command line reaches the config as the float NaN
+    (Hydra's grammar reads nan as a number), which names the mode `nan`."""
+    return "nan" if isinstance(mode, float) and math.isnan(mode) else mode
+
+
 DEFAULT_SCALE = 10.0
 
 
@@ -44,6 +52,7 @@ class Corruption:
     n: int = 1
 
     def __post_init__(self):
+        object.__setattr__(self, "mode", mode_name(self.mode))
         if self.mode not in MODES:
             raise ValueError(f"faults.corrupt_mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
