@@ -136,6 +136,12 @@ def check(argv: list[str]) -> list[str]:
     argv = expand_home(argv)
     extra = search_path(argv)  # the user's own config folders (hydra.searchpath, --config-dir)
     args, dirs = _without_config_dirs(argv)
+    for folder in dirs:
+        if not os.path.isdir(os.path.expanduser(folder)):
+            raise ConfigError(
+                f"--config-dir {folder!r} is not a folder; give the folder that holds your own config groups "
+                f"(algorithm/, topology/, model/, data/, ...)"
+            )
     if extra is None or any(a.startswith("-") and a not in HYDRA_FLAGS for a in args):
         return argv  # Hydra's own flags (--cfg, --config-name, ...): its own business
     overrides = _parse([a for a in args if a not in HYDRA_FLAGS])

@@ -99,6 +99,8 @@ def test_config_dir_gets_the_same_one_line_checks(tmp_path):
             overrides.check([*flag, "algorithm=mine", "algorithm.extra_knb=4"])
         with pytest.raises(ConfigError, match="cannot read the override 'data.root=a\\(b'"):
             overrides.check([*flag, "data.root=a(b"])
+    with pytest.raises(ConfigError, match="--config-dir '.*absent' is not a folder; give the folder that holds"):
+        overrides.check(["--config-dir", str(tmp_path / "absent"), "epochs=2"])  # Hydra's message was two lines
     both = ["--config-dir", str(own), f"hydra.searchpath=[file://{searched}]", "algorithm=mine", "topology=square"]
     assert overrides.check([*both, "topology.rows=1", "topology.cols=4"]) == [
         *both,
