@@ -42,9 +42,7 @@ def import_target(target: str, what: str):
         ) from None
 
 
-def check_options(
-    what: str, fn: Callable, options: Mapping, *, set_here: tuple[str, ...] = (), listing: str = ""
-) -> None:
+def check_options(what: str, fn: Callable, options: Mapping, *, set_here: tuple[str, ...] = ()) -> None:
     """A config's keys that `fn` does not take, refused by name with the ones it does (where a TypeError said
     only "__init__() got an unexpected keyword argument"). `set_here`: arguments the app passes itself, not
     listed; a `fn` that hands unnamed keywords on (`**options`) refuses them itself."""
@@ -56,7 +54,7 @@ def check_options(
     unknown = [k for k in options if k not in parameters or parameters[k].kind is inspect.Parameter.POSITIONAL_ONLY]
     if unknown:
         takes = ", ".join(k for k in parameters if k not in set_here) or "none"
-        raise ValueError(f"{what} takes no option {', '.join(map(repr, unknown))}; {listing or 'its options'}: {takes}")
+        raise ValueError(f"{what} takes no option {', '.join(map(repr, unknown))}; its options: {takes}")
 
 
 def factories(options: dict) -> dict:
@@ -152,13 +150,10 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
                 f"model {name} takes real-valued features, but data {cfg['data']['name']} gives token ids (text); "
                 f"use model=transformer"
             )
-        check_options(
-            f"model {name}",
-            models.build,
-            options,
-            set_here=("name", "input_shape", "num_outputs", "seed"),
-            listing=f"conf/model/{name}.yaml lists its own; the built-in models' options",
-        )
+        unknown = [k for k in options if k not in models.OPTIONS.get(name, options)]
+        if unknown:  # models.build takes every model's options: one another model reads would go unused
+            takes = ", ".join(models.OPTIONS[name]) or "none"
+            raise ValueError(f"model {name} takes no option {', '.join(map(repr, unknown))}; its options: {takes}")
         model = models.build(name, split.input_shape, split.num_classes or 1, seed, **options)
     if not any(True for _ in model.parameters()):
         raise ValueError(f"the model {target or cfg['model']['name']!r} has no parameters to train")

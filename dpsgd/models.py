@@ -22,6 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer")
+# the options each model reads (build's keywords); any other is refused by name (dpsgd.build.build_model)
+OPTIONS = {
+    "linear": (),
+    "mlp": ("hidden",),
+    "cnn": ("width", "groups"),
+    "resnet20": ("norm", "groups"),
+    "transformer": ("dim", "layers", "heads"),
+}
 NORMS = ("group", "batch")  # resnet20's normalization layers
 _init_lock = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
 

@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
             ["algorithm=noloco", "+algorithm.perod=5"],
             "NoLoCo) takes no option 'perod'; its options: broadcast_initial, period",
         ),
-        (["+model.widht=3"], "model mlp takes no option 'widht'; conf/model/mlp.yaml lists its own"),
+        (["+model.widht=3"], "model mlp takes no option 'widht'; its options: hidden"),
+        (["+model.width=3"], "model mlp takes no option 'width'; its options: hidden"),  # cnn's: went unused
         (["algorithm=dpsgd", "compression=powersgd"], "compression=powersgd compresses all-reduce means"),
         (["algorithm=streaming_diloco", "algorithm.delay=4"], "delay 4 must be < period / fragments = 4"),
         (
