@@ -26,6 +26,7 @@ CASES = [
     ("star", {}),
     ("hierarchical", {"group_size": 4, "across": "ring"}),
     ("random_regular", {}),
+    ("erdos_renyi", {}),
     ("one_peer_exponential", {}),
     ("random_matching", {}),
     ("random_matching", {"bipartite": True}),

@@ -3,7 +3,7 @@
 Each builder takes n and keyword options and returns a `Topology` of period 1. The weights are
 Metropolis-Hastings unless `weights` names another scheme of `topologies.weights`, or
 `self_weight` fixes every peer's self weight (regular graphs only). Above `matrices.DENSE_UP_TO` peers the
-sparse graphs (all but complete and erdos_renyi) build their links and W as sparse matrices.
+sparse graphs (all but complete) build W as a sparse matrix (erdos_renyi still draws its links densely).
 """
 
 from __future__ import annotations
@@ -209,6 +209,7 @@ def erdos_renyi(
         links = upper & (rng.random((n, n)) < p)
         links |= links.T
         if _is_connected(links):
+            links = sparse.csr_array(links) if _large(n) else links  # the draw is dense; W need not be
             return weighted("erdos_renyi", links, weights=weights, self_weight=self_weight, p=p, seed=seed)
     raise ValueError(
         f"erdos_renyi with n={n}, p={p}: no connected graph in {_TRIES} draws; raise p above the "
