@@ -132,6 +132,8 @@ def test_a_sparse_matrix_is_validated_like_a_dense_one():
     split[:3, :3], split[3:, 3:], split[:3, 3:], split[3:, :3] = 1 / 3, 1 / 3, 0, 0
     with pytest.raises(ValueError, match="not connected"):
         topologies.Topology("split", [sparse.csr_array(split)])
-    got = topologies.Topology("ring", [sparse.csr_array(w)])
-    np.testing.assert_array_equal(got.mixing_matrix(), w)
-    assert matrices.is_sparse(got._stored(0))
+    one = topologies.from_matrix(sparse.csr_array(w))
+    two = topologies.from_matrix([sparse.coo_array(w), sparse.coo_array(w)])
+    for got, period in ((one, 1), (two, 2)):
+        np.testing.assert_array_equal(got.mixing_matrix(1), w)
+        assert matrices.is_sparse(got._stored(0)) and got.period == period
