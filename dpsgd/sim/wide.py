@@ -8,7 +8,7 @@ on the flattened features (peer-major) as one batched product. The parameters ke
 model holds one peer's) and are called with the fleet's stacked ones, (n, *shape):
 `functional_call(wide, stacked, (wide_input(x, True),))` returns every peer's outputs. A network of linear
 layers (and elementwise ones) runs peer-major instead, (n, b, features), each Linear one batched product with
-its bias added in the same call.
+its bias added in the same call (PeerLinear: its backward pass writes the weight's gradient in the weight's layout).
 
 vmap computes the same, but moves the peer axis in and out of the batch axis around every convolution and
 applies GroupNorm's affine part as separate products; this layout leaves those copies out (on CPU, ResNet-20's
