@@ -1,6 +1,7 @@
 """The fleet's faster paths against the plain ones: the wide layout (dpsgd.sim.wide) for convolutional models
 (the same gradients as vmap over peers with different weights; a CNN fleet equal to the local backend's
-threads), the transformer's attention under vmap, gossip as gathers of rows (a GPU's form), and the wide MLP's PeerLinear backward."""
+threads), the transformer's attention under vmap, gossip as gathers of rows (a GPU's form), and the wide MLP's
+PeerLinear backward."""
 
 from __future__ import annotations
 
