@@ -12,7 +12,7 @@ optimizer, `topology=` and `comm=`; a topology with the number of peers).
 from __future__ import annotations
 
 import functools
-import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -31,9 +31,10 @@ BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov", 
 
 def import_target(target: str, what: str):
     """The class a `_target_` names ('package.module.Class'), or a one-line error."""
-    module, _, name = str(target).rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)
+        if "." not in str(target):
+            raise ValueError("no module named")
+        return pkgutil.resolve_name(str(target))
     except (ImportError, AttributeError, ValueError) as exc:
         raise ValueError(
             f"{what}._target_={target!r} cannot be imported ({type(exc).__name__}: "

@@ -44,7 +44,8 @@ def across_share(topology: str, peers: int, hosts: int) -> float:
     t = topologies.make(topology, peers, **options(topology))
     on = [r // (peers // hosts) for r in range(peers)]
     mine = [r for r in range(peers) if on[r] == hosts - 1]
-    links = [(r, j) for r in mine for j in range(peers) if j != r and t.mixing_matrix(0)[r, j] != 0]
+    steps = range(t.period or 1)  # a time-varying graph (one-peer exponential): every matrix of its period
+    links = [(r, j) for s in steps for r in mine for j in range(peers) if j != r and t.mixing_matrix(s)[r, j] != 0]
     return sum(on[j] != on[r] for r, j in links) / len(links)
 
 
