@@ -1,6 +1,7 @@
 """The fleet's faster paths against the plain ones: the wide layout (dpsgd.sim.wide) for convolutional models
 (the same gradients as vmap over peers with different weights; a CNN fleet equal to the local backend's
-threads), the transformer's attention under vmap, and gossip as gathers of rows (a GPU's form)."""
+threads), the transformer's attention under vmap, gossip as gathers of rows (a GPU's form), and the wide MLP's
+PeerLinear backward."""
 
 from __future__ import annotations
 
@@ -84,3 +85,23 @@ def test_gossip_as_gathers_equals_the_product(name):
     expected = (torch.as_tensor(w, dtype=torch.float32) @ x.reshape(12, -1)).reshape(x.shape)
     torch.testing.assert_close(m.apply(x), expected)
     torch.testing.assert_close(mixing(w, torch.float32, torch.device("cpu")).apply(x), expected)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_peer_linear_gives_autograds_gradients_in_the_weights_layout(bias):
+    """PeerLinear's own backward against autograd's through the same batched product, on 3 peers."""
+    from dpsgd.sim.wide import PeerLinear
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 6, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
+    upstream = torch.randn(3, 5, 6, generator=gen, dtype=torch.float64)
+    inputs = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad(PeerLinear.apply(x, w, b), inputs, upstream)
+    plain = torch.bmm(x, w.transpose(1, 2)) + (b[:, None, :] if b is not None else 0)
+    want = torch.autograd.grad(plain, inputs, upstream)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r)
+    assert got[1].is_contiguous()  # no transposed copy left for autograd to make
+    assert torch.autograd.gradcheck(lambda *t: PeerLinear.apply(*t, *([None] if b is None else [])), inputs)

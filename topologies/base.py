@@ -5,6 +5,8 @@ weights peer i gives at step t to the values it receives: W[i, j] > 0 only if j 
 W[i, i] is i's self weight. Undirected topologies (directed=False) have doubly stochastic matrices
 (symmetric when static); directed ones (push-sum) have column stochastic matrices. A periodic
 schedule repeats its `period` matrices; a random one (period None) draws W(t) from (seed, t).
+A topology keeps each matrix as its builder made it: dense up to `matrices.DENSE_UP_TO` peers, a scipy.sparse
+CSR array above (`mixing_matrix` still returns the dense array; `sparse_mixing_matrix` never makes one).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.sparse import csr_matrix
+from scipy import sparse
 from scipy.sparse.csgraph import connected_components
+
+from .matrices import canonical, entries, is_sparse, is_symmetric, positive, union
 
 __all__ = ["TOL", "Neighbors", "Topology", "check_connected", "check_matrix", "links_of"]
 
@@ -36,19 +40,21 @@ class Neighbors:
     self_weight: float = 1.0
 
 
-def check_matrix(w, *, directed: bool, label: str = "mixing matrix") -> np.ndarray:
-    """Return `w` as a float64 (n, n) array, or raise ValueError naming the property it breaks."""
-    w = np.array(w, dtype=np.float64)
+def check_matrix(w, *, directed: bool, label: str = "mixing matrix"):
+    """Return `w` as a float64 (n, n) array (a canonical CSR array when `w` is scipy.sparse), or raise
+    ValueError naming the property it breaks."""
+    w = canonical(w) if is_sparse(w) else np.array(w, dtype=np.float64)
     if w.ndim != 2 or w.shape[0] != w.shape[1] or w.shape[0] == 0:
         raise ValueError(f"{label}: a mixing matrix must be square (n, n) with n >= 1; got shape {w.shape}")
-    bad = np.argwhere(~np.isfinite(w))
+    rows, cols, values = entries(w)
+    bad = np.flatnonzero(~np.isfinite(values))
     if bad.size:
-        i, j = bad[0]
-        raise ValueError(f"{label} is not finite: W[{i}, {j}] = {w[i, j]}")
-    bad = np.argwhere(w < 0)
+        i, j, v = rows[bad[0]], cols[bad[0]], values[bad[0]]
+        raise ValueError(f"{label} is not finite: W[{i}, {j}] = {v}")
+    bad = np.flatnonzero(values < 0)
     if bad.size:
-        i, j = bad[0]
-        raise ValueError(f"{label} is not non-negative: W[{i}, {j}] = {w[i, j]:.6g}; gossip weights must be >= 0")
+        i, j, v = rows[bad[0]], cols[bad[0]], values[bad[0]]
+        raise ValueError(f"{label} is not non-negative: W[{i}, {j}] = {v:.6g}; gossip weights must be >= 0")
     if not directed:
         rows = w.sum(axis=1)
         i = int(np.argmax(np.abs(rows - 1.0)))
@@ -69,19 +75,25 @@ def check_matrix(w, *, directed: bool, label: str = "mixing matrix") -> np.ndarr
     return w
 
 
-def links_of(matrices) -> np.ndarray:
-    """The union of the matrices' links as a bool (n, n) matrix (self loops included)."""
-    matrices = iter(matrices)
-    support = next(matrices) > 0
+def links_of(matrices):
+    """The union of the matrices' links as a bool (n, n) matrix (self loops included); a sparse one when
+    a matrix is sparse."""
+    support = None
     for w in matrices:
-        support |= w > 0
+        links = _links(w)
+        support = links if support is None else union(support, links)
     return support
 
 
-def check_connected(support: np.ndarray, *, directed: bool, label: str, steps: int = 1) -> None:
+def _links(w):
+    """w > 0 as a bool matrix of w's form."""
+    return canonical(w > 0, bool) if is_sparse(w) else w > 0
+
+
+def check_connected(support, *, directed: bool, label: str, steps: int = 1) -> None:
     """Raise ValueError unless the links in `support` (the union over `steps` steps) are (strongly)
     connected."""
-    count, component = connected_components(csr_matrix(support), directed=True, connection="strong")
+    count, component = connected_components(sparse.csr_array(support), directed=True, connection="strong")
     if count == 1:
         return
     cut = np.flatnonzero(component != component[0])
@@ -95,7 +107,7 @@ def check_connected(support: np.ndarray, *, directed: bool, label: str, steps: i
 
 
 def _is_connected(support: np.ndarray) -> bool:
-    return connected_components(csr_matrix(support), directed=True, connection="strong")[0] == 1
+    return connected_components(sparse.csr_array(support), directed=True, connection="strong")[0] == 1
 
 
 class Topology:
@@ -132,9 +144,10 @@ class Topology:
             self._random_matrix = functools.lru_cache(maxsize=64)(self._checked_draw)
             # Validate the first steps, until their links join up (or the window ends).
             limit = window if window else 4 * self.n + 16
-            support = np.zeros((self.n, self.n), dtype=bool)
+            support = None
             for t in range(limit):
-                support |= self._random_matrix(t) > 0
+                links = _links(self._random_matrix(t))
+                support = links if support is None else union(support, links)
                 if _is_connected(support):
                     break
             self._window = t + 1
@@ -150,7 +163,8 @@ class Topology:
             if len(shapes) > 1:
                 raise ValueError(f"{name!r}: all matrices of a schedule must have the same shape; got {sorted(shapes)}")
             for w in self._matrices:
-                w.flags.writeable = False  # cached: callers get copies
+                if not is_sparse(w):
+                    w.flags.writeable = False  # cached: callers get copies
             self.period = len(self._matrices)
             self.n = self._matrices[0].shape[0]
             self._window = self.period
@@ -162,32 +176,59 @@ class Topology:
         w = check_matrix(self._draw(step), directed=self.directed, label=f"{self.name!r} at step {step}")
         if w.shape != (self.n, self.n):
             raise ValueError(f"{self.name!r} at step {step}: shape {w.shape}, expected {(self.n, self.n)}")
-        w.flags.writeable = False
+        if not is_sparse(w):
+            w.flags.writeable = False
         return w
 
-    def _matrix(self, step: int) -> np.ndarray:
-        """The cached, read-only W(step)."""
+    def _stored(self, step: int):
+        """The cached W(step) as the builder made it: a read-only dense array or a CSR array (not to modify)."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be an integer >= 0; got {step!r}")
         if self._matrices is not None:
             return self._matrices[int(step) % len(self._matrices)]
         return self._random_matrix(int(step))
 
+    def _matrix(self, step: int) -> np.ndarray:
+        """W(step) dense and read-only (made afresh from a sparse one: large n pays n x n here)."""
+        w = self._stored(step)
+        if is_sparse(w):
+            w = w.toarray()
+            w.flags.writeable = False
+        return w
+
     def mixing_matrix(self, step: int = 0) -> np.ndarray:
         """W(step) as a fresh (n, n) float64 array (row i: the weights peer i gives to what it receives)."""
-        return self._matrix(step).copy()
+        return np.array(self._matrix(step))
+
+    def sparse_mixing_matrix(self, step: int = 0) -> sparse.csr_array:
+        """W(step) as a fresh scipy.sparse CSR array (float64, no stored zeros, sorted indices): the same values
+        as `mixing_matrix`, without an (n, n) dense array when the topology keeps its matrices sparse."""
+        return canonical(self._stored(step))
 
     def neighbors(self, rank: int, step: int = 0) -> Neighbors:
         """Who `rank` receives from and sends to at `step`, with the weights, read off W(step)."""
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.n:
             raise ValueError(f"rank must be an integer in [0, {self.n}); got {rank!r}")
-        w = self._matrix(step)
+        w = self._stored(step)
         rank = int(rank)
+        if is_sparse(w):  # row rank, then column rank (its entries come row-major: by peer)
+            row = slice(w.indptr[rank], w.indptr[rank + 1])
+            recv_peers, recv_weights = w.indices[row], w.data[row]
+            in_column = np.flatnonzero(w.indices == rank)
+            send_peers = np.searchsorted(w.indptr, in_column, side="right") - 1
+            send_weights = w.data[in_column]
+            own = recv_weights[recv_peers == rank]
+            self_weight = float(own[0]) if own.size else 0.0
+        else:
+            recv_peers = send_peers = np.arange(self.n)
+            recv_weights, send_weights, self_weight = w[rank, :], w[:, rank], float(w[rank, rank])
 
-        def positive(weights: np.ndarray) -> dict[int, float]:
-            return {int(j): float(weights[j]) for j in np.flatnonzero(weights > 0) if j != rank}
+        def weighted(peers: np.ndarray, weights: np.ndarray) -> dict[int, float]:
+            return {int(peers[k]): float(weights[k]) for k in np.flatnonzero((weights > 0) & (peers != rank))}
 
-        return Neighbors(recv=positive(w[rank, :]), send=positive(w[:, rank]), self_weight=float(w[rank, rank]))
+        return Neighbors(
+            recv=weighted(recv_peers, recv_weights), send=weighted(send_peers, send_weights), self_weight=self_weight
+        )
 
     def _steps_to_inspect(self) -> range:
         """The steps whose links define the graph: one period, or the validated window of a random one."""
@@ -206,15 +247,16 @@ class Topology:
                     "covers them; build it with bipartite=True if it offers that option"
                 )
             return frozenset(self._split[0]), frozenset(self._split[1])
-        links = links_of(self._matrix(t) for t in self._steps_to_inspect())
-        links |= links.T
-        np.fill_diagonal(links, False)
+        rows, cols = positive(links_of(self._stored(t) for t in self._steps_to_inspect()))
+        off = rows != cols
+        ends = (np.r_[rows[off], cols[off]], np.r_[cols[off], rows[off]])  # both directions, no self loops
+        both = canonical(sparse.coo_array((np.ones(ends[0].size, bool), ends), shape=(self.n, self.n)), bool)
         side = np.full(self.n, -1)
         side[0] = 0
         stack = [0]
         while stack:
             i = stack.pop()
-            for j in np.flatnonzero(links[i]):
+            for j in both.indices[both.indptr[i] : both.indptr[i + 1]]:
                 if side[j] < 0:
                     side[j] = 1 - side[i]
                     stack.append(int(j))
@@ -231,8 +273,7 @@ class Topology:
         if active & passive or active | passive != set(range(self.n)):
             raise ValueError(f"{self.name!r}: a split must partition the peers 0..{self.n - 1} into two sets")
         for t in self._steps_to_inspect():
-            w = self._matrix(t)
-            for i, j in np.argwhere(w > 0):
+            for i, j in zip(*positive(self._stored(t))):
                 if i != j and (i in active) == (j in active):
                     raise ValueError(f"{self.name!r} at step {t}: link {j} -> {i} does not cross the split")
 
@@ -242,10 +283,13 @@ class Topology:
         `self_weight` = W[i, i]."""
         import networkx as nx
 
-        w = self._matrix(step)
-        graph = nx.Graph() if np.array_equal(w, w.T) else nx.DiGraph()
-        graph.add_nodes_from((i, {"self_weight": float(w[i, i])}) for i in range(self.n))
-        graph.add_weighted_edges_from((int(j), int(i), float(w[i, j])) for i, j in np.argwhere(w > 0) if i != j)
+        w = self._stored(step)
+        graph = nx.Graph() if is_symmetric(w) else nx.DiGraph()
+        graph.add_nodes_from((i, {"self_weight": float(d)}) for i, d in enumerate(w.diagonal()))
+        rows, cols, values = entries(w)
+        graph.add_weighted_edges_from(
+            (int(j), int(i), float(v)) for i, j, v in zip(rows, cols, values) if v > 0 and i != j
+        )
         return graph
 
     def __repr__(self) -> str:

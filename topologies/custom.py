@@ -8,6 +8,7 @@ import numpy as np
 
 from .base import Topology
 from .graphs import weighted
+from .matrices import is_sparse
 
 __all__ = ["from_matrix", "from_networkx"]
 
@@ -17,8 +18,10 @@ def from_matrix(w, *, directed: bool = False, name: str = "custom") -> Topology:
 
     Row i holds the weights peer i gives to what it receives. Validated like every topology:
     non-negative, doubly stochastic (directed=False) or column stochastic (directed=True, push-sum),
-    and connected (jointly over the period).
+    and connected (jointly over the period). A scipy.sparse matrix (or a list of them) is kept sparse.
     """
+    if is_sparse(w) or (isinstance(w, (list, tuple)) and w and all(is_sparse(m) for m in w)):
+        return Topology(name, [w] if is_sparse(w) else list(w), directed=directed)
     try:
         arr = np.asarray(w, dtype=np.float64)
     except ValueError as err:

@@ -2,7 +2,8 @@
 
 Each builder takes n and keyword options and returns a `Topology` of period 1. The weights are
 Metropolis-Hastings unless `weights` names another scheme of `topologies.weights`, or
-`self_weight` fixes every peer's self weight (regular graphs only).
+`self_weight` fixes every peer's self weight (regular graphs only). Above `matrices.DENSE_UP_TO` peers the
+sparse graphs (all but complete) build W as a sparse matrix (erdos_renyi still draws its links densely).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import numbers
 import random
 
 import numpy as np
+from scipy import sparse
 
-from . import options
+from . import matrices, options
 from .base import Topology
+from .matrices import entries, from_entries
 from .weights import SCHEMES, self_weighted
 
 __all__ = [
@@ -49,8 +52,22 @@ def weighted(name: str, links: np.ndarray, *, weights: str | None, self_weight: 
     return Topology(name, [SCHEMES[scheme](links)], options=resolved)
 
 
-def _offsets(n: int, offsets) -> np.ndarray:
+def _large(n: int) -> bool:
+    return n > matrices.DENSE_UP_TO
+
+
+def _sparse_links(n: int, rows, cols):
+    """The symmetric sparse links i ~ j for each (rows[k], cols[k]), self loops left out."""
+    rows, cols = np.concatenate([rows, cols]), np.concatenate([cols, rows])
+    off = rows != cols
+    return from_entries(n, rows[off], cols[off], True, dense=False)
+
+
+def _offsets(n: int, offsets):
     """Circulant links: i ~ i + o (mod n) for each offset o."""
+    if _large(n):
+        idx = np.arange(n)
+        return _sparse_links(n, np.tile(idx, len(offsets)), np.concatenate([(idx + o) % n for o in offsets]))
     links = np.zeros((n, n), dtype=bool)
     idx = np.arange(n)
     for o in offsets:
@@ -60,7 +77,7 @@ def _offsets(n: int, offsets) -> np.ndarray:
     return links
 
 
-def ring_links(n: int) -> np.ndarray:
+def ring_links(n: int):
     """i ~ i + 1 (mod n)."""
     return _offsets(n, [1] if n > 1 else [])
 
@@ -70,7 +87,7 @@ def exponential_hops(n: int) -> list[int]:
     return [2**k for k in range((n - 1).bit_length())] if n > 1 else []
 
 
-def exponential_links(n: int) -> np.ndarray:
+def exponential_links(n: int):
     """i ~ i + 2^k (mod n), hence also i ~ i - 2^k, for every 2^k < n."""
     return _offsets(n, exponential_hops(n))
 
@@ -121,6 +138,10 @@ def torus(
     Shape from rows and/or cols, or the most square factorization of n."""
     rows, cols = _torus_shape(n, rows, cols)
     grid = np.arange(n).reshape(rows, cols)
+    if _large(n):
+        shifted = [np.roll(grid, shift, axis=axis).ravel() for axis in (0, 1) for shift in (1, -1)]
+        links = _sparse_links(n, np.tile(grid.ravel(), 4), np.concatenate(shifted))
+        return weighted("torus", links, weights=weights, self_weight=self_weight, rows=rows, cols=cols)
     links = np.zeros((n, n), dtype=bool)
     for axis in (0, 1):
         for shift in (1, -1):
@@ -136,6 +157,10 @@ def hypercube(n: int, *, weights: str | None = None, self_weight: float | None =
             f"hypercube needs n a power of 2 (1, 2, 4, 8, 16, ...); got n={n}; use 'exponential' for any n"
         )
     idx = np.arange(n)
+    if _large(n):
+        hops = range(n.bit_length() - 1)
+        links = _sparse_links(n, np.tile(idx, len(hops)), np.concatenate([idx ^ (1 << k) for k in hops]))
+        return weighted("hypercube", links, weights=weights, self_weight=self_weight)
     links = np.zeros((n, n), dtype=bool)
     for k in range(n.bit_length() - 1):
         links[idx, idx ^ (1 << k)] = True
@@ -149,6 +174,9 @@ def exponential(n: int, *, weights: str | None = None, self_weight: float | None
 
 def star(n: int, *, weights: str | None = None, self_weight: float | None = None) -> Topology:
     """Peer 0 linked to every other peer (a parameter server drawn as a graph)."""
+    if _large(n):
+        links = _sparse_links(n, np.zeros(n - 1, dtype=np.int64), np.arange(1, n))
+        return weighted("star", links, weights=weights, self_weight=self_weight)
     links = np.zeros((n, n), dtype=bool)
     links[0, 1:] = links[1:, 0] = True
     return weighted("star", links, weights=weights, self_weight=self_weight)
@@ -181,6 +209,7 @@ def erdos_renyi(
         links = upper & (rng.random((n, n)) < p)
         links |= links.T
         if _is_connected(links):
+            links = sparse.csr_array(links) if _large(n) else links  # the draw is dense; W need not be
             return weighted("erdos_renyi", links, weights=weights, self_weight=self_weight, p=p, seed=seed)
     raise ValueError(
         f"erdos_renyi with n={n}, p={p}: no connected graph in {_TRIES} draws; raise p above the "
@@ -207,7 +236,11 @@ def random_regular(
         )
     rand = random.Random(options.count("random_regular", "seed", seed, 0))
     for _ in range(_TRIES):
-        links = nx.to_numpy_array(nx.random_regular_graph(d, n, seed=rand), nodelist=range(n)) > 0
+        graph = nx.random_regular_graph(d, n, seed=rand)
+        if _large(n):
+            links = matrices.canonical(nx.to_scipy_sparse_array(graph, nodelist=range(n)), bool)
+        else:
+            links = nx.to_numpy_array(graph, nodelist=range(n)) > 0
         if _is_connected(links):
             return weighted("random_regular", links, weights=weights, self_weight=self_weight, d=d, seed=seed)
     raise ValueError(f"random_regular: no connected {d}-regular graph on n={n} in {_TRIES} draws; raise d")
@@ -234,6 +267,14 @@ def hierarchical(
     if across not in across_links:
         raise ValueError(f"hierarchical: across must be one of {', '.join(across_links)}; got {across!r}")
     groups = n // group_size
+    if _large(n):
+        block = sparse.kron(sparse.eye_array(groups), np.ones((group_size, group_size)))
+        across_groups = sparse.kron(across_links[across](groups), sparse.eye_array(group_size))
+        rows, cols, _ = entries(matrices.canonical(block + across_groups, bool))
+        links = _sparse_links(n, rows, cols)
+        return weighted(
+            "hierarchical", links, weights=weights, self_weight=self_weight, group_size=group_size, across=across
+        )
     inside = np.kron(np.eye(groups, dtype=bool), np.ones((group_size, group_size), dtype=bool))
     between = np.kron(across_links[across](groups), np.eye(group_size, dtype=bool))
     links = inside | between

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import options
+from . import matrices, options
 from .base import Topology
 from .graphs import exponential_hops
+from .matrices import from_entries
 
 __all__ = ["one_peer_exponential", "random_matching"]
 
@@ -23,12 +24,16 @@ def one_peer_exponential(n: int, *, self_weight: float = 0.5) -> Topology:
     J = 11^T / n when n is a power of 2."""
     s = options.self_weight("one_peer_exponential", self_weight)
     idx = np.arange(n)
-    matrices = []
+    schedule = []
     for hop in exponential_hops(n):  # tau = ceil(log2 n) of them
+        if n > matrices.DENSE_UP_TO:
+            values = np.r_[np.full(n, s), np.full(n, 1.0 - s)]
+            schedule.append(from_entries(n, np.r_[idx, idx], np.r_[idx, (idx + hop) % n], values))
+            continue
         w = s * np.eye(n)
         w[idx, (idx + hop) % n] += 1.0 - s
-        matrices.append(w)
-    return Topology("one_peer_exponential", matrices or [np.eye(n)], options={"self_weight": s})
+        schedule.append(w)
+    return Topology("one_peer_exponential", schedule or [np.eye(n)], options={"self_weight": s})
 
 
 def random_matching(n: int, *, seed: int = 0, self_weight: float = 0.5, bipartite: bool = False) -> Topology:
@@ -47,6 +52,12 @@ def random_matching(n: int, *, seed: int = 0, self_weight: float = 0.5, bipartit
         else:
             order = rng.permutation(n)
             left, right = order[0 : n - 1 : 2], order[1:n:2]
+        if n > matrices.DENSE_UP_TO:
+            alone = np.setdiff1d(np.arange(n), np.r_[left, right])  # the one left out when n is odd
+            rows = np.r_[left, right, left, right, alone]
+            cols = np.r_[left, right, right, left, alone]
+            values = np.r_[np.full(2 * left.size, s), np.full(2 * left.size, 1.0 - s), np.ones(alone.size)]
+            return from_entries(n, rows, cols, values)
         w = np.eye(n)
         w[left, left] = w[right, right] = s
         w[left, right] = w[right, left] = 1.0 - s

@@ -265,7 +265,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if kind is None or topology is None or (topology.period is not None and step >= topology.period):
             return
         what, axis, line, advice = _ADVICE[kind]
-        w = topology.mixing_matrix(step)
+        sparse_w = getattr(topology, "sparse_mixing_matrix", None)  # no (n, n) array for a large Topology
+        w = sparse_w(step) if sparse_w is not None else topology.mixing_matrix(step)
         if not (is_doubly_stochastic if kind == "doubly" else is_column_stochastic)(w):
             sums = w.sum(axis=axis)
             i = int(abs(sums - 1).argmax())

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy import sparse
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -31,6 +32,7 @@ from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
 from dpsgd.schedule import Schedule
 from dpsgd.stepping import StepOptions, Stepper
 from topologies import Topology
+from topologies.matrices import canonical, entries, is_sparse
 
 from .batches import FleetBatches
 from .wide import peer_outputs, wide_input, widen
@@ -67,12 +69,13 @@ class Mixing:
         return out.reshape(x.shape)
 
 
-def mixing(w: np.ndarray, dtype: torch.dtype, device, gather: bool | None = None) -> Mixing:
-    """W ready to apply to tensors of `dtype` on `device`: sparse on a CPU when it has few nonzeros; as
-    gathers (`gather`; None: on a GPU, when rows have at most GATHER_UP_TO nonzeros)."""
-    w = np.asarray(w, dtype=np.float64)
-    n = len(w)
-    rows, cols = np.nonzero(w)  # row-major: the order of a coalesced COO tensor
+def mixing(w, dtype: torch.dtype, device, gather: bool | None = None) -> Mixing:
+    """W (a dense array or a scipy.sparse matrix) ready to apply to tensors of `dtype` on `device`: sparse on a
+    CPU when it has few nonzeros; as gathers (`gather`; None: on a GPU, when rows have at most GATHER_UP_TO
+    nonzeros)."""
+    w = canonical(w) if is_sparse(w) else np.asarray(w, dtype=np.float64)
+    n = w.shape[0]
+    rows, cols, values = entries(w)  # row-major: the order of a coalesced COO tensor
     off = rows != cols
     sends = torch.as_tensor(np.bincount(cols[off], minlength=n), dtype=torch.float64)
     recvs = torch.as_tensor(np.bincount(rows[off], minlength=n), dtype=torch.float64)
@@ -84,15 +87,16 @@ def mixing(w: np.ndarray, dtype: torch.dtype, device, gather: bool | None = None
         slot = np.arange(len(rows)) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # k-th nonzero of its row
         columns = np.repeat(np.arange(n)[:, None], d, 1)  # padding: the row itself, weight 0
         weights = np.zeros((n, d))
-        columns[rows, slot], weights[rows, slot] = cols, w[rows, cols]
+        columns[rows, slot], weights[rows, slot] = cols, values
         as_device = (torch.as_tensor(columns, device=device), torch.as_tensor(weights, dtype=dtype, device=device))
         return Mixing(None, sends, recvs, as_device)
-    if len(rows) < SPARSE_BELOW * w.size and device.type == "cpu":  # no dense (n, n) tensor on the way
+    if len(rows) < SPARSE_BELOW * n * n and device.type == "cpu":  # no dense (n, n) tensor on the way
         index = torch.as_tensor(np.stack([rows, cols]))
-        values = torch.as_tensor(w[rows, cols], dtype=dtype)
-        coo = torch.sparse_coo_tensor(index, values, (n, n), device=device, is_coalesced=True, check_invariants=False)
+        nonzeros = torch.as_tensor(values, dtype=dtype)
+        coo = torch.sparse_coo_tensor(index, nonzeros, (n, n), device=device, is_coalesced=True, check_invariants=False)
         return Mixing(coo, sends, recvs)
-    return Mixing(torch.as_tensor(w, dtype=dtype, device=device), sends, recvs)
+    dense = w.toarray() if is_sparse(w) else w
+    return Mixing(torch.as_tensor(dense, dtype=dtype, device=device), sends, recvs)
 
 
 class FleetCommunicator(Communicator):
@@ -149,9 +153,11 @@ class FleetCommunicator(Communicator):
         key = (id(topology), step % topology.period if topology.period else None, lazy, like.dtype, like.device)
         if key[1] is not None and key in self._mixings:
             return self._mixings[key]
-        w = topology.mixing_matrix(step)
+        # sparse from a Topology (no (n, n) array for a large one); a duck-typed schedule gives its dense W
+        sparse_w = getattr(topology, "sparse_mixing_matrix", None)
+        w = sparse_w(step) if sparse_w is not None else topology.mixing_matrix(step)
         if lazy:
-            w = (w + np.eye(len(w))) / 2
+            w = (w + (sparse.eye_array(w.shape[0]) if is_sparse(w) else np.eye(len(w)))) / 2
         m = mixing(w, like.dtype, like.device)
         if key[1] is not None:
             self._mixings[key] = m

@@ -33,6 +33,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -182,8 +183,8 @@ def floor_bytes(fleet, activations_per_peer: int) -> dict:
         for t in s.values()
         if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == n
     )
-    w = fleet.topology.mixing_matrix(0)
-    in_neighbours = float(((w != 0).sum() - (w.diagonal() != 0).sum()) / n)
+    w = fleet.topology.sparse_mixing_matrix(0)  # no (n, n) array for thousands of peers
+    in_neighbours = float((w.nnz - np.count_nonzero(w.diagonal())) / n)
     x = fleet.batches.x
     batch = fleet.batches.batch_size * x[0].numel() * x.element_size()
     per_peer = {
