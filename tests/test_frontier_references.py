@@ -145,7 +145,7 @@ def ref_sparseloco(A, b, x0, period, decay, topk, chunk, bits, outer, momentum):
     return np.array(out)
 
 
-def ref_desloc(A, b, x0, param_period, momentum_period, variance_period, b1=0.9, b2=0.999, eps=1e-8):
+def ref_desloc(A, b, x0, param_period, momentum_period, variance_period, b1=0.9, b2=0.999, eps=1e-8, guard=True):
     x = np.tile(x0, (N, 1))
     m, v, out = np.zeros_like(x), np.zeros_like(x), []
     for t in range(1, fp.STEPS + 1):
@@ -155,8 +155,50 @@ def ref_desloc(A, b, x0, param_period, momentum_period, variance_period, b1=0.9,
         for period, state in ((param_period, x), (momentum_period, m), (variance_period, v)):
             if t % period == 0:
                 state[:] = state.mean(0)
+        if guard:
+            m[v == 0] = 0.0  # a peer that never had a gradient for a weight keeps no first moment there
         out.append(x.copy())
     return np.array(out)
+
+
+def desloc_on_half_seen(steps: int, guard: bool = True) -> np.ndarray:
+    """2 peers, x in R^2; peer 1's loss ignores x[1] (its gradient there is always 0): the numpy trajectory."""
+    x, m, v, out = np.zeros((2, 2)), np.zeros((2, 2)), np.zeros((2, 2)), []
+    b1, b2, eps, lr = 0.9, 0.999, 1e-8, 0.01
+    for t in range(1, steps + 1):
+        g = 2 * (x - 1.0)
+        g[1, 1] = 0.0
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        x = x - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        for period, state in ((2, x), (2, m), (4, v)):
+            if t % period == 0:
+                state[:] = state.mean(0)
+        if guard:
+            m[v == 0] = 0.0
+        out.append(x.copy())
+    return np.array(out)
+
+
+def test_desloc_keeps_no_averaged_first_moment_where_a_peer_never_had_a_gradient():
+    """Local Adam with u averaged every 2 steps and v every 4: peer 1 never sees a gradient for x[1], so its
+    v there is 0 until step 4; the averaged u alone would step x[1] by lr u / eps (to 6e5 at step 3)."""
+    from dpsgd.optim import DESLOC
+
+    def peer(comm):
+        x = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        opt = DESLOC(torch.optim.Adam([x], lr=0.01), comm=comm, param_period=2, momentum_period=2, variance_period=4)
+        out = []
+        for _ in range(8):
+            opt.zero_grad()
+            ((x[0] - 1) ** 2 + ((x[1] - 1) ** 2 if comm.rank == 0 else 0 * x[1])).backward()
+            opt.step()
+            out.append(x.detach().numpy().copy())
+        return out
+
+    got = np.stack([np.array(t) for t in run_local(2, peer, timeout_s=60)], axis=1)
+    np.testing.assert_allclose(got, desloc_on_half_seen(8), rtol=0, atol=1e-12)
+    assert np.abs(got).max() < 0.1
+    assert np.abs(desloc_on_half_seen(8, guard=False)).max() > 1e3  # the paper's rule as written, here
 
 
 def expected(case):

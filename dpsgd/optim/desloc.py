@@ -25,6 +25,11 @@ class DESLOC(DistributedOptimizer):
     recommends K_u = 3 K_x and K_v = 6 K_x. K_u = K_v = K_x is Local Adam; moments never synced (a period
     longer than the run) leave each peer its own state. With compression= only the parameters travel
     encoded (error feedback could turn second moments negative). The topology is ignored.
+
+    One guard the paper does not need (its workloads give every peer a gradient for every weight): where a
+    peer's second moment is exactly 0 after the sync (it never had a gradient there, e.g. an input always 0
+    in its share, and v was not averaged in), its first moment stays 0 when the others' is averaged in;
+    Adam would otherwise step that weight by lr u / eps (a jump to 1e5-1e6, seen on non-iid digits).
     """
 
     uses_topology = False
@@ -48,10 +53,15 @@ class DESLOC(DistributedOptimizer):
         self.param_period, self.momentum_period, self.variance_period = param_period, momentum_period, variance_period
 
     def _states(self, keys: tuple[str, ...]) -> list[torch.Tensor]:
+        return [s for s, _ in self._states_and_scales(keys)]
+
+    def _states_and_scales(self, keys: tuple[str, ...]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each parameter's first state among `keys`, with Adam's second moment beside it (None for SGD)."""
         out = []
         for p in self.params():
             state = self.base.state.get(p, {})
-            out += [state[k] for k in keys if torch.is_tensor(state.get(k))][:1]
+            found = [state[k] for k in keys if torch.is_tensor(state.get(k))][:1]
+            out += [(found[0], state.get("exp_avg_sq"))] if found else []
         return out
 
     @torch.no_grad()
@@ -63,11 +73,14 @@ class DESLOC(DistributedOptimizer):
             params = self.params()
             for p, mean in zip(params, self.comm.allreduce_mean(params, stream="parameters")):
                 p.copy_(mean)
-        states = self._states(FIRST) if t % self.momentum_period == 0 else []
-        states += self._states(SECOND) if t % self.variance_period == 0 else []
+        firsts = self._states_and_scales(FIRST) if t % self.momentum_period == 0 else []
+        states = [u for u, _ in firsts] + (self._states(SECOND) if t % self.variance_period == 0 else [])
         if states:
             for s, mean in zip(states, self.comm.exact.allreduce_mean(states)):
                 s.copy_(mean)
+        for u, v in firsts:  # the guard above, on the second moment as it now is (averaged if it was due)
+            if v is not None:
+                u.masked_fill_(v == 0, 0.0)
         return loss
 
     def __repr__(self) -> str:
