@@ -184,3 +184,35 @@ def check(argv: list[str]) -> list[str]:
         what = "nothing reads it" if o.is_add() or o.is_force_add() else "the config has no such key"
         raise ConfigError(f"unknown key {key!r} ({what}); {_suggest(key, keys)}")
     return argv
+
+
+def sweep_jobs(argv: list[str]) -> list[tuple[list[str], dict]] | None:
+    """Each job of a `-m` sweep as Hydra's basic sweeper will run it: (its overrides, its resolved config); None
+    where the sweep is not the basic sweeper's to list (another sweeper, an interval, Hydra's own flags)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    args, dirs = _without_config_dirs([a for a in expand_home(argv) if a not in HYDRA_FLAGS])
+    if search_path(argv) is None or any(a.startswith("-") or a.lstrip("+").startswith("hydra/") for a in args):
+        return None
+    searched = _search_path_override(args, dirs)
+    given = [a for a in args if not a.lstrip("+~").startswith("hydra.")]
+    parser = OverridesParser.create()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        fixed = [a for a, o in zip(given, parser.parse_overrides(given)) if not o.is_sweep_override()]
+        base = compose("config", overrides=[*searched, *fixed], return_hydra_config=True)
+        # the sweep a preset defines (hydra.sweeper.params) comes first; the command line's overrides win
+        params = base.hydra.sweeper.get("params")
+        preset = OmegaConf.to_container(params, resolve=False) if params else {}
+        swept = [f"{k}={v}" for k, v in preset.items()] + given
+        try:
+            batches = BasicSweeper.split_arguments(parser.parse_overrides(swept), None)
+        except Exception:  # noqa: BLE001 - an interval or a sampler's distribution: not a list of jobs
+            return None
+        return [
+            (job, OmegaConf.to_container(compose("config", overrides=[*searched, *job]), resolve=True))
+            for batch in batches
+            for job in batch
+        ]

@@ -273,6 +273,22 @@ def expand_seeds(argv: list[str]) -> list[str]:
     return argv if "-m" in argv or "--multirun" in argv else ["-m", *argv]
 
 
+def check_sweep(argv: list[str]) -> None:
+    """Every job of a sweep checked as its run would check it, before the first starts: a mistake in the last
+    combination ends the sweep in one line with nothing run, not hours in."""
+    try:
+        jobs = overrides.sweep_jobs(argv)
+    except Exception as exc:  # noqa: BLE001 - a composition Hydra refuses: left to Hydra's own run to report
+        print(f"note: the sweep's jobs were not checked in advance ({type(exc).__name__})", file=sys.stderr)
+        return
+    for i, (job, cfg) in enumerate(jobs or []):
+        try:
+            _fit_batch_size(cfg)
+            validate(cfg, None)
+        except ConfigError as exc:
+            fail(f"sweep job {i} of {len(jobs)} ({' '.join(job)}): {exc}; nothing was run")
+
+
 def main() -> None:
     try:
         argv = overrides.check(expand_seeds(sys.argv[1:]))  # Hydra's own errors, as one line
@@ -281,6 +297,8 @@ def main() -> None:
     except ConfigError as exc:
         fail(str(exc))
     launcher = launched()
+    if launcher is None and ("-m" in argv or "--multirun" in argv):
+        check_sweep(argv)
     if launcher is not None:
         if "-m" in argv or "--multirun" in argv:
             fail(

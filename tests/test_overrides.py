@@ -109,3 +109,28 @@ def test_config_dir_gets_the_same_one_line_checks(tmp_path):
     ]
     with pytest.raises(ConfigError, match="did you mean topology.rows"):
         overrides.check([*both, "topology.rowz=1"])
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["-m", "topology=ring,hypercube", "peers=6"], ["sweep job 1 of 2", "topology=hypercube", "power of 2"]),
+        (["-m", "algorithm.lr=0.1,-1", "seed=0,1"], ["sweep job 2 of 4", "algorithm.lr=-1 seed=0", "> 0"]),
+    ],
+)
+def test_every_job_of_a_sweep_is_checked_before_the_first_runs(argv, words, capsys):
+    """The basic sweeper's jobs, listed and validated as each run would be: the bad one is named, nothing runs."""
+    from experiments import train
+
+    with pytest.raises(SystemExit) as exit_:
+        train.check_sweep(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "nothing was run" in err and all(w in err for w in words), err
+
+
+def test_a_preset_sweep_is_listed_as_hydra_runs_it():
+    """hydra.sweeper.params of an experiment preset come first and the command line's overrides join them."""
+    jobs = overrides.sweep_jobs(["-m", "experiment=dpsgd_vs_allreduce", "seed=0,1", "epochs=1"])
+    assert jobs is not None and len({tuple(j) for j, _ in jobs}) == len(jobs) > 2
+    assert {c["seed"] for _, c in jobs} == {0, 1} and all(c["epochs"] == 1 for _, c in jobs)
+    assert overrides.sweep_jobs(["-m", "hydra/sweeper=optuna", "algorithm.lr=interval(0.01,1)"]) is None
