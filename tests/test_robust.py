@@ -191,3 +191,24 @@ def test_clipped_gossip_survives_a_scaling_peer_on_mpi(app, tmp_path):
     assert accuracy["plain"]["test_accuracy"] < 0.3 and accuracy["plain"]["status"] == "diverged"
     assert accuracy["clipped"]["status"] == "ok"
     assert accuracy["clipped"]["test_accuracy"] >= accuracy["clean"]["test_accuracy"] - 0.03
+
+
+@pytest.mark.parametrize(
+    "topology, byzantine, refused",
+    [("one_peer_exponential", 1, True), ("ring", 1, False), ("ring", 2, True), ("exponential", 2, False)],
+)
+def test_an_adaptive_radius_that_is_always_0_is_refused(topology, byzantine, refused):
+    """A peer receiving no more than `byzantine` values a step would clip them all to nothing: one line, not a run
+    in which no peer ever mixes (with robust.tau given, the radius is the user's: allowed)."""
+    import topologies
+    from dpsgd.comm import robust
+
+    t = topologies.make(topology, 8)
+    spec = {"name": "clipped_gossip", "byzantine": byzantine}
+    if refused:
+        with pytest.raises(ValueError, match=f"byzantine={byzantine} on {topology}.*never mixes"):
+            robust.check_mixing(spec, t)
+    else:
+        robust.check_mixing(spec, t)
+    robust.check_mixing({**spec, "tau": 1.0}, t)
+    robust.check_mixing({"name": "trimmed_mean", "byzantine": byzantine}, t)

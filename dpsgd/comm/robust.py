@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from topologies import Neighbors, Topology
@@ -113,6 +114,23 @@ def make(spec: str | dict | Rule | None) -> Rule:
     if unknown:
         raise ValueError(f"robust takes name, byzantine, tau, iterations; got {', '.join(unknown)}")
     return Rule(**options)
+
+
+def check_mixing(spec, topology: Topology | None) -> None:
+    """Refuse an adaptive clipping radius that is 0 at every step of `topology`: a peer receiving no more than
+    `byzantine` values a step would clip all of them to nothing and never mix (only train alone)."""
+    rule = make(spec)
+    if topology is None or rule.name not in ("clipped_gossip", "centered_clip") or rule.tau is not None:
+        return
+    # values a peer receives a step: W's nonzeros in its row, less its own (a random graph: its first draw)
+    fewest = min(int(np.diff(topology.sparse_mixing_matrix(s).indptr).min()) - 1 for s in range(topology.period or 1))
+    if fewest <= rule.byzantine:
+        raise ValueError(
+            f"robust={rule.name} with byzantine={rule.byzantine} on {topology.name}: some peer receives only "
+            f"{fewest} value(s) a step, so the adaptive radius (the distance of the nearest value beyond the "
+            f"{rule.byzantine} farthest) is 0 and that peer never mixes; use a topology with more than "
+            f"{rule.byzantine} neighbour(s) a step (e.g. exponential), set robust.tau, or lower robust.byzantine"
+        )
 
 
 def wrap(comm: Communicator, spec, corruption: Corruption | None = None) -> Communicator:
