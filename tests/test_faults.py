@@ -90,6 +90,21 @@ def test_delay_past_the_timeout_names_the_slow_peer(config):
     assert "waiting for peer(s) [2] at step 3" in str(info.value)
 
 
+def test_a_peer_busy_outside_any_wait_does_not_hold_back_the_others_error():
+    """Peer 1 computes for 30 s; peer 0's barrier times out after 1 s: the caller has that error within about
+    2 timeouts, not when peer 1 is done (a thread cannot be killed; run_local stops waiting for it)."""
+
+    def peer(comm):
+        if comm.rank == 1:
+            time.sleep(30)
+        comm.barrier()
+
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="rank 0: barrier timed out after 1 s"):
+        run_local(2, peer, timeout_s=1.0)
+    assert time.monotonic() - start < 10
+
+
 def test_lost_messages_are_a_timeout_naming_the_sender(config):
     cfg = config("peers=4", "faults.drop_messages=1.0", "faults.at_step=4")
     start = time.monotonic()

@@ -245,8 +245,15 @@ def run_local(
     threads = [threading.Thread(target=peer, args=(r,), name=f"dpsgd-peer-{r}", daemon=True) for r in range(n)]
     for t in threads:
         t.start()
+    failed_at = None
     for t in threads:
-        while t.is_alive() and world.stopped is None:  # a stuck thread cannot be killed: stop waiting for it
+        # a stuck thread cannot be killed: stop waiting for it when the world is stopped, or `timeout_s` after a
+        # peer failed (the others are released from their waits at once; one busy outside any wait is left)
+        while t.is_alive() and world.stopped is None:
+            if world.failed_rank is not None:
+                failed_at = failed_at or time.monotonic()
+                if time.monotonic() - failed_at > timeout_s:
+                    break
             t.join(0.1)
     if world.stopped is not None:
         raise CommError(world.stopped)
