@@ -473,7 +473,7 @@ class Communicator(ABC):
         try:
             pending.wait(start + self.timeout_s)
         except PeerTimeoutError:
-            waiting_for = pending.peers_outstanding() or list(peers)
+            waiting_for = pending.peers_outstanding() or [p for p in peers if p != self.rank]  # not itself
             raise PeerTimeoutError(
                 f"rank {self.rank}: {op} timed out after {self.timeout_s:g} s waiting for peer(s) "
                 f"{waiting_for}{' at ' + self.context if self.context else ''}; a peer died or hangs "
