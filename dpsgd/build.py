@@ -48,7 +48,13 @@ def check_options(what: str, fn: Callable, options: Mapping, *, set_here: tuple[
     listed; a `fn` that hands unnamed keywords on (`**options`) refuses them itself."""
     import inspect
 
-    parameters = inspect.signature(fn).parameters
+    parameters = dict(inspect.signature(fn).parameters)
+    # a class whose constructor hands `**options` to its parent's (QGM to DPSGD's): the parents' keywords too
+    for parent in inspect.getmro(fn)[1:] if inspect.isclass(fn) else ():
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            break
+        parameters = {k: p for k, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        parameters |= {k: p for k, p in inspect.signature(parent).parameters.items() if k not in parameters}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     unknown = [k for k in options if k not in parameters or parameters[k].kind is inspect.Parameter.POSITIONAL_ONLY]

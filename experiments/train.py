@@ -27,7 +27,7 @@ from dpsgd import backends
 from dpsgd.backends import Backend
 from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signals
 from dpsgd.divergence import Diverged
-from experiments import overrides
+from experiments import captions, overrides
 from experiments.table import format_table
 from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, check_same_run, validate
 
@@ -251,7 +251,8 @@ def hydra_main(cfg: DictConfig) -> float | None:
     summary = run(resolved, run_dir, launcher)
     if summary is None:
         return None
-    print(format_table([summary]), flush=True)
+    shown = summary if captions.uses_topology({"config": {}, "summary": summary}) else {**summary, "topology": "unused"}
+    print(format_table([shown]), flush=True)  # as the report shows an algorithm's unread topology
     print(f"outputs: {run_dir}", flush=True)
     if summary.get("status") == "diverged":  # on_divergence=mark: the run went on; say so once
         first = summary["diverged"]

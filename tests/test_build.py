@@ -65,3 +65,14 @@ def test_batch_larger_than_a_share_becomes_the_share():
     assert fit_batch_size(cfg) is None and cfg["batch_size"] == 32
     cfg = {"peers": 256, "batch_size": 32, "seed": 0, "data": {"name": "digits", "partition": "dirichlet"}}
     assert fit_batch_size(cfg) is None  # non-iid shares differ: the partition's own check speaks
+
+
+def test_an_unknown_option_of_an_algorithm_that_hands_options_on_is_named():
+    """QGM and BMUF pass **options to their parents' constructors: the parents' keywords are the valid ones."""
+    from dpsgd.build import check_options
+    from dpsgd.optim import BMUF, QGM
+
+    for cls, valid in ((QGM, "beta"), (BMUF, "period")):
+        with pytest.raises(ValueError, match=f"takes no option 'foo'; its options: .*{valid}"):
+            check_options(cls.__name__, cls, {"foo": 1})
+        check_options(cls.__name__, cls, {valid: 1, "broadcast_initial": True})
