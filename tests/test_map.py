@@ -94,6 +94,8 @@ def test_the_language_model_preset_composes_for_every_algorithm_with_one_inner_o
     assert (cfg.algorithm.name, cfg.algorithm.optimizer, cfg.algorithm.lr) == ("dpsgd", "adamw", 0.003)
     with pytest.raises(SystemExit, match="unknown workload 'text_lm'"):
         gossip_map.workload_overrides("text_lm")
+    with pytest.raises(SystemExit, match=r"--check-algorithms \['adpsgd'\]: expected labels among"):
+        gossip_map.main(["text_lm_peers", "--check-algorithms", "adpsgd", "dpsgd ring"])  # AD-PSGD is not checked
 
 
 @pytest.mark.slow  # make soak: 5.1 min on 2 cores, 2026-12-05 (fleet sweeps, then 6 real mpi runs)
