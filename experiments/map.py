@@ -247,13 +247,20 @@ def cells(steps: dict, axes: dict, peers: list[int], nbytes: float, compute_s: f
 
 
 # --- 3. checks against real runs ----------------------------------------------------------------------------------
-def check_cells(found: list[dict], n: int, count: int, max_bandwidth: float = 1.25e8) -> list[dict]:
+def check_cells(
+    found: list[dict], n: int, count: int, max_bandwidth: float = 1.25e8, min_latency: float = 0.0
+) -> list[dict]:
     """`count` cells at `n` peers, one peer per host, with different winners (or stragglers) where possible, and
-    links slow enough (<= `max_bandwidth` bytes/s) that the emulated waits, not this machine, set the pace."""
+    links slow enough (<= `max_bandwidth` bytes/s, >= `min_latency` s) that the emulated waits, not this machine,
+    set the pace."""
     candidates = [
         c
         for c in found
-        if c["peers"] == n and c["winner"] and c["peers_per_host"] == 1 and c["bandwidth_bytes_per_s"] <= max_bandwidth
+        if c["peers"] == n
+        and c["winner"]
+        and c["peers_per_host"] == 1
+        and c["bandwidth_bytes_per_s"] <= max_bandwidth
+        and c["latency_s"] >= min_latency
     ]
     chosen: list[dict] = []
     for c in sorted(candidates, key=lambda c: -(c["margin"] or 0)):
@@ -292,7 +299,7 @@ def checks(args, base: list[str], cfg: dict, steps: dict, found: list[dict], tra
     n = args.check_peers
     rows = []
     by_label = {a.label: a for a in ALGORITHMS}
-    for i, cell in enumerate(check_cells(found, n, args.check_cells, args.check_max_bandwidth)):
+    for i, cell in enumerate(check_cells(found, n, args.check_cells, args.check_max_bandwidth, args.check_min_latency)):
         net = Network(cell["latency_s"], cell["bandwidth_bytes_per_s"], cell["peers_per_host"], cell["slowdown"])
         # the two fastest at the check's compute (or --check-algorithms); AD-PSGD's real peers record rank 0's own
         # model only (no common step), which the fleet's records of the average model do not predict: not checked
@@ -467,7 +474,10 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
         ncol=len(ALGORITHMS),
         fontsize=7,
     )
-    fig.suptitle("Fastest to the target: colour the winner, shade its margin (full at 4x), ~ intervals overlap")
+    fig.suptitle(  # two lines: a map of one or two peer counts is narrow
+        "Fastest to the target: colour the winner, shade its margin (full at 4x),\n~ the seeds' intervals overlap",
+        fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -546,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1.25e8,
         help="checked cells' links at most this many bytes/s (slow links: the link's cost, not this machine's, counts)",
+    )
+    p.add_argument(
+        "--check-min-latency", type=float, default=0.0, help="checked cells' links at least this latency (seconds)"
     )
     p.add_argument("--test-hosts", metavar="RATE", help="also check 4 peers on 2 test hosts capped at RATE (root)")
     p.add_argument(

@@ -51,6 +51,9 @@ def test_cells_pick_allreduce_on_fast_links_and_local_sgd_on_slow_ones(tmp_path)
     assert fast["apart"] is False and fast["margin"] == pytest.approx(1.0, abs=0.01)
     gossip_map.plot(found, axes, [8], tmp_path / "map.png")
     assert (tmp_path / "map.png").stat().st_size > 10_000
+    assert gossip_map.check_cells(found, 8, 3) == [slow]  # the checks go where links, not this machine, set the pace
+    assert gossip_map.check_cells(found, 8, 3, max_bandwidth=1e10) == [slow, fast]
+    assert gossip_map.check_cells(found, 8, 3, max_bandwidth=1e10, min_latency=1e-4) == []
     words = gossip_map.regions(found, axes)
     assert words[0].startswith("- 8 peers, 1 per host, no straggler: ") and "**diloco H=8**" in words[0]
 
