@@ -452,7 +452,9 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
     combos = list(itertools.product(axes["peers_per_host"], axes["slowdown"]))
     colours = {a.label: plt.get_cmap("tab10")(i) for i, a in enumerate(ALGORITHMS)}
     bws, lats = axes["bandwidth_bytes_per_s"], axes["latency_s"]
-    fig, grid_axes = plt.subplots(len(combos), len(peers), figsize=(3.2 * len(peers), 2.9 * len(combos)), squeeze=False)
+    fig, grid_axes = plt.subplots(
+        len(combos), len(peers), figsize=(max(6.4, 3.2 * len(peers)), 2.9 * len(combos)), squeeze=False
+    )
     for (row, (ppr, slow)), (col, n) in itertools.product(enumerate(combos), enumerate(peers)):
         ax = grid_axes[row][col]
         image = np.ones((len(lats), len(bws), 4))
@@ -471,7 +473,7 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
     fig.legend(
         handles=[Patch(color=colours[a.label], label=a.label) for a in ALGORITHMS],
         loc="lower center",
-        ncol=len(ALGORITHMS),
+        ncol=len(ALGORITHMS) if len(peers) > 2 else 3,  # a narrow map: the legend on two lines
         fontsize=7,
     )
     fig.suptitle(  # two lines: a map of one or two peer counts is narrow
