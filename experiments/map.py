@@ -2,7 +2,8 @@
 
 WORKLOAD is `default` (the default config) or the name of an `experiment=` preset. For each algorithm (all-reduce,
 D-PSGD on a ring and on the one-peer exponential graph, AD-PSGD, LocalSGD, DiLoCo):
-1. the steps to a target test accuracy, over seeds, measured on the fleet (`backend=fleet`) at each peer count;
+1. the steps to a target (a test accuracy to reach, or a test perplexity or loss to get under), over seeds, measured
+   on the fleet (`backend=fleet`) at each peer count;
 2. the time those steps take in each cell of a grid (bandwidth x latency x peers per host x a straggler's slowdown),
    from the emulator's cost model (`experiments.cost_model`) with the workload's compute time per step measured here
    on one core: per cell the winner, its margin (the runner-up's time over the winner's) and whether the winner's
@@ -46,7 +47,13 @@ ALGORITHMS = (
     Algorithm("local_sgd H=4", ("algorithm=local_sgd", "algorithm.period=4"), "periodic", period=4),
     Algorithm("diloco H=8", ("algorithm=diloco", "algorithm.period=8"), "periodic", period=8),
 )
-TARGETS = {"default": 0.93, "mnist_cnn_peers": 0.75}  # a target each algorithm can reach in the workload's budget
+# the target per workload: a value of a record's metric each algorithm can reach in the workload's budget
+TARGETS = {
+    "default": ("test_accuracy", 0.93),
+    "mnist_cnn_peers": ("test_accuracy", 0.75),
+    "text_lm_peers": ("test_perplexity", 9.5),
+}
+MINIMISED = ("test_perplexity", "test_loss")  # metrics reached from above (lower is better); others from below
 SWEPT_BY_THE_MAP = ("algorithm", "peers", "seed", "topology")
 MB = 1e6
 
@@ -129,6 +136,30 @@ def epochs_for(cfg: dict, n: int, train_size: int, min_steps: int, epochs: int |
     return max(int(epochs or cfg["epochs"]), math.ceil(min_steps / per_epoch))
 
 
+# --- the target -----------------------------------------------------------------------------------------------
+def meets(value: float | None, metric: str, target: float) -> bool:
+    """Whether a record's `metric` has reached `target`: at or under it for a minimised metric (perplexity, loss),
+    at or over it for the others (accuracy)."""
+    if value is None or not math.isfinite(value):
+        return False
+    return value <= target if metric in MINIMISED else value >= target
+
+
+def first_reached(run_dir: Path, metric: str, target: float) -> dict:
+    """The run's first record (of the model every peer's records describe: not rank 0's own) that reaches the target:
+    its step, samples and emulated clock; all None where no record does."""
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("scope") != "rank 0" and meets(record.get(metric), metric, target):
+            return {"steps": record["step"], "samples": record["samples"], "emulated_s": record.get("emulated_time_s")}
+    return {"steps": None, "samples": None, "emulated_s": None}
+
+
+def target_override(args) -> list[str]:
+    """`target_accuracy=` for the runs where the metric is accuracy (their summary.json then reports it too)."""
+    return [f"target_accuracy={args.target}"] if args.metric == "test_accuracy" else []
+
+
 # --- 1. steps to the target on the fleet --------------------------------------------------------------------------
 def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) -> dict:
     """{label: {n: [steps to target per seed, None where not reached]}} (and samples), from fleet sweeps."""
@@ -148,18 +179,24 @@ def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) ->
                     f"peers={n}",
                     f"seed={seeds}",
                     f"epochs={epochs_for(cfg, n, train_size, args.min_steps, args.epochs)}",
-                    f"target_accuracy={args.target}",
+                    *target_override(args),
                     f"log_every={args.log_every}",
                 ],
                 sweep,
             )
             print(f"fleet: {algorithm.label}, {n} peers, {args.seeds} seed(s): {time.perf_counter() - started:.0f} s")
-        runs = sorted((json.loads(p.read_text()) for p in sweep.rglob("summary.json")), key=lambda s: s.get("seed", 0))
+        runs = sorted(
+            (
+                (json.loads(p.read_text()), first_reached(p.parent, args.metric, args.target))
+                for p in sweep.rglob("summary.json")
+            ),
+            key=lambda run: run[0].get("seed", 0),
+        )
         entry = found.setdefault(algorithm.label, {})
         entry[str(n)] = {
-            "steps": [r.get("steps_to_target") for r in runs],
-            "samples": [r.get("samples_to_target") for r in runs],
-            "final_accuracy": [r.get("test_accuracy") for r in runs],
+            "steps": [hit["steps"] for _, hit in runs],
+            "samples": [hit["samples"] for _, hit in runs],
+            "final": [summary.get(args.metric) for summary, _ in runs],
         }
     return found
 
@@ -210,13 +247,20 @@ def cells(steps: dict, axes: dict, peers: list[int], nbytes: float, compute_s: f
 
 
 # --- 3. checks against real runs ----------------------------------------------------------------------------------
-def check_cells(found: list[dict], n: int, count: int) -> list[dict]:
+def check_cells(
+    found: list[dict], n: int, count: int, max_bandwidth: float = 1.25e8, min_latency: float = 0.0
+) -> list[dict]:
     """`count` cells at `n` peers, one peer per host, with different winners (or stragglers) where possible, and
-    links slow enough (<= 1 Gb/s) that the emulated waits, not this machine, set the pace."""
+    links slow enough (<= `max_bandwidth` bytes/s, >= `min_latency` s) that the emulated waits, not this machine,
+    set the pace."""
     candidates = [
         c
         for c in found
-        if c["peers"] == n and c["winner"] and c["peers_per_host"] == 1 and c["bandwidth_bytes_per_s"] <= 1.25e8
+        if c["peers"] == n
+        and c["winner"]
+        and c["peers_per_host"] == 1
+        and c["bandwidth_bytes_per_s"] <= max_bandwidth
+        and c["latency_s"] >= min_latency
     ]
     chosen: list[dict] = []
     for c in sorted(candidates, key=lambda c: -(c["margin"] or 0)):
@@ -241,30 +285,33 @@ def real_run(
     cmd = [
         sys.executable, "-m", "experiments.train", *base, *algorithm.overrides, "backend=mpi",
         f"peers={cell['peers']}", "seed=0", "network=loopback", *sets, f"epochs={epochs}",
-        f"target_accuracy={args.target}", f"log_every={args.log_every}", f"hydra.run.dir={run_dir}",
+        *target_override(args), f"log_every={args.log_every}", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier invocation: measured again
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"error: a check run failed: {' '.join(cmd[3:])}\n{proc.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {"measured_s": summary.get("emulated_time_to_target_s"), "steps": summary.get("steps_to_target")}
+    hit = first_reached(run_dir, args.metric, args.target)
+    return {"measured_s": hit["emulated_s"], "steps": hit["steps"]}
 
 
 def checks(args, base: list[str], cfg: dict, steps: dict, found: list[dict], train_size: int, out: Path) -> list[dict]:
     n = args.check_peers
     rows = []
     by_label = {a.label: a for a in ALGORITHMS}
-    for i, cell in enumerate(check_cells(found, n, args.check_cells)):
+    for i, cell in enumerate(check_cells(found, n, args.check_cells, args.check_max_bandwidth, args.check_min_latency)):
         net = Network(cell["latency_s"], cell["bandwidth_bytes_per_s"], cell["peers_per_host"], cell["slowdown"])
-        # the two fastest at the check's compute; AD-PSGD's real peers record rank 0's own model only (no common
-        # step), which the fleet's records of the average model do not predict: not checked
+        # the two fastest at the check's compute (or --check-algorithms); AD-PSGD's real peers record rank 0's own
+        # model only (no common step), which the fleet's records of the average model do not predict: not checked
         predicted_s = {
             a.label: clock_after(a, steps[a.label][str(n)]["steps"][0], n, args.model_bytes, args.check_compute_s, net)
             for a in ALGORITHMS
             if a.kind != "async" and steps[a.label][str(n)]["steps"][0] is not None
         }
-        for label in sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
+        for label in args.check_algorithms or sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
+            if label not in predicted_s:
+                print(f"check: {label} does not reach the target on the fleet (seed 0): nothing to check")
+                continue
             algorithm = by_label[label]
             predicted_steps = steps[label][str(n)]["steps"][0]
             per_epoch = max(1, train_size // (n * int(cfg["batch_size"])))
@@ -332,7 +379,7 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
                 f"backend={args.test_host_backend}", f"peers={n}", "seed=0", "network=loopback",
                 f"network.compute_time={compute}",
                 f"epochs={math.ceil((predicted_steps + 2 * args.log_every) / per_epoch)}",
-                f"target_accuracy={args.target}", f"log_every={args.log_every}", f"hydra.run.dir={run_dir}",
+                *target_override(args), f"log_every={args.log_every}", f"hydra.run.dir={run_dir}",
                 f"launcher.hosts=[{hosts.address(1)},{hosts.address(2)}]",
                 f"launcher.runner={ROOT / 'tools' / 'netns_exec.sh'}",
             ]  # fmt: skip
@@ -341,14 +388,14 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
             proc = hosts.run(1, cmd, timeout=600, cwd=ROOT, env=peer_env(), capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"error: a test-host run failed: {' '.join(cmd[3:])}\n{proc.stderr[-2000:]}")
-            summary = json.loads((run_dir / "summary.json").read_text())
-            measured = summary.get("emulated_time_to_target_s")
+            hit = first_reached(run_dir, args.metric, args.target)
+            measured = hit["emulated_s"]
             rows.append({
                 "algorithm": label, "cell": "test hosts", "peers": n, "latency_s": net.latency_s,
                 "bandwidth_bytes_per_s": net.bandwidth_bytes_per_s, "peers_per_host": 2, "slowdown": 1.0,
                 "link": f"tc tbf {args.test_hosts}, {args.test_host_backend}",
                 "compute_s": compute, "predicted_steps": predicted_steps,
-                "measured_steps": summary.get("steps_to_target"), "predicted_s": predicted_s[label],
+                "measured_steps": hit["steps"], "predicted_s": predicted_s[label],
                 "measured_s": measured, "ratio": None if not measured else predicted_s[label] / measured,
                 "run_s": time.perf_counter() - started,
             })  # fmt: skip
@@ -405,7 +452,9 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
     combos = list(itertools.product(axes["peers_per_host"], axes["slowdown"]))
     colours = {a.label: plt.get_cmap("tab10")(i) for i, a in enumerate(ALGORITHMS)}
     bws, lats = axes["bandwidth_bytes_per_s"], axes["latency_s"]
-    fig, grid_axes = plt.subplots(len(combos), len(peers), figsize=(3.2 * len(peers), 2.9 * len(combos)), squeeze=False)
+    fig, grid_axes = plt.subplots(
+        len(combos), len(peers), figsize=(max(6.4, 3.2 * len(peers)), 2.9 * len(combos)), squeeze=False
+    )
     for (row, (ppr, slow)), (col, n) in itertools.product(enumerate(combos), enumerate(peers)):
         ax = grid_axes[row][col]
         image = np.ones((len(lats), len(bws), 4))
@@ -424,20 +473,25 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
     fig.legend(
         handles=[Patch(color=colours[a.label], label=a.label) for a in ALGORITHMS],
         loc="lower center",
-        ncol=len(ALGORITHMS),
+        ncol=len(ALGORITHMS) if len(peers) > 2 else 3,  # a narrow map: the legend on two lines
         fontsize=7,
     )
-    fig.suptitle("Fastest to the target: colour the winner, shade its margin (full at 4x), ~ intervals overlap")
+    fig.suptitle(  # two lines: a map of one or two peer counts is narrow
+        "Fastest to the target: colour the winner, shade its margin (full at 4x),\n~ the seeds' intervals overlap",
+        fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def markdown(result: dict) -> str:
+    metric = result.get("metric", "test_accuracy")  # a map.json written before the metric was a choice: accuracy
+    towards = "<=" if metric in MINIMISED else ">="
     lines = [
         f"# Map: {result['workload']}",
         "",
-        f"Target test accuracy {result['target']}; {result['seeds']} seed(s); peers {result['peers']}; "
+        f"Target: {metric} {towards} {result['target']}; {result['seeds']} seed(s); peers {result['peers']}; "
         f"model {result['model_bytes'] / MB:.3g} MB; compute {result['compute_s'] * 1e3:.3g} ms a step (one core). "
         f"Command: `{result['command']}` ({result['elapsed_s']:.0f} s).",
         "",
@@ -482,13 +536,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a coarse grid, one seed, 4 and 8 peers")
     p.add_argument("--peers", type=int, nargs="+", help="peer counts (default 4 8 16 32; quick: 4 8)")
     p.add_argument("--seeds", type=int, help="seeds per algorithm and peer count (default 3; quick: 1)")
-    p.add_argument("--target", type=float, help=f"target test accuracy (default per workload: {TARGETS})")
+    p.add_argument("--target", type=float, help=f"the value of --metric to reach (default per workload: {TARGETS})")
+    p.add_argument(
+        "--metric",
+        help=f"a record's metric the target is of (default per workload, else test_accuracy; minimised: {MINIMISED})",
+    )
     p.add_argument("--log-every", type=int, default=1, help="steps between evaluations (the steps' resolution)")
     p.add_argument("--epochs", type=int, help="the fleet runs' epochs (default: the workload's)")
     p.add_argument("--min-steps", type=int, default=120, help="more epochs where a peer count would take fewer")
     p.add_argument("--check-cells", type=int, default=3, help="cells checked against real runs (0: none)")
     p.add_argument("--check-peers", type=int, default=4, help="peers of the real runs (one of --peers)")
     p.add_argument("--check-compute-s", type=float, default=0.1, help="compute floor of each real step")
+    p.add_argument(
+        "--check-algorithms",
+        nargs="+",
+        metavar="LABEL",
+        help="check these (the map's labels, e.g. 'dpsgd one-peer') in every checked cell; default: the two fastest",
+    )
+    p.add_argument(
+        "--check-max-bandwidth",
+        type=float,
+        default=1.25e8,
+        help="checked cells' links at most this many bytes/s (slow links: the link's cost, not this machine's, counts)",
+    )
+    p.add_argument(
+        "--check-min-latency", type=float, default=0.0, help="checked cells' links at least this latency (seconds)"
+    )
     p.add_argument("--test-hosts", metavar="RATE", help="also check 4 peers on 2 test hosts capped at RATE (root)")
     p.add_argument(
         "--test-host-backend",
@@ -503,10 +576,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args.peers = args.peers or ([4, 8] if args.quick else [4, 8, 16, 32])
     args.seeds = args.seeds or (1 if args.quick else 3)
+    metric, target = TARGETS.get(args.workload, (None, None))
+    args.metric = args.metric or metric or "test_accuracy"
     if args.target is None:
-        if args.workload not in TARGETS:
-            raise SystemExit(f"error: no default target for {args.workload!r}; give --target (e.g. 0.9)")
-        args.target = TARGETS[args.workload]
+        if target is None or args.metric != metric:
+            raise SystemExit(f"error: no default target for {args.workload!r}, {args.metric}; give --target (e.g. 0.9)")
+        args.target = target
+    checkable = [a.label for a in ALGORITHMS if a.kind != "async"]
+    if unknown := set(args.check_algorithms or []) - set(checkable):
+        raise SystemExit(f"error: --check-algorithms {sorted(unknown)}: expected labels among {checkable}")
     if args.check_cells and args.check_peers not in args.peers:
         raise SystemExit(f"error: --check-peers {args.check_peers} must be one of --peers {args.peers}")
     out = args.out or ROOT / "outputs" / "map" / args.workload
@@ -527,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += test_host_checks(args, base, cfg, steps, train_size, out)
     command = "python -m experiments.map " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
-        "workload": args.workload, "overrides": base, "target": args.target, "seeds": args.seeds,
+        "workload": args.workload, "overrides": base, "metric": args.metric, "target": args.target, "seeds": args.seeds,
         "peers": args.peers, "compute_s": compute_s, "model_bytes": args.model_bytes, "axes": axes,
         "steps": steps, "cells": found, "checks": rows, "command": command,
         "elapsed_s": time.perf_counter() - started,

@@ -1,5 +1,6 @@
 """experiments.map: the winner, margin and interval test of a cell; the cells, picture and words of a map from given
-steps to target (no runs); and, in `make soak`, the quick map of the default workload end to end with its checks."""
+steps to target (no runs); a target reached from above (perplexity) or below (accuracy); the language-model preset;
+and, in `make soak`, the quick map of the default workload end to end with its checks."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ def test_cells_pick_allreduce_on_fast_links_and_local_sgd_on_slow_ones(tmp_path)
     assert fast["apart"] is False and fast["margin"] == pytest.approx(1.0, abs=0.01)
     gossip_map.plot(found, axes, [8], tmp_path / "map.png")
     assert (tmp_path / "map.png").stat().st_size > 10_000
+    assert gossip_map.check_cells(found, 8, 3) == [slow]  # the checks go where links, not this machine, set the pace
+    assert gossip_map.check_cells(found, 8, 3, max_bandwidth=1e10) == [slow, fast]
+    assert gossip_map.check_cells(found, 8, 3, max_bandwidth=1e10, min_latency=1e-4) == []
     words = gossip_map.regions(found, axes)
     assert words[0].startswith("- 8 peers, 1 per host, no straggler: ") and "**diloco H=8**" in words[0]
 
@@ -60,6 +64,41 @@ def test_fewer_steps_beat_cheaper_steps_where_compute_dominates():
     axes = {"bandwidth_bytes_per_s": [1.25e10], "latency_s": [1e-5], "peers_per_host": [1], "slowdown": [1.0]}
     (cell,) = gossip_map.cells(_steps([8], per), axes, [8], 1e5, 0.05)
     assert cell["winner"] == "allreduce" and cell["margin"] > 1.9
+
+
+def test_a_perplexity_target_is_reached_from_above_and_an_accuracy_from_below(tmp_path):
+    records = [
+        {"step": 5, "samples": 40, "test_perplexity": 12.0, "test_accuracy": 0.2, "emulated_time_s": 1.0},
+        {"step": 10, "samples": 80, "test_perplexity": 9.0, "scope": "rank 0", "test_accuracy": 0.9},  # its own model
+        {"step": 15, "samples": 120, "test_perplexity": 9.6, "test_accuracy": 0.31, "emulated_time_s": 3.0},
+        {"step": 20, "samples": 160, "test_perplexity": 9.4, "test_accuracy": 0.29, "emulated_time_s": 4.0},
+        {"step": 25, "samples": 200, "test_perplexity": 9.8, "test_accuracy": 0.33, "emulated_time_s": 5.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # lower is better: the first record at or under 9.5 (not 9.6 on the way down, nor rank 0's own model's 9.0)
+    assert gossip_map.first_reached(tmp_path, "test_perplexity", 9.5) == {
+        "steps": 20,
+        "samples": 160,
+        "emulated_s": 4.0,
+    }
+    assert gossip_map.first_reached(tmp_path, "test_accuracy", 0.3) == {"steps": 15, "samples": 120, "emulated_s": 3.0}
+    assert gossip_map.first_reached(tmp_path, "test_perplexity", 9.0)["steps"] is None
+    assert gossip_map.meets(9.5, "test_perplexity", 9.5) and not gossip_map.meets(9.5, "test_accuracy", 9.6)
+    assert not gossip_map.meets(float("nan"), "test_loss", 1.0) and not gossip_map.meets(None, "test_accuracy", 0.0)
+
+
+def test_the_language_model_preset_composes_for_every_algorithm_with_one_inner_optimizer():
+    workload = gossip_map.workload_overrides("text_lm_peers")
+    assert gossip_map.pinned(workload) == []  # its sweep is only of what the map sweeps
+    metric, target = gossip_map.TARGETS["text_lm_peers"]
+    assert metric in gossip_map.MINIMISED and target > 1
+    cfg = gossip_map.compose([*workload, "algorithm=dpsgd", "topology=one_peer_exponential", "peers=16"])
+    assert (cfg.data.name, cfg.model.name, cfg.backend.name, cfg.peers) == ("text_corpus", "transformer", "fleet", 16)
+    assert (cfg.algorithm.name, cfg.algorithm.optimizer, cfg.algorithm.lr) == ("dpsgd", "adamw", 0.003)
+    with pytest.raises(SystemExit, match="unknown workload 'text_lm'"):
+        gossip_map.workload_overrides("text_lm")
+    with pytest.raises(SystemExit, match=r"--check-algorithms \['adpsgd'\]: expected labels among"):
+        gossip_map.main(["text_lm_peers", "--check-algorithms", "adpsgd", "dpsgd ring"])  # AD-PSGD is not checked
 
 
 @pytest.mark.slow  # make soak: 5.1 min on 2 cores, 2026-12-05 (fleet sweeps, then 6 real mpi runs)
