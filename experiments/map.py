@@ -576,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args.peers = args.peers or ([4, 8] if args.quick else [4, 8, 16, 32])
     args.seeds = args.seeds or (1 if args.quick else 3)
+    workload = workload_overrides(args.workload)  # an unknown workload first: no folder, no other complaint
     metric, target = TARGETS.get(args.workload, (None, None))
     args.metric = args.metric or metric or "test_accuracy"
     if args.target is None:
@@ -589,7 +590,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --check-peers {args.check_peers} must be one of --peers {args.peers}")
     out = args.out or ROOT / "outputs" / "map" / args.workload
     out.mkdir(parents=True, exist_ok=True)
-    workload = workload_overrides(args.workload)
     base = [*workload, *pinned(workload), *args.overrides]
     from omegaconf import OmegaConf
 

@@ -87,6 +87,12 @@ def test_a_perplexity_target_is_reached_from_above_and_an_accuracy_from_below(tm
     assert not gossip_map.meets(float("nan"), "test_loss", 1.0) and not gossip_map.meets(None, "test_accuracy", 0.0)
 
 
+def test_an_unknown_workload_is_named_before_anything_else(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="unknown workload 'nosuch'; expected default or a preset"):
+        gossip_map.main(["nosuch", "--quick", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_language_model_preset_composes_for_every_algorithm_with_one_inner_optimizer():
     workload = gossip_map.workload_overrides("text_lm_peers")
     assert gossip_map.pinned(workload) == []  # its sweep is only of what the map sweeps
