@@ -286,3 +286,27 @@ def torch_ranks_on_test_hosts(
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def fleet_config(peers: int, batch_size: int, data: str = "digits", **data_options) -> dict:
+    """A fleet run's config for the fleet benchmarks: D-PSGD on the one-peer exponential graph, the MLP, one epoch."""
+    import yaml
+
+    def load(group, name):
+        return yaml.safe_load((ROOT / "conf" / group / f"{name}.yaml").read_text())
+
+    return {
+        "algorithm": load("algorithm", "dpsgd"),
+        "topology": load("topology", "one_peer_exponential"),
+        "model": load("model", "mlp"),
+        "data": {**load("data", data), **data_options},
+        "backend": {"name": "fleet"},
+        "network": load("network", "loopback"),
+        "peers": peers,
+        "seed": 0,
+        "epochs": 1,
+        "batch_size": batch_size,
+        "log_every": 1000,
+        "device": "cpu",
+        "comm": {"timeout_s": 600},
+    }

@@ -31,35 +31,13 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from dpsgd.build import build_peer
 from dpsgd.comm import run_local
 from dpsgd.sim import Fleet
+from experiments.bench.common import fleet_config
 
-CONF = Path(__file__).resolve().parent.parent.parent / "conf"
 RATIO_TARGET, RATE_TARGET, N_TARGET = 10.0, 10.0, 8192
-
-
-def config(peers: int, batch_size: int, data: str = "digits", **data_options) -> dict:
-    def load(group, name):
-        return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-
-    return {
-        "algorithm": load("algorithm", "dpsgd"),
-        "topology": load("topology", "one_peer_exponential"),
-        "model": load("model", "mlp"),
-        "data": {**load("data", data), **data_options},
-        "backend": {"name": "fleet"},
-        "network": load("network", "loopback"),
-        "peers": peers,
-        "seed": 0,
-        "epochs": 1,
-        "batch_size": batch_size,
-        "log_every": 1000,
-        "device": "cpu",
-        "comm": {"timeout_s": 600},
-    }
 
 
 def local_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
@@ -97,7 +75,7 @@ def fleet_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
 
 def scan_config(n: int, batch_size: int) -> dict:
     samples = int(n * batch_size / 0.8) + n  # the training split (80%) gives each peer a batch
-    return config(n, batch_size, "synthetic", num_samples=samples, num_features=64, num_classes=10)
+    return fleet_config(n, batch_size, "synthetic", num_samples=samples, num_features=64, num_classes=10)
 
 
 def scan_point(n: int, batch_size: int, steps: int, repeats: int, threads: int) -> dict:
@@ -184,7 +162,7 @@ def main(argv=None) -> int:
 
     local = fleet = ratio = float("nan")
     if not args.scan_only:
-        cfg = config(args.peers, args.batch_size)
+        cfg = fleet_config(args.peers, args.batch_size)
         local = fleet = 0.0
         for _ in range(args.repeats):  # alternated, best of each: other processes only slow a run down
             local = max(local, local_rate(cfg, args.steps))

@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from experiments.bench import fleet as fleet_bench
+from experiments.bench.common import fleet_config
 
 CONF = Path(__file__).resolve().parent.parent.parent / "conf"
 
 
 def config(peers: int, batch_size: int, device: str, samples: int) -> dict:
     """experiments.bench.fleet's config with ResNet-20 on CIFAR-shaped synthetic data, on `device`."""
-    cfg = fleet_bench.config(peers, batch_size, "synthetic_cifar", num_samples=samples)
+    cfg = fleet_config(peers, batch_size, "synthetic_cifar", num_samples=samples)
     return {**cfg, "model": yaml.safe_load((CONF / "model" / "resnet20.yaml").read_text()), "device": device}
 
 

@@ -38,8 +38,7 @@ import torch
 import yaml
 
 from dpsgd.sim import Fleet
-from experiments.bench import fleet as fleet_bench
-from experiments.bench.common import ROOT
+from experiments.bench.common import ROOT, fleet_config
 
 CONF = ROOT / "conf"
 OUT = Path("outputs/bench/fleet_vs_batch.json")
@@ -56,11 +55,11 @@ def config(model: str, peers: int, batch: int, device: str) -> dict:
     """experiments.bench.fleet's config (D-PSGD, one_peer_exponential) with `model` on data it takes."""
     samples = int(BATCHES_PER_SHARE * peers * batch / 0.8) + peers  # the training split (80%)
     if model == "mlp":
-        cfg = fleet_bench.config(peers, batch, "synthetic", num_samples=samples, num_features=64, num_classes=10)
+        cfg = fleet_config(peers, batch, "synthetic", num_samples=samples, num_features=64, num_classes=10)
     elif model == "transformer":
-        cfg = fleet_bench.config(peers, batch, "tiny_text", num_samples=samples)
+        cfg = fleet_config(peers, batch, "tiny_text", num_samples=samples)
     else:
-        cfg = fleet_bench.config(peers, batch, "synthetic_cifar", num_samples=samples)
+        cfg = fleet_config(peers, batch, "synthetic_cifar", num_samples=samples)
     return {**cfg, "model": yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text()), "device": device}
 
 

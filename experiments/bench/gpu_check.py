@@ -180,12 +180,12 @@ def part_events(work: Path) -> dict:
     import copy
 
     from dpsgd.sim.events import Simulation
-    from experiments.bench import fleet as fleet_bench
+    from experiments.bench.common import fleet_config
 
     cfg = (
-        fleet_bench.config(4, 8, "synthetic_cifar", num_samples=320)
+        fleet_config(4, 8, "synthetic_cifar", num_samples=320)
         if DRY
-        else fleet_bench.config(8, 8, "synthetic_cifar", num_samples=640)
+        else fleet_config(8, 8, "synthetic_cifar", num_samples=640)
     )
     cfg["algorithm"] = yaml.safe_load((CONF / "algorithm" / "adpsgd.yaml").read_text())
     cfg["topology"] = yaml.safe_load((CONF / "topology" / "ring.yaml").read_text())
