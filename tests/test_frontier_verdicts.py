@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from experiments.reproduce import Configuration
-from experiments.reproductions import demo2024, douillard2023_text, noloco2025, sparseloco2025
+from experiments.reproductions import _text, demo2024, douillard2023_text, noloco2025, sparseloco2025
 
 OPENING = {True: "holds", False: "does not hold", None: "partly holds"}
 
@@ -15,8 +15,7 @@ OPENING = {True: "holds", False: "does not hold", None: "partly holds"}
 def no_drawing(monkeypatch, request):
     """Verdicts only: the plots (a second each on a loaded machine) are drawn by one case and the real runs."""
     if "drawn" not in request.node.name:
-        for module in (demo2024, douillard2023_text, noloco2025, sparseloco2025):
-            monkeypatch.setattr(module, "plot_curves", lambda *args, **kwargs: args[3])
+        monkeypatch.setattr(_text, "plot_curves", lambda *args, **kwargs: args[3])  # the four draw through _text
 
 
 def config(algorithm: str, period: int | None = None, **summary) -> Configuration:

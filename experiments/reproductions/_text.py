@@ -5,7 +5,9 @@ optimizer (AdamW, lr 0.003, weight decay 0.1) wherever the method has one. A run
 
 from __future__ import annotations
 
-from experiments.reproduce import Configuration
+from pathlib import Path
+
+from experiments.reproduce import Configuration, plot_curves
 
 WORKLOAD = [
     "backend=fleet",
@@ -32,3 +34,14 @@ def mb_to_reach(config: Configuration, target: float, key: str = "test_perplexit
 
 def setting(config: Configuration, key: str):
     return config.runs[0]["config"][key]
+
+
+def curves(configs: list[Configuration], metric: tuple[str, str], out: Path, title: str, label) -> tuple[Path, Path]:
+    """The text reproductions' two figures of `metric` (key, axis label): against steps (vs_steps.png) and against
+    the MB a peer sent, on a log axis (vs_mb_sent.png)."""
+    by_steps = plot_curves(configs, "step", [metric], out / "vs_steps.png", title, label=label)
+    by_bytes = plot_curves(
+        configs, "mb_sent_per_peer", [metric], out / "vs_mb_sent.png", title, x_label="MB sent per peer", label=label,
+        log_x=True,
+    )  # fmt: skip
+    return by_steps, by_bytes

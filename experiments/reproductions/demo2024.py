@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from experiments.reproduce import Configuration, Finding, plot_curves
-from experiments.reproductions._text import INNER, WORKLOAD, mb_to_reach
+from experiments.reproduce import Configuration, Finding
+from experiments.reproductions._text import INNER, WORKLOAD, curves, mb_to_reach
 from experiments.reproductions._verdicts import overall
 
 PAPER = "Peng, Quesnelle & Kingma 2024, DeMo: Decoupled Momentum Optimization"
@@ -87,19 +87,6 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     def label(c: Configuration) -> str:
         return "DeMo" if c.runs[0]["config"]["algorithm.name"] == "demo" else "AdamW, all-reduce"
 
-    plots = [
-        plot_curves(
-            [demo, adamw],
-            "mb_sent_per_peer",
-            [("test_perplexity", "test perplexity")],
-            out / "vs_mb_sent.png",
-            title,
-            x_label="MB sent per peer",
-            label=label,
-            log_x=True,
-        ),
-        plot_curves(
-            [demo, adamw], "step", [("test_perplexity", "test perplexity")], out / "vs_steps.png", title, label=label
-        ),
-    ]
+    by_steps, by_bytes = curves([demo, adamw], ("test_perplexity", "test perplexity"), out, title, label)
+    plots = [by_bytes, by_steps]
     return Finding(table, verdict, overall(parts), plots)

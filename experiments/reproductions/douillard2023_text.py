@@ -17,10 +17,9 @@ from experiments.reproduce import (
     _children_cpu_s,
     configurations,
     fleet_threads,
-    plot_curves,
 )
 from experiments.reproductions import sparseloco2025
-from experiments.reproductions._text import INNER, WORKLOAD
+from experiments.reproductions._text import INNER, WORKLOAD, curves
 from experiments.reproductions._verdicts import compare, overall
 from experiments.reproductions.douillard2023 import bytes_fall_as_1_over_h, near_synchronous
 from experiments.sweeps import finished, run_sweep
@@ -124,19 +123,5 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
 
     every = [sync, *diloco, averaging]
     title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
-    plots = [
-        plot_curves(
-            every, "step", [("test_loss", "test loss (averaged model)")], out / "vs_steps.png", title, label=label
-        ),
-        plot_curves(
-            every,
-            "mb_sent_per_peer",
-            [("test_loss", "test loss (averaged model)")],
-            out / "vs_mb_sent.png",
-            title,
-            x_label="MB sent per peer",
-            label=label,
-            log_x=True,
-        ),
-    ]
+    plots = list(curves(every, ("test_loss", "test loss (averaged model)"), out, title, label))
     return Finding(table, verdict, overall(parts), plots)

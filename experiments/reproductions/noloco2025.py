@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpsgd.comm.netem import Link
-from experiments.reproduce import Configuration, Finding, find, plot_curves
-from experiments.reproductions._text import INNER, WORKLOAD
+from experiments.reproduce import Configuration, Finding, find
+from experiments.reproductions._text import INNER, WORKLOAD, curves
 from experiments.reproductions._verdicts import compare, overall
 
 PAPER = "Kolehmainen et al. 2025, NoLoCo: No-all-reduce Low Communication Training Method for Large Models"
@@ -103,17 +103,5 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         ]
 
     every = [noloco, diloco, sync]
-    plots = [
-        plot_curves(every, "step", [("test_perplexity", "test perplexity")], out / "vs_steps.png", title, label=label),
-        plot_curves(
-            every,
-            "mb_sent_per_peer",
-            [("test_perplexity", "test perplexity")],
-            out / "vs_mb_sent.png",
-            title,
-            x_label="MB sent per peer",
-            label=label,
-            log_x=True,
-        ),
-    ]
+    plots = list(curves(every, ("test_perplexity", "test perplexity"), out, title, label))
     return Finding(table, verdict, overall(parts), plots)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.reproduce import Configuration, Finding, plot_curves
-from experiments.reproductions._text import INNER, WORKLOAD
+from experiments.reproduce import Configuration, Finding
+from experiments.reproductions._text import INNER, WORKLOAD, curves
 from experiments.reproductions._verdicts import compare, overall
 
 PAPER = "Sarfi, Thérien, Lidin & Belilovsky 2025, Communication Efficient LLM Pre-training with SparseLoCo"
@@ -84,24 +84,6 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         return f"{name}, H = {period(c)}"
 
     title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
-    plots = [
-        plot_curves(
-            [*sparse, *dense],
-            "mb_sent_per_peer",
-            [("test_perplexity", "test perplexity")],
-            out / "vs_mb_sent.png",
-            title,
-            x_label="MB sent per peer",
-            label=label,
-            log_x=True,
-        ),
-        plot_curves(
-            [*sparse, *dense],
-            "step",
-            [("test_perplexity", "test perplexity")],
-            out / "vs_steps.png",
-            title,
-            label=label,
-        ),
-    ]
+    by_steps, by_bytes = curves([*sparse, *dense], ("test_perplexity", "test perplexity"), out, title, label)
+    plots = [by_bytes, by_steps]
     return Finding(table, verdict, overall(parts), plots)
