@@ -4,11 +4,10 @@ steps of each algorithm under the same network cell, hosts and straggler include
 from __future__ import annotations
 
 import pytest
-import torch
+from emulated import emulated_steps
 
 import topologies
 from dpsgd.comm import run_local
-from dpsgd.comm.netem import NetworkEmulator
 from dpsgd.optim import DPSGD, AllReduce, DiLoCo, LocalSGD
 from experiments.cost_model import Algorithm, Network, clock_after
 
@@ -18,20 +17,7 @@ COMPUTE = 0.01
 
 
 def _emulated(comm, make, network: dict, steps: int) -> float:
-    torch.manual_seed(comm.rank)
-    net = NetworkEmulator.from_config(network, comm.rank, comm.size)
-    comm.attach_network(net)
-    w = torch.nn.Parameter(torch.randn(NUMEL))
-    opt = make(torch.optim.SGD([w], lr=0.01), comm)
-    comm.barrier()
-    net.clock.reset()
-    for _ in range(steps):
-        net.start_compute()
-        opt.zero_grad()
-        w.pow(2).sum().backward()
-        net.finish_compute()
-        opt.step()
-    return net.clock.elapsed()
+    return emulated_steps(comm, make, NUMEL, network, steps, lr=0.01)[0]
 
 
 CASES = [

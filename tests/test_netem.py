@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from emulated import emulated_steps
 
 import topologies
 from dpsgd.comm import run_local
@@ -37,22 +38,9 @@ def test_link_closed_forms():
 def _train(comm, algorithm, numel, network: dict, steps=STEPS, **options):
     """`steps` steps of `algorithm` on a quadratic with `numel` parameters under `network`;
     returns (emulated elapsed per step on this peer, comm stats)."""
-    torch.manual_seed(comm.rank)
-    net = NetworkEmulator.from_config({"compute_time": FLOOR, **network}, comm.rank, comm.size)
-    comm.attach_network(net)
-    w = torch.nn.Parameter(torch.randn(numel))
-    opt = algorithm(torch.optim.SGD([w], lr=0.1), comm=comm, **options)
-    comm.barrier()
-    net.clock.reset()
-    for _ in range(steps):
-        if getattr(opt, "overlap", False):
-            opt.start_communication()
-        net.start_compute()
-        opt.zero_grad()
-        w.pow(2).sum().backward()
-        net.finish_compute()
-        opt.step()
-    return net.clock.elapsed() / steps, comm.stats.emulated_wait_s
+    make = lambda base, c: algorithm(base, comm=c, **options)  # noqa: E731
+    elapsed, waited = emulated_steps(comm, make, numel, {"compute_time": FLOOR, **network}, steps)
+    return elapsed / steps, waited
 
 
 @pytest.mark.parametrize("n", [4, 8])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from emulated import emulated_steps
 
 import topologies
 from dpsgd.comm import run_local
@@ -29,20 +29,8 @@ HOSTS = {
 
 def _clock(comm, algorithm, network: dict, steps: int, **options) -> float:
     """`steps` steps of `algorithm` on a quadratic under `network`; this peer's emulated seconds per step."""
-    torch.manual_seed(comm.rank)
-    net = NetworkEmulator.from_config({"compute_time": FLOOR, **network}, comm.rank, comm.size)
-    comm.attach_network(net)
-    w = torch.nn.Parameter(torch.randn(NUMEL))
-    opt = algorithm(torch.optim.SGD([w], lr=0.1), comm=comm, **options)
-    comm.barrier()
-    net.clock.reset()
-    for _ in range(steps):
-        net.start_compute()
-        opt.zero_grad()
-        w.pow(2).sum().backward()
-        net.finish_compute()
-        opt.step()
-    return net.clock.elapsed() / steps
+    make = lambda base, c: algorithm(base, comm=c, **options)  # noqa: E731
+    return emulated_steps(comm, make, NUMEL, {"compute_time": FLOOR, **network}, steps)[0] / steps
 
 
 def _ring_allreduce(n: int, alpha: float, beta: float) -> float:
