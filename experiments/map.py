@@ -368,7 +368,8 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
         if a.kind in ("allreduce", "gossip") and steps[a.label][str(n)]["steps"][0] is not None
     }
     rows = []
-    with testhosts.TestHosts(2, rate=args.test_hosts) as hosts:
+    tcp = None if args.test_host_tcp == "kernel" else args.test_host_tcp or testhosts.TCP
+    with testhosts.TestHosts(2, rate=args.test_hosts, tcp=tcp) as hosts:
         for label in sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
             algorithm = next(a for a in ALGORITHMS if a.label == label)
             predicted_steps = steps[label][str(n)]["steps"][0]
@@ -393,7 +394,7 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
             rows.append({
                 "algorithm": label, "cell": "test hosts", "peers": n, "latency_s": net.latency_s,
                 "bandwidth_bytes_per_s": net.bandwidth_bytes_per_s, "peers_per_host": 2, "slowdown": 1.0,
-                "link": f"tc tbf {args.test_hosts}, {args.test_host_backend}",
+                "link": f"tc tbf {args.test_hosts}, {args.test_host_backend}, {tcp or testhosts.default_tcp()}",
                 "compute_s": compute, "predicted_steps": predicted_steps,
                 "measured_steps": hit["steps"], "predicted_s": predicted_s[label],
                 "measured_s": measured, "ratio": None if not measured else predicted_s[label] / measured,
@@ -570,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         help="test-host runs' backend (torch: gloo's ring)",
     )
     p.add_argument("--test-host-compute-s", type=float, default=0.01, help="compute floor of the test-host runs")
+    p.add_argument(
+        "--test-host-tcp", help="the test hosts' TCP congestion control (default Reno; 'kernel': the kernel's)"
+    )
     p.add_argument("--out", type=Path, help="default outputs/map/WORKLOAD")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run (e.g. data.alpha=0.1)")
     args = p.parse_intermixed_args(argv)

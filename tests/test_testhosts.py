@@ -87,3 +87,22 @@ def test_two_sets_are_separate():
         assert b.run(1, ["ip", "-o", "-4", "addr", "show", "eth0"], timeout=20, capture_output=True,
                      text=True).stdout.count(b.address(1) + "/24") == 1  # fmt: skip
     assert testhosts.leftovers([a.set_id, b.set_id]) == []
+
+
+def _tcp_of(hosts: testhosts.TestHosts, i: int) -> str:
+    return hosts.run(i, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], timeout=20, capture_output=True,
+                     text=True, check=True).stdout.strip()  # fmt: skip
+
+
+def test_hosts_run_reno_unless_told():
+    """The hosts' TCP is testhosts.TCP (Reno) by default, the kernel's with tcp=None; the root namespace's is
+    untouched, and a congestion control the kernel refuses is named with the ones it allows."""
+    kernel = testhosts.default_tcp()
+    with testhosts.TestHosts(2) as reno, testhosts.TestHosts(1, tcp=None) as plain:
+        assert [_tcp_of(reno, 1), _tcp_of(reno, 2)] == [testhosts.TCP, testhosts.TCP] == ["reno", "reno"]
+        assert _tcp_of(plain, 1) == kernel
+    assert testhosts.default_tcp() == kernel
+    hosts = testhosts.TestHosts(1, tcp="no_such_tcp")
+    with pytest.raises(RuntimeError, match=r"'no_such_tcp' refused in host 1.*may take one of: .*reno"):
+        hosts.up()
+    assert testhosts.leftovers([hosts.set_id]) == [] and testhosts.made_here() == []

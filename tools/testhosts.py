@@ -15,8 +15,12 @@ By hand:
     python tools/testhosts.py up 2 [--rate 100mbit]      # prints the set number S and the hosts
     python tools/testhosts.py run 1 -- python -c 'print(1)'   # --set S when several sets exist
     python tools/testhosts.py down                         # --set S, or --all
+The hosts' TCP congestion control is Reno unless `tcp` names another (None: the kernel's default, here BBR).
+Loss-based like CUBIC, most clusters' default (which this kernel refuses to a namespace), Reno fills a
+capped link however many flows share it; this kernel's BBR, with two flows each way through the 50 ms tbf
+queue, resent thousands of segments a step and took 5-7% longer than the cap's rate (docs/results/network.md).
 From code (tests):
-    with TestHosts(2, rate="1gbit") as hosts:
+    with TestHosts(2, rate="1gbit", tcp="reno") as hosts:
         hosts.run(1, ["python", "-c", "print(1)"], timeout=30)
 """
 
@@ -34,6 +38,7 @@ SUBNET = "10.213"  # private test range 10.213.0.0/16, a /24 per set; nothing el
 MAX_SETS = 250
 _TIMEOUT = 20.0  # seconds for one ip/tc call
 BURST_BYTES = 65536  # tbf bucket: one TSO segment
+TCP = "reno"  # the hosts' congestion control unless told (None: the kernel's); why in the module's text
 
 
 def unavailable() -> str | None:
@@ -98,12 +103,12 @@ class TestHosts:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, n: int, rate: str | None = None):
+    def __init__(self, n: int, rate: str | None = None, tcp: str | None = TCP):
         if not 1 <= n <= 250:
             raise ValueError(f"TestHosts: n={n} hosts, expected 1..250 (one /24 test subnet)")
         if rate is not None:
             _check_rate(rate)
-        self.n, self.rate = n, rate
+        self.n, self.rate, self.tcp = n, rate, tcp
         self.set_id: int | None = None  # chosen by up()
 
     # --- lifecycle -------------------------------------------------------------------------------------
@@ -130,6 +135,8 @@ class TestHosts:
                 # no IPv6: its link-local chatter would add bytes the byte accounting cannot attribute
                 subprocess.run([*self.prefix(i), "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
                                capture_output=True, timeout=_TIMEOUT)  # fmt: skip
+                if self.tcp:
+                    self._congestion_control(i, self.tcp)
                 _ip("addr", "add", f"{self.address(i)}/24", "dev", "eth0", ns=ns)
                 _ip("link", "set", "eth0", "up", ns=ns)
                 if self.rate:
@@ -146,6 +153,16 @@ class TestHosts:
                            timeout=_TIMEOUT)  # fmt: skip
         if r.returncode != 0 and rate is not None:
             raise RuntimeError(f"tc tbf rate {rate} on {ns}/{dev} failed: {r.stderr.strip()}")
+
+    def _congestion_control(self, i: int, name: str) -> None:
+        r = subprocess.run([*self.prefix(i), "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={name}"],
+                           capture_output=True, text=True, timeout=_TIMEOUT)  # fmt: skip
+        if r.returncode != 0:
+            allowed = _sysctl("net.ipv4.tcp_allowed_congestion_control")
+            raise RuntimeError(
+                f"TestHosts: TCP congestion control {name!r} refused in host {i} ({r.stderr.strip()}); "
+                f"a network namespace here may take one of: {allowed} (the kernel's default: {default_tcp()})"
+            )
 
     def down(self) -> None:
         """Remove this set's namespaces; deleting a namespace deletes its veth ends with it."""
@@ -216,6 +233,16 @@ def cap_command(rate: str | None, dev: str = "eth0") -> list[str]:
             "latency", "50ms"]  # fmt: skip
 
 
+def _sysctl(key: str) -> str:
+    r = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=_TIMEOUT)
+    return r.stdout.strip() or "?"
+
+
+def default_tcp() -> str:
+    """The kernel's TCP congestion control, what a host gets unless `tcp` is given."""
+    return _sysctl("net.ipv4.tcp_congestion_control")
+
+
 def _check_rate(rate: str) -> None:
     number = next((rate[: -len(u)] for u in ("kbit", "mbit", "gbit") if rate.endswith(u)), "")
     if number.replace(".", "", 1).isdigit():
@@ -268,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("up", help="make a set of N hosts")
     u.add_argument("n", type=int)
     u.add_argument("--rate", help="cap each host's link, both ways, e.g. 100mbit or 1gbit (tc tbf)")
+    u.add_argument(
+        "--tcp", default=TCP, help=f"the hosts' TCP congestion control ('kernel': the kernel's; {TCP} if not given)"
+    )
     r = sub.add_parser("run", help="run a command inside host I: run I -- CMD...")
     r.add_argument("host", type=int)
     r.add_argument("--set", type=int, dest="set_id", help="the set (needed when several exist)")
@@ -278,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="list the test host namespaces that exist")
     a = p.parse_args(argv)
     if a.cmd == "up":
-        hosts = TestHosts(a.n, a.rate).up()
+        hosts = TestHosts(a.n, a.rate, None if a.tcp == "kernel" else a.tcp).up()
         print(f"set {hosts.set_id}")
         for i in range(1, a.n + 1):
             print(f"{hosts.ns(i)} {hosts.address(i)}")

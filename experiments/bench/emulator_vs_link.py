@@ -1,7 +1,7 @@
 """Does the emulator predict a real link? Wall time per step on 2 test hosts x 2 peers against dpsgd.comm.netem.
 
 On one set of test hosts (tools/testhosts.py, root), ranks 0, 1 on host 1 and 2, 3 on host 2 (as
-`launcher.hosts` places them), torch/gloo:
+`launcher.hosts` places them), torch/gloo, the hosts' TCP Reno (`--tcp`; tools/testhosts.py says why):
 1. for each rate, each host's sending is capped (tc tbf, 64 KiB bucket; one rank per host sets it)
    and host 1's first rank ping-pongs with host 2's over gloo: alpha and beta as
    `experiments.bench.calibrate` measures and fits them;
@@ -229,7 +229,7 @@ def bench(spec: dict) -> tuple[list[dict], list[dict]]:
     hosts stay); emulate each with its rate's preset."""
     from experiments.bench import calibrate
 
-    with testhosts.TestHosts(HOSTS) as hosts, tempfile.TemporaryDirectory() as tmp:
+    with testhosts.TestHosts(HOSTS, tcp=spec["tcp"]) as hosts, tempfile.TemporaryDirectory() as tmp:
         link = measure(hosts, spec, Path(tmp))
     calibrations = {}
     for rate in spec["rates"]:
@@ -326,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024, help="MLP width (1024: 1.13 M parameters, 4.5 MB)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="runs of each algorithm at each rate; the fastest counts")
+    p.add_argument(
+        "--tcp",
+        default=testhosts.TCP,
+        help=f"the test hosts' TCP congestion control, e.g. bbr ('kernel': the kernel's; default {testhosts.TCP})",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "emulator_vs_link.json")
     p.add_argument("--worker", nargs=2, metavar=("OUT", "SPEC"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -337,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"emulator_vs_link: {why}")
     if args.steps % 2:
         sys.exit(f"emulator_vs_link: --steps {args.steps} must be even (one-peer D-PSGD alternates two partners)")
+    tcp = testhosts.default_tcp() if args.tcp == "kernel" else args.tcp
     spec = {"steps": args.steps, "hidden": args.hidden, "batch": args.batch, "algorithms": args.algorithms,
-            "rates": [None, *args.rates], "rounds": args.rounds}  # fmt: skip
+            "rates": [None, *args.rates], "rounds": args.rounds, "tcp": tcp}  # fmt: skip
     calibrations, rows = bench(spec)
     cols = ["algorithm", "link", "measured_s_per_step", "emulated_s_per_step", "ratio", "within",
             "compute_alone_s_per_step", "compute_s_per_step", "host_link_mb_per_step", "host_link_s_per_step",
