@@ -9,9 +9,12 @@ offloaded whole counts once), so payload = tx_bytes - 66 x tx_packets, and a pur
 
 Inter-host share of the count: each of host 2's peers sends the same bytes to each of its neighbours
 (one model each), so host 2 sent count x (its peers' neighbours on host 1) / (all their neighbours).
+`--algorithm allreduce` counts a ring all-reduce over the ranks in order (2 (n - 1) / n models a peer,
+to its successor): the `ring` topology's share, a half; the backend's own all-reduce may move other bytes.
 
     python -m experiments.bench.wire_bytes                     # the table of docs/results/network.md
     python -m experiments.bench.wire_bytes --backends torch --topologies hierarchical --epochs 1 2
+    python -m experiments.bench.wire_bytes --algorithm allreduce --topologies ring
 """
 
 from __future__ import annotations
@@ -49,14 +52,16 @@ def across_share(topology: str, peers: int, hosts: int) -> float:
     return sum(on[j] != on[r] for r, j in links) / len(links)
 
 
-def one_run(hosts: testhosts.TestHosts, backend: str, topology: str, epochs: int, run_dir: Path) -> dict:
+def one_run(
+    hosts: testhosts.TestHosts, backend: str, topology: str, epochs: int, run_dir: Path, algorithm: str = "dpsgd"
+) -> dict:
     """Run the app from host 1 on both hosts (launcher.hosts); host 2's eth0 counters before and after."""
     from dpsgd.backends.launch import peer_env
 
     before = hosts.counters(2)
     cmd = [
-        sys.executable, "-m", "experiments.train", f"backend={backend}", f"topology={topology}",
-        f"peers={PEERS_PER_HOST * hosts.n}", f"epochs={epochs}", "log_every=100000",
+        sys.executable, "-m", "experiments.train", f"algorithm={algorithm}", f"backend={backend}",
+        f"topology={topology}", f"peers={PEERS_PER_HOST * hosts.n}", f"epochs={epochs}", "log_every=100000",
         f"launcher.hosts=[{','.join(hosts.address(i) for i in range(1, hosts.n + 1))}]",
         f"launcher.runner={ROOT / 'tools' / 'netns_exec.sh'}", f"hydra.run.dir={run_dir}",
         *(f"topology.{k}={v}" for k, v in options(topology).items()),
@@ -74,14 +79,24 @@ def one_run(hosts: testhosts.TestHosts, backend: str, topology: str, epochs: int
     }
 
 
-def measure(backend: str, topology: str, epochs: tuple[int, int], hosts: testhosts.TestHosts, tmp: Path) -> dict:
-    short, long = (one_run(hosts, backend, topology, e, tmp / f"{backend}-{topology}-{e}") for e in epochs)
+def measure(
+    backend: str,
+    topology: str,
+    epochs: tuple[int, int],
+    hosts: testhosts.TestHosts,
+    tmp: Path,
+    algorithm: str = "dpsgd",
+) -> dict:
+    short, long = (
+        one_run(hosts, backend, topology, e, tmp / f"{algorithm}-{backend}-{topology}-{e}", algorithm) for e in epochs
+    )
     share = across_share(topology, PEERS_PER_HOST * hosts.n, hosts.n)
     wire = long["tx_bytes"] - short["tx_bytes"]
     packets = long["tx_packets"] - short["tx_packets"]
     payload = wire - HEADER_BYTES * packets
     count = (long["count"] - short["count"]) * share
     return {
+        "algorithm": algorithm,
         "backend": backend,
         "topology": topology,
         "steps": long["steps"] - short["steps"],
@@ -95,12 +110,15 @@ def measure(backend: str, topology: str, epochs: tuple[int, int], hosts: testhos
 
 
 def table(rows: list[dict]) -> str:
-    head = "| backend | topology | extra steps | eth0 tx bytes | packets | payload | toolkit count | payload / count |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+    head = (
+        "| algorithm | backend | topology | extra steps | eth0 tx bytes | packets | payload | toolkit count "
+        "| payload / count |"
+    )
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['backend']} | {r['topology']} | {r['steps']} | {r['wire_bytes']:,} | {r['packets']:,} | "
-            f"{r['payload_bytes']:,} | {r['toolkit_bytes']:,} | {r['ratio']:.3f} |"
+            f"| {r['algorithm']} | {r['backend']} | {r['topology']} | {r['steps']} | {r['wire_bytes']:,} | "
+            f"{r['packets']:,} | {r['payload_bytes']:,} | {r['toolkit_bytes']:,} | {r['ratio']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -109,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", default=["mpi", "torch"])
     p.add_argument("--topologies", nargs="+", default=["ring", "hierarchical"])
+    p.add_argument("--algorithm", default="dpsgd", choices=["dpsgd", "allreduce"], help="gossip, or the all-reduce")
     p.add_argument("--epochs", nargs=2, type=int, default=[2, 6], help="the short and the long run")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
@@ -119,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     with testhosts.TestHosts(2) as hosts, tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends:
             for topology in args.topologies:
-                rows.append(measure(backend, topology, tuple(args.epochs), hosts, Path(tmp)))
+                rows.append(measure(backend, topology, tuple(args.epochs), hosts, Path(tmp), args.algorithm))
                 print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.json:
