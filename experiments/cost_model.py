@@ -2,8 +2,8 @@
 on hosts of `peers_per_host` (dpsgd.comm.netem's `Link` and `Hosts`), each peer computing for its own time a step (a
 straggler: one peer slower). What the emulator's clock does, step by step, without running a model:
 
-- all-reduce (of gradients, after the backward pass): every step ends at the slowest peer's compute plus the ring
-  all-reduce, max_i c_i + AR(M);
+- all-reduce (of gradients, after the backward pass): every step ends at the slowest peer's compute plus the
+  all-reduce (`Hosts.allreduce_time`: a ring, or halving and doubling), max_i c_i + AR(M);
 - LocalSGD and DiLoCo with period H: local steps, and an all-reduce of the model (DiLoCo: of the outer delta, as
   large) at every H-th step, which starts when the slowest peer gets there;
 - gossip (D-PSGD without overlap) on a topology: the max-plus recurrence of the emulator's messages,
@@ -48,6 +48,7 @@ class Network:
     slowdown: float = 1.0  # peer STRAGGLER computes this many times slower
     intra_latency_s: float = 2e-6
     intra_bandwidth_bytes_per_s: float | None = 1e10
+    allreduce: str = "ring"  # the all-reduce's algorithm (dpsgd.comm.netem's `allreduce`)
 
     @property
     def link(self) -> Link:
@@ -55,7 +56,7 @@ class Network:
 
     @property
     def hosts(self) -> Hosts:
-        return Hosts(self.peers_per_host, Link(self.intra_latency_s, self.intra_bandwidth_bytes_per_s))
+        return Hosts(self.peers_per_host, Link(self.intra_latency_s, self.intra_bandwidth_bytes_per_s), self.allreduce)
 
     def config(self, compute_s: float, n: int) -> dict:
         """The `network` config that emulates this cell (model mode; `compute_s` each step's compute)."""
@@ -68,6 +69,7 @@ class Network:
             "peers_per_host": self.peers_per_host,
             "intra_latency_s": self.intra_latency_s,
             "intra_bandwidth_bytes_per_s": self.intra_bandwidth_bytes_per_s,
+            "allreduce": self.allreduce,
             "slow_peers": [STRAGGLER] if slow else [],
             "compute_scale": self.slowdown if slow else 1.0,
             "compute_time": compute_s,

@@ -347,7 +347,8 @@ def rate_bytes_per_s(rate: str) -> float:
 def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: int, out: Path) -> list[dict]:
     """The default placement for real: 4 mpi peers on 2 test hosts (tools/testhosts.py, network namespaces), ranks
     0, 1 on host 1 and 2, 3 on host 2, each host's link capped at `--test-hosts` (tc tbf both ways), nothing emulated
-    but the compute floor. The prediction: the cost model with 2 peers per host, that rate's payload and 100 us."""
+    but the compute floor. The prediction: the cost model with 2 peers per host, that rate's payload and 100 us, and
+    the backend's all-reduce (torch: a ring; mpi: halving and doubling, docs/results/network.md)."""
     sys.path.insert(0, str(ROOT / "tools"))
     import testhosts
 
@@ -356,7 +357,10 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
     if why := testhosts.unavailable():
         print(f"test hosts: {why}; no check on a capped link")
         return []
-    n, net, compute = 4, Network(1e-4, rate_bytes_per_s(args.test_hosts), peers_per_host=2), args.test_host_compute_s
+    # the backend's own all-reduce: gloo's ring; MPICH's carried halving and doubling's bytes between these hosts
+    allreduce = "halving_doubling" if args.test_host_backend == "mpi" else "ring"
+    net = Network(1e-4, rate_bytes_per_s(args.test_hosts), peers_per_host=2, allreduce=allreduce)
+    n, compute = 4, args.test_host_compute_s
     if str(n) not in next(iter(steps.values())):
         print(f"test hosts: 4 peers are not among --peers {args.peers}; no check on a capped link")
         return []

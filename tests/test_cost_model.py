@@ -37,10 +37,11 @@ CELLS = [
     Network(1e-3, 1e7),  # a per-peer link
     Network(1e-3, 1e7, peers_per_host=2, slowdown=3.0),  # 2 per host, peer 1 three times slower
     Network(5e-3, 1e8, peers_per_host=4, slowdown=2.0),
+    Network(1e-3, 1e7, peers_per_host=2, allreduce="halving_doubling"),  # MPICH's all-reduce
 ]
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=lambda c: f"ppr{c.peers_per_host}_slow{c.slowdown}")
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: f"ppr{c.peers_per_host}_slow{c.slowdown}_{c.allreduce}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0].label)
 def test_clock_after_equals_the_emulators_clock(case, cell):
     algorithm, make = case

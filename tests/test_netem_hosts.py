@@ -47,6 +47,36 @@ def test_allreduce_on_two_hosts_costs_what_the_ring_puts_on_each_host_link():
     assert run_local(4, _clock, AllReduce, one_host, 4) == pytest.approx([want] * 4, rel=1e-9)
 
 
+def test_halving_doubling_keeps_the_halves_inside_the_hosts():
+    """network.allreduce=halving_doubling on 2 x 2: the reduce-scatter exchanges M/2 with rank XOR 1 (inside the
+    host), then M/4 with rank XOR 2 (across: both of a host's peers, M/2 on its link); the all-gather the same
+    rounds backwards. One model a step on each host link where the ring puts 1.5 (MPICH's all-reduce between
+    test hosts carried 0.668 of the ring's bytes: docs/results/network.md)."""
+    network = {**HOSTS, "allreduce": "halving_doubling"}
+    rounds = (INTRA_ALPHA + M / 2 / INTRA_BETA) + (ALPHA + 2 * (M / 4) / BETA)
+    assert run_local(4, _clock, AllReduce, network, 4) == pytest.approx([FLOOR + 2 * rounds] * 4, rel=1e-9)
+    # one peer a host: 2 log2(n) latencies and the ring's bytes, M (1 - 1/n) each way
+    hosts, link = Hosts(1, allreduce="halving_doubling"), Link(ALPHA, BETA)
+    assert hosts.allreduce_time(link, M, 8) == pytest.approx(2 * 3 * ALPHA + 2 * 7 / 8 * M / BETA, rel=1e-12)
+    # 3 peers a host on 8 (hosts 0-2, 3-5, 6-7), the most peers of one host pairing across, by hand:
+    # XOR 1: 2-3 and 5-6 cross (1 of a host); XOR 2: host 1's 3-1, 4-6, 5-7 all cross (3); XOR 4: 0-4, 1-5, 2-6 (3)
+    hosts = Hosts(3, Link(INTRA_ALPHA, INTRA_BETA), "halving_doubling")
+    across = [1, 3, 3]
+    want = 2 * sum(
+        max(INTRA_ALPHA + M / 2 ** (k + 1) / INTRA_BETA, ALPHA + a * M / 2 ** (k + 1) / BETA)
+        for k, a in enumerate(across)
+    )
+    assert hosts.allreduce_time(link, M, 8) == pytest.approx(want, rel=1e-12)
+
+
+def test_halving_doubling_needs_a_power_of_two_and_a_known_name():
+    with pytest.raises(ValueError, match="power-of-two number of peers, got 6"):
+        NetworkEmulator.from_config({"allreduce": "halving_doubling"}, size=6)
+    with pytest.raises(ValueError, match="network.allreduce must be one of ring, halving_doubling, got 'tree'"):
+        NetworkEmulator.from_config({"allreduce": "tree"})
+    assert NetworkEmulator.from_config({"allreduce": "halving_doubling"}, size=8).hosts.allreduce == "halving_doubling"
+
+
 def test_one_peer_gossip_shares_the_host_link():
     """One-peer exponential on 4 peers alternates offsets 1 and 2. Offset 1: one peer of each host sends
     across (host link: 1 model), the other inside; offset 2: both send across (2 models on the link). Every

@@ -11,6 +11,11 @@ Configured by the `network` config group (`network=ethernet_1g`, ...):
   its peers send between hosts in the same operation shares: a peer whose host sends L of them in
   all waits alpha + L M / beta for its own (see `Hosts`). With one peer per host this is the per-peer
   link above.
+- `allreduce` (default `ring`): the all-reduce's algorithm. `ring`: 2 (n-1) rounds of M / n to the next
+  rank (gloo's, NCCL's ring). `halving_doubling` (n a power of two): a reduce-scatter by recursive halving,
+  round k exchanging M / 2^(k+1) with the rank 2^k away (rank XOR 2^k), then an all-gather by recursive
+  doubling, the same rounds backwards (Rabenseifner's; MPICH's above its short-message size): 2 log2(n)
+  latencies instead of 2 (n-1), the same bytes a peer, and with hosts the larger halves stay inside them.
 - `jitter_s`: each message takes an extra uniform [0, jitter_s) seconds (seeded per peer).
 - `slow_peers`, `compute_scale`, `compute_time`: the compute slowdown (stragglers) and the per-step
   compute time. In `sleep` mode `compute_time` is a floor: a peer's step takes max(real compute,
@@ -29,18 +34,22 @@ overlap) is hidden behind it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dpsgd.seeds import link_jitter_seed
 
 NETWORK_KEYS = tuple(
     "name mode latency_s bandwidth_bytes_per_s jitter_s slow_peers compute_scale compute_time peers_per_host "
-    "intra_latency_s intra_bandwidth_bytes_per_s".split()
+    "intra_latency_s intra_bandwidth_bytes_per_s allreduce".split()
 )
 MODES = ("model", "sleep")
+ALLREDUCES = ("ring", "halving_doubling")
 
 
 def ring_allreduce_bytes(nbytes: float, n: int) -> float:
@@ -97,10 +106,21 @@ class Hosts:
 
     peers_per_host: int = 1
     intra: Link = field(default_factory=Link)
+    allreduce: str = "ring"  # the all-reduce's algorithm (the module's text)
 
     def __post_init__(self):
         if not (isinstance(self.peers_per_host, int) and self.peers_per_host >= 1):
             raise ValueError(f"network.peers_per_host must be an integer >= 1, got {self.peers_per_host!r}")
+        if self.allreduce not in ALLREDUCES:
+            raise ValueError(f"network.allreduce must be one of {', '.join(ALLREDUCES)}, got {self.allreduce!r}")
+
+    def check_size(self, n: int) -> None:
+        """Refuse a world this all-reduce cannot run on."""
+        if self.allreduce == "halving_doubling" and n & (n - 1):
+            raise ValueError(
+                f"network.allreduce=halving_doubling needs a power-of-two number of peers, got {n}; "
+                "use network.allreduce=ring or a power-of-two peers"
+            )
 
     def host(self, rank: int) -> int:
         return rank // self.peers_per_host
@@ -125,14 +145,42 @@ class Hosts:
         return out
 
     def allreduce_time(self, link: Link, nbytes: float, n: int) -> float:
-        """A ring all-reduce over the ranks in order: 2 (n - 1) rounds of M / n from each peer to the next,
-        each round as long as its slowest hop. The ring leaves each host once, so a host's link carries one
-        hop a round, as a peer's own link would: 2 (n - 1) (alpha + M / (n beta)) once the ring crosses
-        hosts, the intra-host link's alpha' and beta' while it does not."""
+        """The all-reduce of `nbytes` among n peers, each round as long as its slowest exchange.
+
+        ring: 2 (n - 1) rounds of M / n from each peer to the next. The ring over the ranks in order leaves
+        each host once, so a host's link carries one hop a round, as a peer's own link would:
+        2 (n - 1) (alpha + M / (n beta)) once the ring crosses hosts, alpha' and beta' while it does not.
+        halving_doubling: twice (reduce-scatter, all-gather) the rounds k = 0 .. log2(n) - 1 of chunks
+        M / 2^(k+1) between ranks 2^k apart; a round's pairs inside a host take alpha' + chunk / beta', those
+        across leave through their host's link together, alpha + L chunk / beta with L the most peers of
+        one host pairing across."""
         if n <= 1:
             return 0.0
+        if self.allreduce == "halving_doubling":
+            self.check_size(n)
+            total = 0.0
+            for k, (inside, across) in enumerate(_halving_rounds(n, self.peers_per_host)):
+                chunk = nbytes / 2 ** (k + 1)
+                inner = self.intra.message_time(chunk) if inside else 0.0
+                total += max(inner, link.message_time(chunk, across))
+            return 2 * total
         hops = ([link] if n > self.peers_per_host else []) + ([self.intra] if self.peers_per_host > 1 else [])
         return 2 * (n - 1) * max(hop.message_time(nbytes / n) for hop in hops)
+
+
+@functools.lru_cache(maxsize=64)
+def _halving_rounds(n: int, peers_per_host: int) -> tuple[tuple[bool, int], ...]:
+    """Per round k of recursive halving among n peers on hosts of `peers_per_host` consecutive ranks: whether
+    some pair is inside a host, and the most peers of one host whose partner (rank XOR 2^k) is on another."""
+    ranks = np.arange(n)
+    host = ranks // peers_per_host
+    rounds, distance = [], 1
+    while distance < n:
+        crosses = host[ranks ^ distance] != host
+        across = np.bincount(host[crosses], minlength=host[-1] + 1).max() if crosses.any() else 0
+        rounds.append((bool((~crosses).any()), int(across)))
+        distance *= 2
+    return tuple(rounds)
 
 
 class EmulatedClock:
@@ -277,7 +325,13 @@ class NetworkEmulator:
             float(network.get("intra_latency_s") or 0.0), None if intra_bandwidth is None else float(intra_bandwidth)
         )
         per_host = network.get("peers_per_host")
-        hosts = Hosts(1 if per_host is None else _whole(per_host, "network.peers_per_host"), intra)
+        hosts = Hosts(
+            1 if per_host is None else _whole(per_host, "network.peers_per_host"),
+            intra,
+            network.get("allreduce") or "ring",
+        )
+        if size is not None:
+            hosts.check_size(size)
         mode, jitter = network.get("mode") or "model", float(network.get("jitter_s") or 0.0)
         return cls(rank, size or 1, link, mode, jitter, slowdown, seed, hosts)
 
@@ -315,7 +369,7 @@ class NetworkEmulator:
         return self.clock.now() + cost + self.jitter()
 
     def allreduce_time(self, nbytes: float) -> float:
-        """This world's ring all-reduce of `nbytes` (`Hosts.allreduce_time`)."""
+        """This world's all-reduce of `nbytes` (`Hosts.allreduce_time`)."""
         return self.hosts.allreduce_time(self.link, nbytes, self.size)
 
 
