@@ -172,6 +172,8 @@ def peer_row(
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One real peer's figures (COLUMNS) and the averaged model (collectives, uncounted): the averaged model is
     scored on this peer's slice of the test set, its own model on all of it."""
+    net = comm.network
+    clock_s = net.clock.elapsed() if net is not None and net.active else 0.0  # before the evaluation's collectives
     names = [n for n, _ in model.named_parameters()]
     local = [p.detach() for p in model.parameters()]
     with comm.uncounted():
@@ -180,7 +182,7 @@ def peer_row(
     avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test[lo:hi], y_test[lo:hi])
     own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x_test, y_test)
     sq_optimum = squared_optimum_distances(local, optimum)
-    s, net = comm.stats, comm.network
+    s = comm.stats
     row = {
         "own_loss": own_loss / own_count,
         "own_accuracy": own_correct / own_count,
@@ -194,7 +196,7 @@ def peer_row(
         "bytes_received": s.bytes_received,
         "comm_time_s": s.comm_time_s,
         "overlap_s": s.overlap_s,
-        "clock_s": net.clock.elapsed() if net is not None and net.active else 0.0,
+        "clock_s": clock_s,
         "emulated_wait_s": s.emulated_wait_s,
         "peak_step_bytes": s.peak_step_bytes,
     }

@@ -252,6 +252,8 @@ class SynchronousRun(Run):
             measured = metrics.measure_peers(
                 self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
             )
+        if measured["emulated_time_s"] is not None:  # every peer waited there for the latest one
+            peer.network.clock.catch_up(measured["emulated_time_s"])
         return metrics.record(
             step=self.step_count,
             epoch=peer.plan.epoch(self.samples),

@@ -206,6 +206,14 @@ class EmulatedClock:
     def elapsed(self) -> float:
         return self.now() - self._origin
 
+    def catch_up(self, latest: float) -> None:
+        """After a barrier the peers really met at (a paused evaluation's collectives), a `sleep` clock behind the
+        latest peer's `latest` (its elapsed time on entering) moves up to it: waiting there for that peer is part
+        of the run, only the evaluation itself is not. The `model` clock keeps its own time: an uncounted
+        collective does not touch it, and messages carry their arrival times."""
+        if self.mode == "sleep" and latest > self.elapsed():
+            self._origin = time.time() - latest
+
     @contextlib.contextmanager
     def paused(self):
         """Time spent inside the block (evaluation, metrics) is left off the clock: in `sleep` mode the origin
