@@ -107,7 +107,9 @@ def test_halving_doubling_against_its_messages(p):
 
 
 def test_halving_doubling_needs_a_power_of_two_and_a_known_name():
-    with pytest.raises(ValueError, match="power-of-two number of peers, got 6"):
+    with pytest.raises(
+        ValueError, match="power-of-two number of peers, got 6; use network.allreduce=ring, or peers=4 or peers=8"
+    ):
         NetworkEmulator.from_config({"allreduce": "halving_doubling"}, size=6)
     with pytest.raises(ValueError, match="network.allreduce must be one of ring, halving_doubling, got 'tree'"):
         NetworkEmulator.from_config({"allreduce": "tree"})
