@@ -345,10 +345,11 @@ def rate_bytes_per_s(rate: str) -> float:
 
 
 def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: int, out: Path) -> list[dict]:
-    """The default placement for real: 4 mpi peers on 2 test hosts (tools/testhosts.py, network namespaces), ranks
-    0, 1 on host 1 and 2, 3 on host 2, each host's link capped at `--test-hosts` (tc tbf both ways), nothing emulated
-    but the compute floor. The prediction: the cost model with 2 peers per host, that rate's payload and 100 us, and
-    the backend's all-reduce (torch: a ring; mpi: halving and doubling, docs/results/network.md)."""
+    """The default placement for real: 4 peers (`--test-host-backend`, torch unless told) on 2 test hosts
+    (tools/testhosts.py, network namespaces, TCP Reno unless `--test-host-tcp`), ranks 0, 1 on host 1 and 2, 3 on
+    host 2, each host's link capped at `--test-hosts` (tc tbf both ways), nothing emulated but the compute floor.
+    The prediction: the cost model with 2 peers per host, that rate's payload and 100 us, and the backend's all-reduce
+    (torch: a ring; mpi: halving and doubling, docs/results/network.md)."""
     sys.path.insert(0, str(ROOT / "tools"))
     import testhosts
 

@@ -59,7 +59,7 @@ def test_halving_doubling_keeps_the_halves_inside_the_hosts():
     hosts, link = Hosts(1, allreduce="halving_doubling"), Link(ALPHA, BETA)
     assert hosts.allreduce_time(link, M, 8) == pytest.approx(2 * 3 * ALPHA + 2 * 7 / 8 * M / BETA, rel=1e-12)
     # 3 peers a host on 8 (hosts 0-2, 3-5, 6-7), the most peers of one host pairing across, by hand:
-    # XOR 1: 2-3 and 5-6 cross (1 of a host); XOR 2: host 1's 3-1, 4-6, 5-7 all cross (3); XOR 4: 0-4, 1-5, 2-6 (3)
+    # XOR 1: only 2-3 crosses (1 of a host); XOR 2: host 1's 3-1, 4-6, 5-7 all cross (3); XOR 4: 0-4, 1-5, 2-6 (3)
     hosts = Hosts(3, Link(INTRA_ALPHA, INTRA_BETA), "halving_doubling")
     across = [1, 3, 3]
     want = 2 * sum(
@@ -69,8 +69,47 @@ def test_halving_doubling_keeps_the_halves_inside_the_hosts():
     assert hosts.allreduce_time(link, M, 8) == pytest.approx(want, rel=1e-12)
 
 
+def _halving_doubling_by_messages(n: int, p: int, link: Link, intra: Link, nbytes: float) -> float:
+    """Rabenseifner's all-reduce written out message by message: reduce-scatter round k, every rank r sends
+    M / 2^(k+1) to r XOR 2^k; a message inside a host takes the intra link, one across leaves with the other
+    messages its host sends across in that round (alpha + L chunk / beta); a round lasts its slowest message;
+    the all-gather repeats the rounds backwards."""
+    rounds, k = [], 0
+    while 2**k < n:
+        chunk = nbytes / 2 ** (k + 1)
+        pairs = [(r, r ^ 2**k) for r in range(n)]
+        leaving: dict[int, int] = {}
+        for r, partner in pairs:
+            if r // p != partner // p:
+                leaving[r // p] = leaving.get(r // p, 0) + 1
+        rounds.append(
+            max(
+                intra.latency_s + intra.transfer_time(chunk)
+                if r // p == partner // p
+                else link.latency_s + link.transfer_time(leaving[r // p] * chunk)
+                for r, partner in pairs
+            )
+        )
+        k += 1
+    return sum(rounds) + sum(reversed(rounds))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_halving_doubling_against_its_messages(p):
+    """`Hosts.allreduce_time` against the all-reduce's messages counted one by one, for 2-64 peers, hosts of
+    p (3: the last host short), a slow and a free intra-host link."""
+    link = Link(ALPHA, BETA)
+    for intra in (Link(INTRA_ALPHA, INTRA_BETA), Link(0.0, None), Link(5e-3, 1e6)):
+        hosts = Hosts(p, intra, "halving_doubling")
+        for n in (2, 4, 8, 16, 32, 64):
+            want = _halving_doubling_by_messages(n, p, link, intra, M)
+            assert hosts.allreduce_time(link, M, n) == pytest.approx(want, rel=1e-12), (n, intra)
+
+
 def test_halving_doubling_needs_a_power_of_two_and_a_known_name():
-    with pytest.raises(ValueError, match="power-of-two number of peers, got 6"):
+    with pytest.raises(
+        ValueError, match="power-of-two number of peers, got 6; use network.allreduce=ring, or peers=4 or peers=8"
+    ):
         NetworkEmulator.from_config({"allreduce": "halving_doubling"}, size=6)
     with pytest.raises(ValueError, match="network.allreduce must be one of ring, halving_doubling, got 'tree'"):
         NetworkEmulator.from_config({"allreduce": "tree"})

@@ -161,7 +161,8 @@ class TestHosts:
             allowed = _sysctl("net.ipv4.tcp_allowed_congestion_control")
             raise RuntimeError(
                 f"TestHosts: TCP congestion control {name!r} refused in host {i} ({r.stderr.strip()}); "
-                f"a network namespace here may take one of: {allowed} (the kernel's default: {default_tcp()})"
+                f"a network namespace here may take one of: {allowed}; or keep the kernel's {default_tcp()} "
+                "(--tcp kernel, tcp=None)"
             )
 
     def down(self) -> None:
@@ -308,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="list the test host namespaces that exist")
     a = p.parse_args(argv)
     if a.cmd == "up":
-        hosts = TestHosts(a.n, a.rate, None if a.tcp == "kernel" else a.tcp).up()
+        try:
+            hosts = TestHosts(a.n, a.rate, None if a.tcp == "kernel" else a.tcp).up()
+        except (RuntimeError, ValueError) as e:  # a bad --rate or --tcp, no root: one line, not a traceback
+            raise SystemExit(f"testhosts up: {e}") from None
         print(f"set {hosts.set_id}")
         for i in range(1, a.n + 1):
             print(f"{hosts.ns(i)} {hosts.address(i)}")

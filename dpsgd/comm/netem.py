@@ -117,9 +117,10 @@ class Hosts:
     def check_size(self, n: int) -> None:
         """Refuse a world this all-reduce cannot run on."""
         if self.allreduce == "halving_doubling" and n & (n - 1):
+            below = 1 << (n.bit_length() - 1)
             raise ValueError(
                 f"network.allreduce=halving_doubling needs a power-of-two number of peers, got {n}; "
-                "use network.allreduce=ring or a power-of-two peers"
+                f"use network.allreduce=ring, or peers={below} or peers={2 * below}"
             )
 
     def host(self, rank: int) -> int:

@@ -10,7 +10,8 @@ offloaded whole counts once), so payload = tx_bytes - 66 x tx_packets, and a pur
 Inter-host share of the count: each of host 2's peers sends the same bytes to each of its neighbours
 (one model each), so host 2 sent count x (its peers' neighbours on host 1) / (all their neighbours).
 `--algorithm allreduce` counts a ring all-reduce over the ranks in order (2 (n - 1) / n models a peer,
-to its successor): the `ring` topology's share, a half; the backend's own all-reduce may move other bytes.
+to its successor): the `ring` topology's share, a half, whatever `--topologies` says; the backend's own
+all-reduce may move other bytes.
 
     python -m experiments.bench.wire_bytes                     # the table of docs/results/network.md
     python -m experiments.bench.wire_bytes --backends torch --topologies hierarchical --epochs 1 2
@@ -90,7 +91,8 @@ def measure(
     short, long = (
         one_run(hosts, backend, topology, e, tmp / f"{algorithm}-{backend}-{topology}-{e}", algorithm) for e in epochs
     )
-    share = across_share(topology, PEERS_PER_HOST * hosts.n, hosts.n)
+    # the toolkit counts an all-reduce as a ring over the ranks in order, whatever the topology
+    share = across_share("ring" if algorithm == "allreduce" else topology, PEERS_PER_HOST * hosts.n, hosts.n)
     wire = long["tx_bytes"] - short["tx_bytes"]
     packets = long["tx_packets"] - short["tx_packets"]
     payload = wire - HEADER_BYTES * packets
