@@ -183,3 +183,20 @@ def test_a_paused_clock_leaves_evaluation_off_the_sleep_mode_clock():
     with model.paused():
         model.advance(1.0)  # model mode: only what is added counts, paused or not
     assert model.elapsed() == 1.0
+
+
+def test_a_sleep_clock_behind_the_latest_catches_up_after_an_evaluation():
+    """The evaluation's collectives are a barrier: a sleep-mode clock behind the latest peer's (its elapsed time
+    on entering) moves up to it, never back; a model-mode clock keeps its own time."""
+    from dpsgd.comm.netem import EmulatedClock
+
+    clock = EmulatedClock("sleep")
+    clock.reset(2.0)
+    clock.catch_up(5.0)
+    assert 5.0 <= clock.elapsed() < 5.02
+    clock.catch_up(1.0)
+    assert clock.elapsed() >= 5.0
+    model = EmulatedClock("model")
+    model.advance(1.0)
+    model.catch_up(5.0)
+    assert model.elapsed() == 1.0
