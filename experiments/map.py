@@ -373,7 +373,7 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
         if a.kind in ("allreduce", "gossip") and steps[a.label][str(n)]["steps"][0] is not None
     }
     rows = []
-    tcp = None if args.test_host_tcp == "kernel" else args.test_host_tcp or testhosts.TCP
+    tcp = testhosts.tcp_option(args.test_host_tcp)
     with testhosts.TestHosts(2, rate=args.test_hosts, tcp=tcp) as hosts:
         for label in sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
             algorithm = next(a for a in ALGORITHMS if a.label == label)

@@ -98,6 +98,7 @@ def test_hosts_run_reno_unless_told():
     """The hosts' TCP is testhosts.TCP (Reno) by default, the kernel's with tcp=None; the root namespace's is
     untouched, and a congestion control the kernel refuses is named with the ones it allows."""
     kernel = testhosts.default_tcp()
+    assert [testhosts.tcp_option(v) for v in (None, "kernel", "bbr")] == ["reno", None, "bbr"]  # --tcp's values
     with testhosts.TestHosts(2) as reno, testhosts.TestHosts(1, tcp=None) as plain:
         assert [_tcp_of(reno, 1), _tcp_of(reno, 2)] == [testhosts.TCP, testhosts.TCP] == ["reno", "reno"]
         assert _tcp_of(plain, 1) == kernel

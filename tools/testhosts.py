@@ -18,7 +18,8 @@ By hand:
 The hosts' TCP congestion control is Reno unless `tcp` names another (None: the kernel's default, here BBR).
 Loss-based like CUBIC, most clusters' default (which this kernel refuses to a namespace), Reno fills a
 capped link however many flows share it; this kernel's BBR, with two flows each way through the 50 ms tbf
-queue, resent thousands of segments a step and took 5-7% longer than the cap's rate (docs/results/network.md).
+queue, resent thousands of segments a step and took 6-7% longer than the cap's rate needs (plain flows; one-peer
+D-PSGD's step on 2 x 2 hosts 5-8% longer than under Reno: docs/results/network.md).
 From code (tests):
     with TestHosts(2, rate="1gbit", tcp="reno") as hosts:
         hosts.run(1, ["python", "-c", "print(1)"], timeout=30)
@@ -239,6 +240,11 @@ def _sysctl(key: str) -> str:
     return r.stdout.strip() or "?"
 
 
+def tcp_option(value: str | None) -> str | None:
+    """A `--tcp` option's congestion control for TestHosts: 'kernel' keeps the kernel's (None), nothing is TCP."""
+    return None if value == "kernel" else value or TCP
+
+
 def default_tcp() -> str:
     """The kernel's TCP congestion control, what a host gets unless `tcp` is given."""
     return _sysctl("net.ipv4.tcp_congestion_control")
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "up":
         try:
-            hosts = TestHosts(a.n, a.rate, None if a.tcp == "kernel" else a.tcp).up()
+            hosts = TestHosts(a.n, a.rate, tcp_option(a.tcp)).up()
         except (RuntimeError, ValueError) as e:  # a bad --rate or --tcp, no root: one line, not a traceback
             raise SystemExit(f"testhosts up: {e}") from None
         print(f"set {hosts.set_id}")

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"emulator_vs_link: {why}")
     if args.steps % 2:
         sys.exit(f"emulator_vs_link: --steps {args.steps} must be even (one-peer D-PSGD alternates two partners)")
-    tcp = testhosts.default_tcp() if args.tcp == "kernel" else args.tcp
+    tcp = testhosts.tcp_option(args.tcp) or testhosts.default_tcp()
     spec = {"steps": args.steps, "hidden": args.hidden, "batch": args.batch, "algorithms": args.algorithms,
             "rates": [None, *args.rates], "rounds": args.rounds, "tcp": tcp}  # fmt: skip
     calibrations, rows = bench(spec)
