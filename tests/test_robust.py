@@ -212,3 +212,21 @@ def test_an_adaptive_radius_that_is_always_0_is_refused(topology, byzantine, ref
         robust.check_mixing(spec, t)
     robust.check_mixing({**spec, "tau": 1.0}, t)
     robust.check_mixing({"name": "trimmed_mean", "byzantine": byzantine}, t)
+
+
+def test_a_library_users_gossip_on_a_robust_wrap_is_checked_too():
+    """DPSGD built by hand on `robust.wrap(comm, ...)` refuses the radius that is always 0, as the app does."""
+    from dpsgd.optim import DPSGD
+
+    def build(comm, topology):
+        base = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        wrapped = wrap(comm, {"name": "clipped_gossip", "byzantine": 1})
+        try:
+            DPSGD(base, comm=wrapped, topology=topologies.make(topology, comm.size))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    refused = run_local(4, build, "one_peer_exponential")
+    assert all(r is not None and "never mixes" in r for r in refused), refused
+    assert run_local(4, build, "exponential") == [None] * 4

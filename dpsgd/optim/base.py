@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from dpsgd.comm import Communicator
+from dpsgd.comm import Communicator, robust
 from dpsgd.comm.codecs import Compressed
 from topologies import Topology
 from topologies.analysis import is_column_stochastic, is_doubly_stochastic
@@ -253,6 +253,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} needs topology=topologies.make(NAME, comm.size)")
         if isinstance(self.comm, Compressed):  # gossip sends whole models: a codec of one message must encode them
             self.comm.elementwise(f"{type(self).__name__}'s gossip")
+        if isinstance(self.comm, robust.Robust):  # robust.wrap by hand (the app checks this before starting peers)
+            robust.check_mixing(self.comm.rule, self.topology)
         self._stochastic, self._why = stochastic, why
         if stochastic is not None and self.topology.period is not None:
             for t in range(self.topology.period):
