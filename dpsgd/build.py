@@ -205,7 +205,6 @@ def build_optimizer(cfg: dict, params, topology, comm, module: torch.nn.Module |
     corrupted = corrupt.from_faults(cfg.get("faults"), comm.size, int(cfg.get("seed", 0)))
     comm = robust.wrap(comm, cfg.get("robust"), corrupted)  # corrupt senders, robust receivers (both: off by default)
     algorithm = check_algorithm(cfg)
-    robust.check_mixing(cfg.get("robust"), topology if algorithm.uses_topology else None)
     set_here = ("base", "topology", "comm", "module", "buffers")
     check_options(
         f"algorithm {cfg['algorithm'].get('name')} ({algorithm.__name__})", algorithm, options, set_here=set_here

@@ -253,7 +253,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} needs topology=topologies.make(NAME, comm.size)")
         if isinstance(self.comm, Compressed):  # gossip sends whole models: a codec of one message must encode them
             self.comm.elementwise(f"{type(self).__name__}'s gossip")
-        if isinstance(self.comm, robust.Robust):  # robust.wrap by hand (the app checks this before starting peers)
+        if isinstance(self.comm, robust.Robust):  # the app's (its check builds one) and robust.wrap by hand
             robust.check_mixing(self.comm.rule, self.topology)
         self._stochastic, self._why = stochastic, why
         if stochastic is not None and self.topology.period is not None:
