@@ -57,9 +57,15 @@ def check_options(what: str, fn: Callable, options: Mapping, *, set_here: tuple[
         parameters |= {k: p for k, p in inspect.signature(parent).parameters.items() if k not in parameters}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
-    unknown = [k for k in options if k not in parameters or parameters[k].kind is inspect.Parameter.POSITIONAL_ONLY]
+    accepted = [k for k, p in parameters.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+    refuse_unknown(what, options, accepted, listed=[k for k in parameters if k not in set_here])
+
+
+def refuse_unknown(what: str, options: Mapping, accepted, listed=None) -> None:
+    """Refuse by name the keys of `options` not among `accepted`, saying the options (`listed`, or `accepted`)."""
+    unknown = [k for k in options if k not in accepted]
     if unknown:
-        takes = ", ".join(k for k in parameters if k not in set_here) or "none"
+        takes = ", ".join(accepted if listed is None else listed) or "none"
         raise ValueError(f"{what} takes no option {', '.join(map(repr, unknown))}; its options: {takes}")
 
 
@@ -156,10 +162,8 @@ def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
                 f"model {name} takes real-valued features, but data {cfg['data']['name']} gives token ids (text); "
                 f"use model=transformer"
             )
-        unknown = [k for k in options if k not in models.OPTIONS.get(name, options)]
-        if unknown:  # models.build takes every model's options: one another model reads would go unused
-            takes = ", ".join(models.OPTIONS[name]) or "none"
-            raise ValueError(f"model {name} takes no option {', '.join(map(repr, unknown))}; its options: {takes}")
+        if name in models.OPTIONS:  # models.build takes every model's options: one another model reads would go unused
+            refuse_unknown(f"model {name}", options, models.OPTIONS[name])
         model = models.build(name, split.input_shape, split.num_classes or 1, seed, **options)
     if not any(True for _ in model.parameters()):
         raise ValueError(f"the model {target or cfg['model']['name']!r} has no parameters to train")
