@@ -213,7 +213,7 @@ class EmulatedClock:
         of the run, only the evaluation itself is not. The `model` clock keeps its own time: an uncounted
         collective does not touch it, and messages carry their arrival times."""
         if self.mode == "sleep" and latest > self.elapsed():
-            self._origin = time.time() - latest
+            self.reset(latest)
 
     @contextlib.contextmanager
     def paused(self):
