@@ -73,7 +73,14 @@ def complete_steps(run_dir: Path, peers: int | None = None, verify: bool = True)
     """Steps with a complete checkpoint of all `peers` (None: of as many peers as wrote it), oldest first
     (`verify`: every file's size and digest checked too, which reads every file)."""
     folders = sorted((Path(run_dir) / "checkpoints").glob("step_*"))  # none when there is no such folder
-    return [int(json.loads((f / "COMPLETE").read_text())["step"]) for f in folders if torn(f, peers, verify) is None]
+    steps = []
+    for f in folders:
+        try:
+            if torn(f, peers, verify) is None:
+                steps.append(int(json.loads((f / "COMPLETE").read_text())["step"]))
+        except OSError:  # removed while read: rank 0 prunes old steps while others (a signal's handler) list them
+            continue
+    return steps
 
 
 def torn(folder: Path, peers: int | None = None, verify: bool = True) -> str | None:

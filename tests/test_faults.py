@@ -243,6 +243,26 @@ def test_torn_checkpoint_falls_back_to_the_previous_complete_one(tmp_path, tear,
         assert state["step"] == 10 and state["w"].tolist() == [10.0 + rank] * 3
 
 
+def test_a_checkpoint_removed_while_listed_is_skipped(tmp_path, monkeypatch):
+    """Rank 0 prunes old steps while a signal's handler lists the complete ones (local peers are threads that run
+    on): a file that vanishes between its exists() and its stat() leaves that step out, not a FileNotFoundError."""
+    from pathlib import Path
+
+    _saved_world(tmp_path)
+    real_stat, seen = Path.stat, []
+
+    def vanishing(self, *args, **kwargs):  # there for exists(), gone by the size check's stat()
+        if self.parent.name == "step_00000010" and self.name == "rank0.pt":
+            seen.append(self)
+            if len(seen) > 1:
+                raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", vanishing)
+    assert checkpoint.complete_steps(tmp_path, 2, verify=False) == [20]
+    assert len(seen) == 2
+
+
 def test_checkpoint_of_another_world_size_is_not_resumed(tmp_path):
     _saved_world(tmp_path)
     assert checkpoint.load_latest(tmp_path, 0, 3) is None
