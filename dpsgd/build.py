@@ -1,19 +1,19 @@
-"""A run's plan and one peer's parts, built from a resolved experiment config (a plain dict): the plan
-(`plan`: data split, each peer's share, steps per epoch, the budget of steps and samples), then batches,
-model, topology, base and distributed optimizer, loss, straggler emulation.
+"""A run's parts from its typed config (dpsgd.config.RunConfig): the plan (`plan`: data split, each peer's share,
+steps per epoch, the budget of steps and samples), then one peer's parts (`build_peer`): batches, model, topology,
+base and distributed optimizer, loss, network emulation, faults and its step (dpsgd.stepping.TrainStep).
+Construction only: nothing here runs while a run trains.
 
-Real peers, the fleet, the event simulator, elastic runs and the config validator build through here, so
-a config means the same thing everywhere. A model, algorithm or topology config may name its own class or
-function with Hydra's `_target_` (e.g. `model._target_=mypkg.MyNet`): it is imported and called with
-the config's other keys (a model with no positional arguments; a distributed optimizer with the base
-optimizer, `topology=` and `comm=`; a topology with the number of peers).
+Real peers, the fleet, the event simulator, elastic runs and the app's checks build through here, so a config
+means the same thing everywhere. A model, algorithm, optimizer or topology config may name its own class or
+function with Hydra's `_target_` (e.g. `model._target_=mypkg.MyNet`): it is imported and called with the
+config's other keys (a model with no positional arguments; a distributed optimizer with the base optimizer,
+`topology=` and `comm=`; a base optimizer with the parameters; a topology with the number of peers).
 """
 
 from __future__ import annotations
 
-import functools
-import pkgutil
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,199 +21,133 @@ import torch
 import topologies
 from dpsgd import data, faults, metrics, models, placement, supervisor
 from dpsgd.comm import codecs, corrupt, netem, robust
-from dpsgd.optim import DistributedOptimizer, build_base
+from dpsgd.config import Choice, DataConfig, RunConfig
+from dpsgd.optim import ALGORITHMS, BASE_OPTIMIZERS, DistributedOptimizer, build_base
+from dpsgd.options import check_options, factories, import_target, refuse_unknown
 from dpsgd.schedule import Schedule
 from dpsgd.seeds import batch_seed
-from dpsgd.stepping import StepOptions, Stepper
+from dpsgd.stepping import StepOptions, Stepper, TrainStep
 
-BASE_KEYS = ("name", "optimizer", "lr", "momentum", "weight_decay", "nesterov", "_target_")
-
-
-def import_target(target: str, what: str):
-    """The class a `_target_` names ('package.module.Class'), or a one-line error."""
-    try:
-        if "." not in str(target):
-            raise ValueError("no module named")
-        return pkgutil.resolve_name(str(target))
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(
-            f"{what}._target_={target!r} cannot be imported ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0]}); give 'package.module.Class' importable here"
-        ) from None
+# what the app hands every distributed optimizer itself: never an option of its config
+SET_HERE = ("base", "topology", "comm", "module", "buffers")
+_DATA_OPTIONS = ("root", "num_samples", "num_features", "num_classes", "seq_len", "samples_per_peer", "heterogeneity")
 
 
-def check_options(what: str, fn: Callable, options: Mapping, *, set_here: tuple[str, ...] = ()) -> None:
-    """A config's keys that `fn` does not take, refused by name with the ones it does (where a TypeError said
-    only "__init__() got an unexpected keyword argument"). `set_here`: arguments the app passes itself, not
-    listed; a `fn` that hands unnamed keywords on (`**options`) refuses them itself."""
-    import inspect
-
-    parameters = dict(inspect.signature(fn).parameters)
-    # a class whose constructor hands `**options` to its parent's (QGM to DPSGD's): the parents' keywords too
-    for parent in inspect.getmro(fn)[1:] if inspect.isclass(fn) else ():
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            break
-        parameters = {k: p for k, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-        parameters |= {k: p for k, p in inspect.signature(parent).parameters.items() if k not in parameters}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
-    accepted = [k for k, p in parameters.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY]
-    refuse_unknown(what, options, accepted, listed=[k for k in parameters if k not in set_here])
-
-
-def refuse_unknown(what: str, options: Mapping, accepted, listed=None) -> None:
-    """Refuse by name the keys of `options` not among `accepted`, saying the options (`listed`, or `accepted`)."""
-    unknown = [k for k in options if k not in accepted]
-    if unknown:
-        takes = ", ".join(accepted if listed is None else listed) or "none"
-        raise ValueError(f"{what} takes no option {', '.join(map(repr, unknown))}; its options: {takes}")
-
-
-def factories(options: dict) -> dict:
-    """The algorithm's options with each `_target_` dict (e.g. `outer: {_target_: torch.optim.SGD, lr: 0.7}`)
-    made the factory it names: the class with the dict's other keys bound (functools.partial)."""
-    made = {}
-    for key, value in options.items():
-        if isinstance(value, Mapping) and "_target_" in value:
-            rest = {k: v for k, v in value.items() if k != "_target_"}
-            value = functools.partial(import_target(value["_target_"], f"algorithm.{key}"), **rest)
-        made[key] = value
-    return made
-
-
-def build_topology(cfg: dict, n: int) -> topologies.Topology:
+def build_topology(topology: Choice, n: int) -> topologies.Topology:
     """The config's topology for n peers: a built-in name, or a `_target_` function (n, **options) -> Topology."""
-    t = cfg["topology"]
-    options = {k: v for k, v in t.items() if k not in ("name", "_target_") and v is not None}
-    if t.get("_target_"):
-        return import_target(t["_target_"], "topology")(n, **options)
-    return topologies.make(t["name"], n, **options)
+    options = {k: v for k, v in topology.options.items() if v is not None}
+    if topology.target:
+        return import_target(topology.target, "topology")(n, **options)
+    return topologies.make(topology.name, n, **options)
 
 
-def load_data(cfg: dict) -> data.Split:
-    d = cfg["data"]
-    keys = ("root", "num_samples", "num_features", "num_classes", "seq_len", "samples_per_peer", "heterogeneity")
-    options = {k: d[k] for k in keys if d.get(k) is not None}
-    if d["name"] == "heterogeneous_regression":
-        if d.get("partition") != "blocks":  # another partition mixes the peers' problems: x* is no longer known
+def load_data(section: DataConfig, seed: int, peers: int) -> data.Split:
+    """The config's dataset with its held-out split (seeded by `data.split_seed`, else the run's `seed`)."""
+    options = {k: getattr(section, k) for k in _DATA_OPTIONS if getattr(section, k) is not None}
+    if section.name == "heterogeneous_regression":
+        if section.partition != "blocks":  # another partition mixes the peers' problems: x* is no longer known
             raise ValueError(
                 "data=heterogeneous_regression gives peer i the i-th block, its own problem: it needs "
-                f"data.partition=blocks, got {d.get('partition')!r}"
+                f"data.partition=blocks, got {section.partition!r}"
             )
-        options["peers"] = int(cfg["peers"])  # one problem per peer of the run
-    if d.get("image_shape") is not None:
-        options["image_shape"] = tuple(int(s) for s in d["image_shape"])  # hashable: data.load caches
-    if d.get("validation_fraction"):
-        options["validation_fraction"] = float(d["validation_fraction"])
-    return data.load(d["name"], d.get("test_fraction", 0.2), split_seed(cfg), **options)
+        options["peers"] = peers  # one problem per peer of the run
+    if section.image_shape is not None:
+        options["image_shape"] = tuple(int(s) for s in section.image_shape)  # hashable: data.load caches
+    if section.validation_fraction:
+        options["validation_fraction"] = float(section.validation_fraction)
+    return data.load(section.name, section.test_fraction, section.seed_of_split(seed), **options)
 
 
-def split_seed(cfg: dict) -> int:
-    """The seed of the test (and validation) split: `data.split_seed`, else the run's seed."""
-    fixed = cfg["data"].get("split_seed")
-    return int(cfg["seed"]) if fixed is None else int(fixed)
-
-
-def fit_batch_size(cfg: dict) -> str | None:
-    """Many peers on a small dataset: with the iid partition, a `batch_size` larger than a peer's share
-    (e.g. digits' 1437 training samples over 256 peers: 5 each) becomes the share, so every peer takes one
-    step per epoch on all its samples. Changes `cfg` and returns a note saying so (None if unchanged)."""
-    if cfg["data"].get("partition", "iid") != "iid" or int(cfg["peers"]) < 1:
-        return None
-    samples = len(load_data(cfg).x_train)
-    share = samples // int(cfg["peers"])
-    if share < 1 or int(cfg["batch_size"]) <= share:
-        return None  # fits, or no data for every peer at all: the partition says so
+def fitted_batch_size(run: RunConfig) -> tuple[int, str | None]:
+    """Many peers on a small dataset: with the iid partition, a `batch_size` larger than a peer's share (e.g.
+    digits' 1437 training samples over 256 peers: 5 each) becomes the share, so every peer takes one step per
+    epoch on all its samples. Returns the batch size to use and a note saying so (None if unchanged)."""
+    if run.data.partition != "iid":
+        return run.batch_size, None
+    samples = len(load_data(run.data, run.seed, run.peers).x_train)
+    share = samples // run.peers
+    if share < 1 or run.batch_size <= share:
+        return run.batch_size, None  # fits, or no data for every peer at all: the partition says so
     note = (
-        f"batch_size {cfg['batch_size']} is more than each peer's share of {cfg['data']['name']} "
-        f"({samples} training samples / {cfg['peers']} peers = {share}); using batch_size={share}"
+        f"batch_size {run.batch_size} is more than each peer's share of {run.data.name} "
+        f"({samples} training samples / {run.peers} peers = {share}); using batch_size={share}"
     )
-    cfg["batch_size"] = share
-    return note
+    return share, note
 
 
-def partition(cfg: dict, split: data.Split, peers: int) -> list:
-    d = cfg["data"]
-    return data.partition(
-        split.y_train.numpy(),
-        peers,
-        int(cfg["seed"]),
-        d.get("partition", "iid"),
-        alpha=float(d.get("alpha", 0.5)),
-        shards_per_peer=int(d.get("shards_per_peer", 2)),
-        min_size=int(cfg["batch_size"]),
-    )
-
-
-def build_model(cfg: dict, split: data.Split) -> torch.nn.Module:
+def build_model(model: Choice, split: data.Split, seed: int, dataset: str) -> torch.nn.Module:
     """The config's model, the same initial parameters on every peer (one seed); one with no parameter is refused."""
-    options = {k: v for k, v in cfg["model"].items() if k not in ("name", "_target_") and v is not None}
-    seed = int(cfg["seed"])
-    target = cfg["model"].get("_target_")
-    if target:
-        cls = import_target(target, "model")
-        check_options(f"model._target_={target}", cls, options)
+    options = {k: v for k, v in model.options.items() if v is not None}
+    if model.target:
+        cls = import_target(model.target, "model")
+        check_options(f"model._target_={model.target}", cls, options, key="model")
         with models.seeded(seed):
-            model = cls(**options)
+            built = cls(**options)
     else:
-        name = cfg["model"]["name"]
-        if not split.x_train.is_floating_point() and name != "transformer":  # a text dataset's token ids
+        if not split.x_train.is_floating_point() and model.name != "transformer":  # a text dataset's token ids
             raise ValueError(
-                f"model {name} takes real-valued features, but data {cfg['data']['name']} gives token ids (text); "
+                f"model {model.name} takes real-valued features, but data {dataset} gives token ids (text); "
                 f"use model=transformer"
             )
-        if name in models.OPTIONS:  # models.build takes every model's options: one another model reads would go unused
-            refuse_unknown(f"model {name}", options, models.OPTIONS[name])
-        model = models.build(name, split.input_shape, split.num_classes or 1, seed, **options)
-    if not any(True for _ in model.parameters()):
-        raise ValueError(f"the model {target or cfg['model']['name']!r} has no parameters to train")
-    return model
+        if (
+            model.name in models.OPTIONS
+        ):  # models.build takes every model's options: one another model reads goes unused
+            refuse_unknown(f"model {model.name}", options, models.OPTIONS[model.name])
+        built = models.build(model.name, split.input_shape, split.num_classes or 1, seed, **options)
+    if not any(True for _ in built.parameters()):
+        raise ValueError(f"the model {model.target or model.name!r} has no parameters to train")
+    return built
 
 
-def check_algorithm(cfg: dict):
+def algorithm_class(algorithm: Choice) -> type[DistributedOptimizer]:
     """The algorithm class a config names (its `_target_` or a registered name)."""
-    from dpsgd.optim import ALGORITHMS
-
-    algo = cfg["algorithm"]
-    if algo.get("_target_"):
-        return import_target(algo["_target_"], "algorithm")
-    if algo.get("name") not in ALGORITHMS:
+    if algorithm.target:
+        return import_target(algorithm.target, "algorithm")
+    if algorithm.name not in ALGORITHMS:
         raise ValueError(
-            f"unknown algorithm {algo.get('name')!r}; valid algorithms: {', '.join(ALGORITHMS)} "
+            f"unknown algorithm {algorithm.name!r}; valid algorithms: {', '.join(ALGORITHMS)} "
             f"(or set algorithm._target_ to your own class)"
         )
-    return ALGORITHMS[algo["name"]]
+    return ALGORITHMS[algorithm.name]
 
 
-def base_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
-    """The local optimizer the algorithm config names (its `optimizer`, `lr`, `momentum`, ...)."""
-    algo = cfg["algorithm"]
-    return build_base(
-        params,
-        name=algo.get("optimizer", "sgd"),
-        lr=float(algo["lr"]),
-        momentum=float(algo.get("momentum", 0.0)),
-        weight_decay=float(algo.get("weight_decay", 0.0)),
-        nesterov=bool(algo.get("nesterov", False)),
-    )
+def base_optimizer(optimizer: Choice, params) -> torch.optim.Optimizer:
+    """The base optimizer the `optimizer=` config names (a key of BASE_OPTIMIZERS, or a torch optimizer class its
+    `_target_` names) with the options its class takes (lr, momentum, betas, weight_decay, ...)."""
+    options = dict(optimizer.options)
+    cls = import_target(optimizer.target, "optimizer") if optimizer.target else BASE_OPTIMIZERS.get(optimizer.name)
+    if cls is None:
+        raise ValueError(f"unknown optimizer {optimizer.name!r}; valid optimizers: {', '.join(BASE_OPTIMIZERS)}")
+    check_options(f"optimizer {optimizer.name} ({cls.__name__})", cls, options, set_here=("params",), key="optimizer")
+    lr = options.get("lr")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0):
+        raise ValueError(f"optimizer.lr must be a number > 0, got {lr!r}")
+    if optimizer.target:
+        return cls(params, **options)
+    return build_base(params, optimizer.name, **options)
 
 
-def build_optimizer(cfg: dict, params, topology, comm, module: torch.nn.Module | None = None) -> DistributedOptimizer:
-    """The config's distributed optimizer (a registered name or a `_target_` class) over `params`, talking
-    through `comm` wearing the config's `compression` (dpsgd.comm.codecs.wrap): real peers and the fleet alike.
-    `module`: a real peer's model, whose buffers the config's `buffers` (broadcast, average, local) governs."""
-    options = {k: v for k, v in cfg["algorithm"].items() if k not in BASE_KEYS}
+def build_optimizer(
+    run: RunConfig, params, topology, comm, module: torch.nn.Module | None = None
+) -> DistributedOptimizer:
+    """The run's distributed optimizer (`algorithm=`, a registered name or a `_target_` class) stepping its base
+    optimizer (`optimizer=`) over `params`, talking through `comm` wearing the run's `compression` (codecs.wrap) and
+    robust rule with its corrupt peers (robust.wrap): real peers and the fleet alike. `module`: a real peer's
+    model, whose buffers the run's `buffers` (broadcast, average, local) governs."""
+    options = dict(run.algorithm.options)
     if module is not None:
-        options.update(module=module, buffers=cfg.get("buffers"))
-    comm = codecs.wrap(comm, cfg.get("compression"))  # every algorithm's means and mixes, encoded
-    corrupted = corrupt.from_faults(cfg.get("faults"), comm.size, int(cfg.get("seed", 0)))
-    comm = robust.wrap(comm, cfg.get("robust"), corrupted)  # corrupt senders, robust receivers (both: off by default)
-    algorithm = check_algorithm(cfg)
-    set_here = ("base", "topology", "comm", "module", "buffers")
-    check_options(
-        f"algorithm {cfg['algorithm'].get('name')} ({algorithm.__name__})", algorithm, options, set_here=set_here
+        options.update(module=module, buffers=run.buffers)
+    comm = codecs.wrap(comm, run.compression.as_dict())  # every algorithm's means and mixes, encoded
+    f = run.faults  # checked before any peer starts (dpsgd.faults.FaultPlan)
+    corrupted = corrupt.from_faults(
+        faults.FaultPlan(**dataclasses.asdict(f)).corrupt_peers, f.corrupt_mode, f.corrupt_scale, comm.size, run.seed
     )
-    return algorithm(base_optimizer(cfg, params), topology=topology, comm=comm, **factories(options))
+    comm = robust.wrap(comm, run.robust.as_dict(), corrupted)  # corrupt senders, robust receivers (off by default)
+    algorithm = algorithm_class(run.algorithm)
+    what = f"algorithm {run.algorithm.name} ({algorithm.__name__})"
+    check_options(what, algorithm, options, set_here=SET_HERE, key="algorithm")
+    base = base_optimizer(run.optimizer, params)
+    return algorithm(base, topology=topology, comm=comm, **factories(options))
 
 
 @dataclass(frozen=True)
@@ -248,28 +182,48 @@ class Plan:
         return [data.class_histogram(self.split.y_train[s], self.split.num_classes) for s in self.shares]
 
 
-def plan(cfg: dict, peers: int | None = None) -> Plan:
-    """The plan of the run `cfg` in a world of `peers` (default: the configured peers)."""
-    n = int(cfg["peers"]) if peers is None else int(peers)
-    split, bs = load_data(cfg), int(cfg["batch_size"])
-    planned = int(cfg["peers"]) if cfg.get("elastic") else n
+def plan(run: RunConfig, peers: int | None = None) -> Plan:
+    """The plan of `run` in a world of `peers` (default: the configured peers)."""
+    n = run.peers if peers is None else int(peers)
+    split, bs = load_data(run.data, run.seed, n), run.batch_size
+    planned = run.peers if run.elastic else n
     samples_per_epoch = max(1, len(split.x_train) // (planned * bs)) * planned * bs
+    d = run.data
     return Plan(
         split=split,
-        shares=partition(cfg, split, n),
+        shares=data.partition(
+            split.y_train.numpy(),
+            n,
+            run.seed,
+            d.partition,
+            alpha=d.alpha,
+            shards_per_peer=d.shards_per_peer,
+            min_size=bs,
+        ),
         peers=n,
         batch_size=bs,
         steps_per_epoch=max(1, len(split.x_train) // (n * bs)),
-        total_steps=-(-int(cfg["epochs"]) * samples_per_epoch // (n * bs)),  # ceil
+        total_steps=-(-run.epochs * samples_per_epoch // (n * bs)),  # ceil
         samples_per_epoch=samples_per_epoch,
-        total_samples=int(cfg["epochs"]) * samples_per_epoch,
-        seed=int(cfg["seed"]),
+        total_samples=run.epochs * samples_per_epoch,
+        seed=run.seed,
     )
+
+
+def step_options(run: RunConfig) -> StepOptions:
+    """The run's precision, clipping and micro-batches, checked against its batch size."""
+    options = StepOptions(run.precision, run.clip_grad_norm, run.accumulate)
+    options.check_batch(run.batch_size)
+    return options
+
+
+def schedule(run: RunConfig, total_steps: int) -> Schedule:
+    return Schedule.of(run.schedule.name, run.schedule.options, total_steps)
 
 
 @dataclass
 class Peer:
-    """Everything one peer trains with."""
+    """Everything one peer trains with; `step(k)` takes its step k (dpsgd.stepping.TrainStep)."""
 
     plan: Plan
     batches: data.Batches
@@ -282,78 +236,73 @@ class Peer:
     network: netem.NetworkEmulator  # attached to the communicator: link costs, clock, compute slowdown
     faults: faults.FaultInjector
     seed: int
-    stepper: Stepper  # precision, micro-batches, clipping and the schedule's rate (dpsgd.stepping)
-
-    def before_step(self, step: int) -> None:
-        """Step `step` begins: tell the driver that started this process (if one did), then inject
-        the configured fault, if any; the schedule sets the step's learning rate."""
-        supervisor.report_step(self.faults.comm.rank, step)
-        self.faults.before_step(step)
-        self.stepper.begin(step)
-
-    def train_step(self) -> float:
-        """One minibatch: forward (in the config's precision) and backward of each micro-batch (under the
-        compute emulation), the optimizer's step; returns the minibatch loss."""
-        x, y = self.batches.next()
-        if self.optimizer.overlap:
-            self.optimizer.start_communication()  # x^k travels while the gradient is computed
-        self.network.start_compute()
-        self.optimizer.zero_grad()
-        stepper, total = self.stepper, 0.0
-        for xm, ym in stepper.options.split(x, y):
-            with stepper.options.autocast(x.device):
-                loss = self.loss_fn(self.model(xm), ym)
-            stepper.backward(loss)
-            total += loss.item()
-        self.network.finish_compute()
-        stepper.step()
-        return total / stepper.options.accumulate
+    stepper: Stepper  # precision, micro-batches, clipping and the schedule's rate
+    step: TrainStep
 
 
-def describe(cfg: dict, topology, comm) -> dict:
-    """What the run was: the first keys of every summary.json."""
-    return {
-        "algorithm": cfg["algorithm"]["name"],
-        "topology": cfg["topology"]["name"],
-        "peers": comm.size,
-        "backend": comm.backend,
-        "dataset": cfg["data"]["name"],
-        "partition": cfg["data"].get("partition", "iid"),
-        "model": cfg["model"]["name"],
-        "seed": int(cfg["seed"]),
-        "evaluated_on": "validation" if cfg["data"].get("validation_fraction") else "test",
-        "spectral_gap": float(topologies.analysis.spectral_gap(topology)),
-    }
-
-
-def build_peer(comm, cfg: dict) -> Peer:
-    seed = int(cfg["seed"])
-    network = netem.NetworkEmulator.from_config(cfg.get("network"), comm.rank, comm.size, seed)
+def build_peer(comm, run: RunConfig) -> Peer:
+    """Peer `comm.rank`'s parts for `run`, in a world of `comm.size` peers."""
+    network = netem.NetworkEmulator.from_config(run.network, comm.rank, comm.size, run.seed)
     comm.attach_network(network)  # before the optimizer: some exchange at construction
-    device = placement.place(cfg, comm.rank, comm.size, in_process=comm.in_process)
-    run = plan(cfg, comm.size)
-    split = run.split
-    model = build_model(cfg, split).to(device)
-    topology = build_topology(cfg, comm.size)
-    optimizer = build_optimizer(cfg, model.parameters(), topology, comm, module=model)
+    device = placement.place(run, comm.rank, comm.size, in_process=comm.in_process)
+    parts = plan(run, comm.size)
+    split = parts.split
+    model = build_model(run.model, split, run.seed, run.data.name).to(device)
+    topology = build_topology(run.topology, comm.size)
+    optimizer = build_optimizer(run, model.parameters(), topology, comm, module=model)
     synchronous = not getattr(optimizer, "asynchronous", False)  # peers in lockstep can agree on a skip
+    stepper = Stepper(
+        step_options(run),
+        optimizer,
+        schedule(run, parts.total_steps),
+        device,
+        agree=(lambda flag: comm.any_peer(flag, device)) if synchronous else None,
+    )
+    batches = parts.batches(comm.rank, device)
+    loss_fn = metrics.loss_function(split.y_train)
+    injector = faults.FaultInjector.from_config(run.faults, comm, run.seed)
+    rank = comm.rank
     return Peer(
-        plan=run,
-        batches=run.batches(comm.rank, device),
+        plan=parts,
+        batches=batches,
         x_test=split.x_test.to(device),
         y_test=split.y_test.to(device),
         model=model,
         topology=topology,
         optimizer=optimizer,
-        loss_fn=metrics.loss_function(split.y_train),
+        loss_fn=loss_fn,
         network=network,
-        faults=faults.FaultInjector.from_config(cfg, comm),
-        seed=seed,
-        stepper=Stepper(
-            StepOptions.from_config(cfg),
-            optimizer,
-            Schedule(cfg.get("schedule"), run.total_steps),
+        faults=injector,
+        seed=run.seed,
+        stepper=stepper,
+        step=TrainStep(
+            stepper,
+            batches,
+            lambda x, y: loss_fn(model(x), y),
             device,
-            agree=(lambda flag: comm.any_peer(flag, device)) if synchronous else None,
+            before=(lambda step: supervisor.report_step(rank, step), injector.before_step),
+            compute=network,
         ),
     )
+
+
+def check_build(run: RunConfig, peers: int, processes: bool = False) -> None:
+    """What building the run's peers would refuse, found before any starts: peer 0 of a world of `peers` built as
+    a real peer builds itself (the plan: data, partition, budget; the model; the algorithm with its options on this
+    topology), alone (it must not wait for the others' parameters) and on the CPU (the driver keeps off the GPUs its
+    peers will use); with `processes`, the GPU peer 0 would take is checked too."""
+    from dpsgd.comm import LocalCommunicator, LocalWorld
+    from dpsgd.config import FaultsConfig
+
+    if processes:
+        nccl = placement.uses_nccl(run.backend, run.device)
+        placement.peer_device(run.device, 0, peers, nccl=nccl, share=run.device_share)
+    else:  # peers in one process share its device
+        placement.single_device(run.device)
+    a = run.algorithm
+    alone = run.replace(
+        faults=FaultsConfig(),
+        device="cpu",
+        algorithm=Choice(a.name, a.target, {**a.options, "broadcast_initial": False}),
+    )
+    build_peer(LocalCommunicator(LocalWorld(peers), 0, run.comm.timeout_s), alone)

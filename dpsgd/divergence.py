@@ -1,6 +1,6 @@
 """Divergence: a run whose loss or parameters stop being finite (or explode) is caught on the step it happens.
 
-`Guard(run, cfg)` watches one kind of run of dpsgd.training (a real peer, the fleet, the event simulator): after
+`Guard(run, mode)` watches one kind of run of dpsgd.training (a real peer, the fleet, the event simulator): after
 every step it checks the step's loss and the norm of the parameters this process holds (one fused reduction;
 on the fleet, one norm per peer), and it asks the communicator whether a message received this step held
 non-finite values (dpsgd.comm.robust checks what it receives and names the sender). `on_divergence` says what
@@ -42,8 +42,7 @@ class Diverged(RuntimeError):
         return {"peer": self.peer, "step": self.step, "what": self.what}
 
 
-def check_mode(cfg: dict) -> str:
-    mode = cfg.get("on_divergence", "stop")
+def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"on_divergence must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
@@ -83,8 +82,8 @@ def json_safe(value):
 class Guard:
     """The divergence check of one run (see the module)."""
 
-    def __init__(self, run, cfg: dict):
-        self.mode = check_mode(cfg)
+    def __init__(self, run, mode: str = "stop"):
+        self.mode = check_mode(mode)
         self.run = run
         self.first: Diverged | None = None  # this process's first divergence (mark)
         self._params, self._peers, self._rank, self._comm = self._watched(run)

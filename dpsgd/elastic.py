@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dpsgd import checkpoint
+from dpsgd.config import Choice
 
 EVENT = "membership"  # the `event` of a metrics.jsonl record saying the world re-formed
 
@@ -71,15 +72,15 @@ def membership_record(run_dir: Path, step: int, size: int, written_by: int) -> d
     }
 
 
-def check_world(cfg: dict, size: int) -> None:
+def check_world(topology: Choice, size: int) -> None:
     """The config's topology for a re-formed world of `size` peers, or a one-line error."""
     from dpsgd.build import build_topology
 
     try:
-        build_topology(cfg, size)
+        build_topology(topology, size)
     except (ValueError, TypeError) as exc:
         raise ValueError(
-            f"elastic: the world re-formed with {size} peers, but topology {cfg['topology'].get('name')!r} "
+            f"elastic: the world re-formed with {size} peers, but topology {topology.name!r} "
             f"cannot be built for {size}: {exc}; choose a topology every peer count can build (ring, "
             f"exponential, complete)"
         ) from None

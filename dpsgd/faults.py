@@ -9,17 +9,20 @@ fault is set.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dpsgd.comm import transport
 from dpsgd.comm.corrupt import MODES as CORRUPT_MODES
 from dpsgd.comm.corrupt import mode_name
 from dpsgd.comm.transport import Transport
+from dpsgd.config import FaultsConfig
 from dpsgd.seeds import message_loss_seed
 
 KILL_MODES = ("exit", "hang")
@@ -50,10 +53,10 @@ class FaultPlan:
         return [] if peers is None else [peers] if not isinstance(peers, list | tuple) else list(peers)
 
     @classmethod
-    def from_config(cls, section: dict | None, peers: int, backend: Transport) -> FaultPlan:
-        """The plan of a config's `faults:` block for peers of `backend` (its record: dpsgd.backends.get or
-        dpsgd.comm.transport.get); ValueError (one line: what, and how to fix) if invalid."""
-        section = dict(section or {})
+    def from_config(cls, section: FaultsConfig | Mapping | None, peers: int, backend: Transport) -> FaultPlan:
+        """The plan of a config's `faults:` section (or a mapping of its keys) for peers of `backend` (its record:
+        dpsgd.backends.get or dpsgd.comm.transport.get); ValueError (one line: what, and how to fix) if invalid."""
+        section = dataclasses.asdict(section) if isinstance(section, FaultsConfig) else dict(section or {})
         unknown = sorted(set(section) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown faults option(s) {unknown}; valid: {', '.join(cls.__dataclass_fields__)}")
@@ -112,9 +115,9 @@ class FaultInjector:
             comm.drop_message = self._drop
 
     @classmethod
-    def from_config(cls, cfg: dict, comm) -> FaultInjector:
-        plan = FaultPlan.from_config(cfg.get("faults"), comm.size, transport.get(comm.backend))
-        return cls(plan, comm, int(cfg.get("seed", 0)))
+    def from_config(cls, faults: FaultsConfig, comm, seed: int) -> FaultInjector:
+        plan = FaultPlan.from_config(faults, comm.size, transport.get(comm.backend))
+        return cls(plan, comm, seed)
 
     def before_step(self, step: int) -> None:
         self.step = step

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from dpsgd.config import LoggerConfig
+
 SINKS = ("tensorboard", "mlflow")
 INSTALL_HINT = "pip install 'dpsgd[logging]' (or the package itself), or leave logger=none"
 
@@ -51,15 +53,15 @@ class MLflowSink:
     as metrics, summary.json as an artifact. Through MlflowClient, so runs in one process (sweeps on the fleet or
     the local backend) never share MLflow's global active run."""
 
-    def __init__(self, cfg: dict, out_dir: Path, options: dict):
-        uri = options.get("mlflow_uri") or (out_dir / "mlruns").resolve().as_uri()
+    def __init__(self, params: dict, out_dir: Path, logger: LoggerConfig):
+        uri = logger.mlflow_uri or (out_dir / "mlruns").resolve().as_uri()
         if uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
-        name = options.get("experiment") or "dpsgd"
+        name = logger.experiment or "dpsgd"
         found = self.client.get_experiment_by_name(name)
         experiment = found.experiment_id if found else self.client.create_experiment(name)
         run_dir = str(out_dir.resolve())
@@ -71,9 +73,9 @@ class MLflowSink:
         self.run_id = self.client.create_run(
             experiment, run_name=out_dir.name, tags={"dpsgd_run_dir": run_dir}
         ).info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(dotted_keys(cfg).items())]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
-            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        logged = [Param(k, str(v)[:6000]) for k, v in sorted(dotted_keys(params).items())]
+        for i in range(0, len(logged), 100):  # MLflow takes at most 100 parameters per call
+            self.client.log_batch(self.run_id, params=logged[i : i + 100])
 
     def write(self, record: dict) -> None:
         from mlflow.entities import Metric
@@ -90,23 +92,23 @@ class MLflowSink:
         self.client.set_terminated(self.run_id, status="FINISHED" if summary is not None else "KILLED")
 
 
-def open_sinks(cfg: dict, out_dir: Path, resumed_step: int = 0) -> list[Sink]:
-    """The sinks `cfg["logger"]` names, opened in `out_dir` (ValueError: one it does not know or cannot open)."""
-    problem = missing_package(cfg)
+def open_sinks(logger: LoggerConfig, params: dict, out_dir: Path, resumed_step: int = 0) -> list[Sink]:
+    """The sinks `logger` names, opened in `out_dir`; `params`: the resolved config, an MLflow run's parameters
+    (ValueError: a sink it does not know or cannot open)."""
+    problem = missing_package(logger)
     if problem:
         raise ValueError(problem)
-    options = cfg.get("logger") or {}
     return [
-        TensorBoardSink(out_dir, resumed_step) if name == "tensorboard" else MLflowSink(cfg, out_dir, options)
-        for name in options.get("sinks") or []
+        TensorBoardSink(out_dir, resumed_step) if name == "tensorboard" else MLflowSink(params, out_dir, logger)
+        for name in logger.sinks
     ]
 
 
-def missing_package(cfg: dict) -> str | None:
+def missing_package(logger: LoggerConfig) -> str | None:
     """What the configured sinks need and is not installed, or an unknown sink, as one line (None: all there)."""
     import importlib.util
 
-    for name in (cfg.get("logger") or {}).get("sinks") or []:
+    for name in logger.sinks:
         if name not in SINKS:
             return f"unknown logger sink {name!r}; valid sinks: {', '.join(SINKS)}"
         if importlib.util.find_spec(name) is None:  # each sink's package has its name

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from dpsgd.comm import transport
+from dpsgd.config import Choice, RunConfig
 
 # (local rank, processes on the node), most specific launcher first
 LAUNCHER_VARS = (
@@ -43,17 +44,18 @@ def kind(device: str) -> str:
 
 
 def peer_device(
-    cfg: Mapping,
+    device: str,
     rank: int,
     peers: int,
     env: Mapping[str, str] | None = None,
     gpus: int | None = None,
     nccl: bool = False,
+    share: bool = False,
 ) -> torch.device:
-    """The device of peer `rank` of `peers` under the config `cfg` (keys device, device_share). `env` and
-    `gpus` default to this process's environment and torch.cuda.device_count(); `nccl`: the peers
+    """The device of peer `rank` of `peers` under the config's `device` (`share`: its `device_share`). `env`
+    and `gpus` default to this process's environment and torch.cuda.device_count(); `nccl`: the peers
     communicate with nccl, which needs a GPU of its own per peer."""
-    device = str(cfg.get("device", "cpu"))
+    device = str(device)
     if kind(device) == "cpu":
         return torch.device("cpu")
     gpus = torch.cuda.device_count() if gpus is None else gpus
@@ -64,9 +66,9 @@ def peer_device(
         index = int(device[5:])
         if index >= gpus:
             raise ValueError(f"device={device} but this machine has {gpus} GPU(s): cuda:0 ... cuda:{gpus - 1}")
-        _refuse_sharing(cfg, on_node, 1, nccl, f"device={device} puts them all on one GPU")
+        _refuse_sharing(share, on_node, 1, nccl, f"device={device} puts them all on one GPU")
         return torch.device(device)
-    _refuse_sharing(cfg, on_node, gpus, nccl, f"{gpus} GPU(s)")
+    _refuse_sharing(share, on_node, gpus, nccl, f"{gpus} GPU(s)")
     return torch.device("cuda", local % gpus)
 
 
@@ -77,7 +79,7 @@ def _no_gpu(device: str) -> RuntimeError:
     )
 
 
-def _refuse_sharing(cfg: Mapping, on_node: int | None, gpus: int, nccl: bool, what: str) -> None:
+def _refuse_sharing(share: bool, on_node: int | None, gpus: int, nccl: bool, what: str) -> None:
     """More peers on this node than `gpus`: refused for nccl always, for others without device_share."""
     if on_node is not None and on_node > gpus:
         if nccl:
@@ -85,24 +87,24 @@ def _refuse_sharing(cfg: Mapping, on_node: int | None, gpus: int, nccl: bool, wh
                 f"{on_node} peers on this node but {what}: nccl needs one GPU per peer; start at most "
                 f"{gpus} peers per node, or use backend.dist_backend=gloo with device_share=true (testing only)"
             )
-        if not cfg.get("device_share", False):
+        if not share:
             raise RuntimeError(
                 f"{on_node} peers on this node but {what}: peers would share GPUs; start at most {gpus} "
                 f"peers per node, or set device_share=true to let them share (a testing aid: they compete)"
             )
 
 
-def uses_nccl(cfg: Mapping) -> bool:
+def uses_nccl(backend: Choice, device: str) -> bool:
     """The run's peers talk over nccl, as their transport says (dpsgd.comm.transport); never for a backend
     with no transport of its own (the fleet)."""
-    name = (cfg.get("backend") or {}).get("name")
-    return name in transport.names() and transport.get(name).uses_nccl(cfg)
+    name = backend.name
+    return name in transport.names() and transport.get(name).uses_nccl(backend.options, device)
 
 
-def single_device(cfg: Mapping) -> torch.device:
+def single_device(device: str) -> torch.device:
     """The one device of the peers of one process (local threads, the fleet): `device`, auto resolved,
     cuda the current GPU."""
-    device = str(cfg.get("device", "cpu"))
+    device = str(device)
     resolved = torch.device(kind(device) if device == "auto" else device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise _no_gpu(device)
@@ -111,10 +113,14 @@ def single_device(cfg: Mapping) -> torch.device:
     return resolved
 
 
-def place(cfg: Mapping, rank: int, peers: int, in_process: bool = False) -> torch.device:
-    """The device of peer `rank` (`in_process`: one of several peers in this process, which share its
+def place(run: RunConfig, rank: int, peers: int, in_process: bool = False) -> torch.device:
+    """The device of peer `rank` of the run (`in_process`: one of several peers in this process, which share its
     device), made the current CUDA device of the calling thread (where nccl and new tensors go)."""
-    device = single_device(cfg) if in_process else peer_device(cfg, rank, peers, nccl=uses_nccl(cfg))
+    if in_process:
+        device = single_device(run.device)
+    else:
+        nccl = uses_nccl(run.backend, run.device)
+        device = peer_device(run.device, rank, peers, nccl=nccl, share=run.device_share)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

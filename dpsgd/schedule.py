@@ -16,26 +16,38 @@ the rate the schedule gives there.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-KINDS = ("constant", "step", "cosine")
+# each kind's options with their defaults (conf/schedule/NAME.yaml writes them out)
+KINDS: dict[str, dict[str, object]] = {
+    "constant": {"warmup_steps": 0},
+    "step": {"warmup_steps": 0, "milestones": (0.5, 0.75), "gamma": 0.1},
+    "cosine": {"warmup_steps": 0, "final": 0.0},
+}
 
 
 class Schedule:
-    """`factor(step)` for steps 1 .. total_steps of a run, from a `schedule` config (None: constant)."""
+    """`factor(step)` for steps 1 .. total_steps of a run of the schedule `kind` with its options (see KINDS)."""
 
-    def __init__(self, cfg: Mapping | None, total_steps: int):
-        cfg = dict(cfg or {"name": "constant"})
-        self.kind = cfg.get("name", "constant")
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown schedule {self.kind!r}; valid schedules: {', '.join(KINDS)}")
+    def __init__(
+        self,
+        kind: str = "constant",
+        total_steps: int = 1,
+        *,
+        warmup_steps: int = 0,
+        milestones: Sequence[float] = (0.5, 0.75),
+        gamma: float = 0.1,
+        final: float = 0.0,
+    ):
+        if kind not in KINDS:
+            raise ValueError(f"unknown schedule {kind!r}; valid schedules: {', '.join(KINDS)}")
+        self.kind = kind
         self.total = max(1, int(total_steps))
-        self.warmup = int(cfg.get("warmup_steps") or 0)
+        self.warmup = int(warmup_steps or 0)
         if self.warmup < 0:
             raise ValueError(f"schedule.warmup_steps must be >= 0, got {self.warmup}")
-        self.milestones = sorted(float(m) for m in cfg.get("milestones") or [])
-        self.gamma = float(cfg.get("gamma", 0.1))
-        self.final = float(cfg.get("final", 0.0))
+        self.milestones = sorted(float(m) for m in milestones or [])
+        self.gamma, self.final = float(gamma), float(final)
         if any(not 0 < m < 1 for m in self.milestones):
             raise ValueError(
                 f"schedule.milestones are fractions of the run in (0, 1) (0.5: half way), got {self.milestones}"
@@ -44,6 +56,18 @@ class Schedule:
             raise ValueError(
                 f"schedule.gamma must be in (0, 1] and schedule.final in [0, 1], got {self.gamma} and {self.final}"
             )
+
+    @classmethod
+    def of(cls, name: str, options: Mapping, total_steps: int) -> Schedule:
+        """The schedule a `schedule=` config names, its options checked against its kind's (one line naming an
+        option the kind does not take)."""
+        if name not in KINDS:
+            raise ValueError(f"unknown schedule {name!r}; valid schedules: {', '.join(KINDS)}")
+        unknown = [k for k in options if k not in KINDS[name]]
+        if unknown:
+            takes = ", ".join(KINDS[name])
+            raise ValueError(f"schedule={name} takes no option {', '.join(map(repr, unknown))}; its options: {takes}")
+        return cls(name, total_steps, **options)
 
     def factor(self, step: int) -> float:
         """The factor on the configured rate for step `step` (1-based; the step about to be taken)."""

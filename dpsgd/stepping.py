@@ -1,8 +1,8 @@
-"""How one training step turns a minibatch into an optimizer step: the config's `precision` (fp32, or bf16 /
-fp16 autocast; fp16 with a gradient scaler), `accumulate` (the minibatch in that many micro-batches, their
-gradients summed), `clip_grad_norm` (each peer's own gradient clipped to that norm before the algorithm's
-step) and the learning rate of the `schedule` (dpsgd.schedule). Real peers and the fleet both step through
-here, so the options mean the same on every backend.
+"""One training step, whole, in one place: the step's report to the driver and its fault hook, the rate the
+`schedule` gives it (dpsgd.schedule), the minibatch's forward and backward in the run's `precision` (fp32, or bf16 /
+fp16 autocast; fp16 with a gradient scaler) over `accumulate` micro-batches (their gradients summed), the emulated
+compute around them, then `clip_grad_norm` (each peer's own gradient clipped to that norm) and the algorithm's
+step. Real peers and the fleet both step through `TrainStep`, so the options mean the same on every backend.
 
 fp16 skips a step whose scaled gradients overflowed, as torch.amp.GradScaler does, but on every peer
 together: the peers first agree whether any of them overflowed (a one-number mean, not counted as the
@@ -13,7 +13,7 @@ skipped, and no inf reaches a neighbour. On the fleet the one scaler sees every 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,29 +25,28 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class StepOptions:
-    """The step options of a run's config (top-level `precision`, `clip_grad_norm`, `accumulate`)."""
+    """The step options of a run (its top-level `precision`, `clip_grad_norm`, `accumulate`)."""
 
     precision: str = "fp32"
     clip_grad_norm: float | None = None
     accumulate: int = 1
 
-    @classmethod
-    def from_config(cls, cfg: Mapping) -> StepOptions:
-        precision = str(cfg.get("precision") or "fp32")
-        if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; valid precisions: {', '.join(PRECISIONS)}")
-        clip, k = cfg.get("clip_grad_norm"), cfg.get("accumulate", 1)
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
+        clip, k = self.clip_grad_norm, self.accumulate
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or clip <= 0):
             raise ValueError(f"clip_grad_norm must be a number > 0, or null for no clipping, got {clip!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"accumulate must be a whole number >= 1 (micro-batches per step), got {k!r}")
-        batch = int(cfg.get("batch_size") or 1)
-        if batch % k:
+
+    def check_batch(self, batch_size: int) -> None:
+        """Each step's `batch_size` samples split into `accumulate` equal micro-batches, or a one-line error."""
+        if batch_size % self.accumulate:
             raise ValueError(
-                f"accumulate={k} splits each step's batch_size={batch} samples into {k} equal micro-batches: "
-                f"choose a batch_size divisible by {k}"
+                f"accumulate={self.accumulate} splits each step's batch_size={batch_size} samples into "
+                f"{self.accumulate} equal micro-batches: choose a batch_size divisible by {self.accumulate}"
             )
-        return cls(precision, None if clip is None else float(clip), int(k))
 
     def autocast(self, device: torch.device | str):
         """The forward pass's autocast context (none for fp32)."""
@@ -151,3 +150,49 @@ def clip_stacked(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tenso
     for g in grads:
         g.mul_(coef.reshape(n, *([1] * (g.dim() - 1))).to(g.dtype))
     return norms
+
+
+class TrainStep:
+    """The whole of one step (see the module): `train_step(step)` for step 1, 2, ... returns the minibatch loss
+    (a peer's, or the fleet's (n,) losses). `losses(x, y)`: the loss of a micro-batch (the fleet: every peer's);
+    `split_dim`: the sample axis of a batch (1 on the fleet, whose batches lead with the peer axis); `before`:
+    called with the step first (the driver's report, the fault hook); `compute`: the network emulator whose
+    compute clock runs around the forward and backward passes (None: nothing emulated)."""
+
+    def __init__(
+        self,
+        stepper: Stepper,
+        batches,
+        losses: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device | str,
+        *,
+        split_dim: int = 0,
+        before: Sequence[Callable[[int], None]] = (),
+        compute=None,
+    ):
+        self.stepper, self.batches, self.losses, self.device = stepper, batches, losses, device
+        self.split_dim, self.before, self.compute = split_dim, tuple(before), compute
+
+    def __call__(self, step: int) -> torch.Tensor:
+        for hook in self.before:
+            hook(step)
+        stepper = self.stepper
+        stepper.begin(step)
+        x, y = self.batches.next()
+        optimizer = stepper.optimizer
+        if optimizer.overlap:
+            optimizer.start_communication()  # x^k travels while the gradient is computed
+        if self.compute is not None:
+            self.compute.start_compute()
+        optimizer.zero_grad()
+        options, total = stepper.options, torch.zeros((), dtype=torch.float64, device=self.device)
+        for xm, ym in options.split(x, y, dim=self.split_dim):
+            with options.autocast(self.device):
+                losses = self.losses(xm, ym)
+            # on the fleet peer i's loss depends on its own weights only: the gradient of the sum is each peer's own
+            stepper.backward(losses.sum())
+            total = total + losses.detach().double()
+        if self.compute is not None:
+            self.compute.finish_compute()
+        stepper.step()
+        return total / options.accumulate

@@ -1,13 +1,14 @@
 """The one training loop every run takes, and the one writer of a run's records.
 
-`run_loop(run, cfg, out_dir)` drives a `Run`: real peers taking global steps (`SynchronousRun`), real
+`run_loop(run, config, out_dir)` drives a `Run`: real peers taking global steps (`SynchronousRun`), real
 peers at their own pace (`AsynchronousRun`, for an optimizer that declares `asynchronous`), the fleet
 and the event simulator (dpsgd.sim.run). It averages the training loss, writes `metrics.jsonl` every
 `log_every` steps, tracks the target accuracy, checkpoints every `checkpoint.every` steps where the run
 can, and writes `summary.json` with the same keys for every kind of run (records: dpsgd.metrics.Record).
-`train(comm, cfg, out_dir)` is one real peer's side of an experiment; with `resume: true` it continues
-from the newest complete checkpoint in `out_dir` and ends with the numbers of an uninterrupted run; with
-`elastic: true` it continues from the newest complete checkpoint of any peer count (dpsgd.elastic).
+`train(comm, config, out_dir)` is one real peer's side of an experiment (`config`: its dpsgd.config.RunConfig);
+with `resume: true` it continues from the newest complete checkpoint in `out_dir` and ends with the numbers of an
+uninterrupted run; with `elastic: true` it continues from the newest complete checkpoint of any peer count
+(dpsgd.elastic).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol, cast
 
+import topologies
 from dpsgd import checkpoint, divergence, elastic, loggers, metrics
-from dpsgd.build import Peer, Plan, build_peer, describe
+from dpsgd.build import Peer, Plan, build_peer
 from dpsgd.comm import Communicator
+from dpsgd.config import RunConfig
 from dpsgd.optim import AsynchronousOptimizer
 from dpsgd.seeds import reshuffle_seed
 from topologies import Topology
@@ -44,8 +47,8 @@ class Run(Protocol):
     def train_step(self) -> float | None: ...  # the step's training loss (None: no step of ours)
     def record(self, train_loss: float, wall_s: float) -> dict | None: ...  # a progress record
 
-    def describe(self, cfg: dict) -> dict:
-        return describe(cfg, self.topology, self.comm)
+    def describe(self, config: RunConfig) -> dict:
+        return describe(config, self.topology, self.comm)
 
     def begin(self, state: dict | None) -> None:  # restore a checkpoint's state, start the clocks
         return None
@@ -63,12 +66,28 @@ class Run(Protocol):
         return None
 
 
+def describe(config: RunConfig, topology: Topology, comm: Communicator) -> dict:
+    """What the run was: the first keys of every summary.json."""
+    return {
+        "algorithm": config.algorithm.name,
+        "topology": config.topology.name,
+        "peers": comm.size,
+        "backend": comm.backend,
+        "dataset": config.data.name,
+        "partition": config.data.partition,
+        "model": config.model.name,
+        "seed": config.seed,
+        "evaluated_on": "validation" if config.data.validation_fraction else "test",
+        "spectral_gap": float(topologies.analysis.spectral_gap(topology)),
+    }
+
+
 class RunLog:
     """metrics.jsonl, the target accuracy and summary.json of one run (written by one process), and the same
     records to the sinks `logger=` names (dpsgd.loggers: TensorBoard, MLflow)."""
 
-    def __init__(self, cfg: dict, out_dir: Path | None, resumed_step: int = 0, reached: dict | None = None):
-        self.target = cfg.get("target_accuracy")
+    def __init__(self, config: RunConfig, out_dir: Path | None, resumed_step: int = 0, reached: dict | None = None):
+        self.target = config.target_accuracy
         self.reached = reached or {}  # the first record at or above the target accuracy
         self.out_dir = out_dir
         self._file = None
@@ -83,7 +102,7 @@ class RunLog:
                 ]
             self._file = (out_dir / "metrics.jsonl").open("w")
             self._file.write("".join(r + "\n" for r in kept))
-            self._sinks = loggers.open_sinks(cfg, out_dir, resumed_step)
+            self._sinks = loggers.open_sinks(config.logger, config.as_dict(), out_dir, resumed_step)
 
     def write(self, record: dict, track: bool = True) -> None:
         if track and self.target is not None and not self.reached and (record.get("test_accuracy") or 0) >= self.target:
@@ -127,24 +146,24 @@ class RunLog:
 
 
 def run_loop(
-    run: Run, cfg: dict, out_dir: str | Path | None, resume: dict | None = None, event: dict | None = None
+    run: Run, config: RunConfig, out_dir: str | Path | None, resume: dict | None = None, event: dict | None = None
 ) -> dict:
     """Train `run` to its end; returns the summary (every process; the writer also writes the files).
     `event`: a record written first, after those kept from before the checkpoint (an elastic world's)."""
     out_dir = Path(out_dir) if out_dir is not None else None
     state = resume or {}
-    log = RunLog(cfg, out_dir if run.writer else None, state.get("step", 0), state.get("reached"))
+    log = RunLog(config, out_dir if run.writer else None, state.get("step", 0), state.get("reached"))
     if event is not None:
         log.write(event, track=False)
-    log_every = int(cfg.get("log_every") or 1)
-    ckpt_every = int((cfg.get("checkpoint") or {}).get("every") or 0) if out_dir is not None else 0
+    log_every = config.log_every
+    ckpt_every = config.checkpoint.every if out_dir is not None else 0
     running, seen = state.get("running", 0.0), state.get("seen", 0)
-    guard = divergence.Guard(run, cfg)
+    guard = divergence.Guard(run, config.on_divergence)
     run.begin(resume)
     start = time.perf_counter() - state.get("elapsed", 0.0)
     last: dict = {}
     logged = None
-    with _progress(run) as bar, divergence.ending(out_dir, lambda: run.describe(cfg), lambda: last):
+    with _progress(run) as bar, divergence.ending(out_dir, lambda: run.describe(config), lambda: last):
         task = bar.add_task("train", total=run.total_steps, completed=run.step_count, status="") if bar else None
         while not run.done():
             loss = run.train_step()
@@ -182,7 +201,7 @@ def run_loop(
             if isinstance(block, dict)
         }
         log.write({**final, **totals}, track=False)
-    return log.summary(run.describe(cfg), final, {**extra, **guard.summary()}, max(wall, final["wall_time_s"]))
+    return log.summary(run.describe(config), final, {**extra, **guard.summary()}, max(wall, final["wall_time_s"]))
 
 
 def _progress(run: Run):
@@ -238,9 +257,8 @@ class SynchronousRun(Run):
         self.step_count += 1
         self.samples += self.peer.batches.batch_size * self.comm.size
         self.comm.context = f"step {self.step_count}"
-        self.peer.before_step(self.step_count)
         sent = self.comm.stats.bytes_sent
-        loss = self.peer.train_step()
+        loss = float(self.peer.step(self.step_count))
         stats = self.comm.stats
         stats.peak_step_bytes = max(stats.peak_step_bytes, stats.bytes_sent - sent)
         return loss
@@ -307,9 +325,8 @@ class AsynchronousRun(SynchronousRun):
 
     def train_step(self) -> float:
         self.comm.context = f"step {self.opt.step_count + 1}"
-        self.peer.before_step(self.opt.step_count + 1)
         try:
-            loss = self.peer.train_step()
+            loss = float(self.peer.step(self.opt.step_count + 1))
         except BaseException:
             self.opt.abort()
             raise
@@ -382,19 +399,19 @@ class AsynchronousRun(SynchronousRun):
         return super().state(extra)
 
 
-def train(comm: Communicator, cfg: dict, out_dir: str | Path | None = None) -> dict:
-    """One real peer's side of the experiment `cfg`; rank 0 writes the run's files to `out_dir`."""
-    if cfg.get("elastic"):
-        elastic.check_world(cfg, comm.size)
-    peer = build_peer(comm, cfg)
+def train(comm: Communicator, config: RunConfig, out_dir: str | Path | None = None) -> dict:
+    """One real peer's side of the experiment `config`; rank 0 writes the run's files to `out_dir`."""
+    if config.elastic:
+        elastic.check_world(config.topology, comm.size)
+    peer = build_peer(comm, config)
     writer = out_dir is not None and comm.rank == 0
     asynchronous = getattr(peer.optimizer, "asynchronous", False)
     run = (AsynchronousRun if asynchronous else SynchronousRun)(peer, comm, writer)
     state, event = None, None
-    if cfg.get("elastic") and out_dir is not None:
+    if config.elastic and out_dir is not None:
         state = elastic.resume_state(Path(out_dir), comm.rank, comm.size)
         if state is not None and writer:
             event = elastic.membership_record(Path(out_dir), state["step"], comm.size, state["elastic_from"])
-    elif cfg.get("resume") and out_dir is not None:
+    elif config.resume and out_dir is not None:
         state = checkpoint.load_latest(Path(out_dir), comm.rank, comm.size)
-    return run_loop(run, cfg, out_dir, state, event)
+    return run_loop(run, config, out_dir, state, event)

@@ -3,13 +3,14 @@ in several lines (or not at all) ends in the app's one line (experiments.train: 
 - an override Hydra's grammar cannot read names the argument and the quoting that works;
 - a value that starts with `~` (a home folder: `data.root=~/data`, which the shell leaves alone after a dotted
   key) is expanded here, as the shell would have;
-- a key the config does not have (`epochz=3`), and a key added with `+` that nothing reads (`+epochz=3`: only the
-  sections whose keys become a constructor's options, OPEN below, take new keys), are refused by name with the
-  closest valid keys ("did you mean"); `+` on a key that exists says to drop it;
-- a group option that does not exist (`algorithm=dpsgdd`) gets the closest valid ones.
-The config is composed for the group choices on the command line (each combination of a sweep's, up to a few)
-to know its keys, with the user's own config folders (`hydra.searchpath`, `--config-dir`). Command lines with
-Hydra's other flags (--cfg, --config-name, ...) are left to Hydra.
+- a group option that does not exist (`algorithm=dpsgdd`) gets the closest valid ones;
+- then the config is composed as Hydra will compose it (each combination of a sweep's group choices, up to a few,
+  each swept key at its first value; with the user's own config folders, `hydra.searchpath` and `--config-dir`)
+  onto the typed schema (dpsgd.config), and parsed: a key the config does not have (`epochz=3`), a key added with
+  `+` that nothing reads (`+epochz=3`; a choice such as `algorithm` takes new keys, which its builder checks), a
+  value of the wrong type or out of bounds are refused by name with the closest valid keys ("did you mean"); `+`
+  on a key that exists says to drop it.
+Command lines with Hydra's other flags (--cfg, --config-name, ...) are left to Hydra.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import itertools
 import os
 import re
 
+from dpsgd.config import keys as schema_keys
+from dpsgd.config import one_line, parse, suggest
 from experiments.validate import CONF_DIR, GROUPS, ConfigError, group_options, search_path
 
-# sections whose keys are a constructor's keyword options (which refuses unknown ones itself): `+` may add keys there
-OPEN = ("algorithm", "model", "topology", "compression", "robust", "logger", "hydra")
 MAX_COMPOSED = 8  # combinations of swept group choices composed to learn the keys
 HYDRA_FLAGS = ("-m", "--multirun")
 CONFIG_DIR_FLAGS = ("--config-dir", "-cd")  # Hydra's flag adding a folder to the search path (checked here too)
@@ -78,31 +79,23 @@ def _keys(tree, prefix: str = "") -> set[str]:
     return out
 
 
-def _composed_keys(groups: dict[str, list[str]], hydra: list[str]) -> list[tuple[str, set[str]]]:
-    """(the choices, every dotted key of the config) for each combination of the groups' choices (the first
-    MAX_COMPOSED), composed with the command line's `hydra` overrides of the search path."""
+def _compose(overrides: list[str]) -> dict:
+    """The config composed from conf/ (and the search path the overrides add) as a plain dict, unresolved."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    names, out = list(groups), []
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        for combo in itertools.islice(itertools.product(*(groups[n] for n in names)), MAX_COMPOSED):
-            chosen = [f"{n}={c}" for n, c in zip(names, combo)]
-            cfg = compose("config", overrides=[*hydra, *chosen])
-            out.append((" ".join(chosen), _keys(OmegaConf.to_container(cfg, resolve=False))))
-    return out
+        return OmegaConf.to_container(compose("config", overrides=overrides), resolve=False)  # type: ignore[return-value]
 
 
-def _suggest(key: str, keys: set[str]) -> str:
-    parent = key.rpartition(".")[0]
-    siblings = sorted(k for k in keys if k.rpartition(".")[0] == parent)
-    close = difflib.get_close_matches(key, siblings, n=3, cutoff=0.6) or difflib.get_close_matches(
-        key, sorted(keys), n=3, cutoff=0.75
-    )
-    hint = f"did you mean {' or '.join(close)}? " if close else ""
-    where = f"under {parent}" if parent else "at the top level"
-    shown = ", ".join(s.rpartition(".")[2] for s in siblings[:14]) + (", ..." if len(siblings) > 14 else "")
-    return f"{hint}the keys {where}: {shown}"
+def _missing_key(exc: Exception) -> str | None:
+    """The key of a Hydra composition error that names one the config does not have (an override without `+`)."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        return str(getattr(cause, "full_key", "") or "") or None
+    return None
 
 
 def _without_config_dirs(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -133,6 +126,8 @@ def _search_path_override(args: list[str], dirs: list[str]) -> list[str]:
 
 def check(argv: list[str]) -> list[str]:
     """The command line with `~` expanded; ConfigError (one line) for an override that cannot run (see the module)."""
+    from hydra.errors import HydraException
+
     argv = expand_home(argv)
     extra = search_path(argv)  # the user's own config folders (hydra.searchpath, --config-dir)
     args, dirs = _without_config_dirs(argv)
@@ -144,7 +139,8 @@ def check(argv: list[str]) -> list[str]:
             )
     if extra is None or any(a.startswith("-") and a not in HYDRA_FLAGS for a in args):
         return argv  # Hydra's own flags (--cfg, --config-name, ...): its own business
-    overrides = _parse([a for a in args if a not in HYDRA_FLAGS])
+    given = [a for a in args if a not in HYDRA_FLAGS]
+    overrides = _parse(given)
     known = set(GROUPS) | {p.name for d in extra if d.is_dir() for p in d.iterdir() if p.is_dir()}
     groups: dict[str, list[str]] = {}
     for o in overrides:
@@ -157,33 +153,82 @@ def check(argv: list[str]) -> list[str]:
                     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
                     raise ConfigError(f"unknown {name} {choice!r}; valid {name} options: {', '.join(valid)}{hint}")
             groups[name] = [c for c in _choices(o) if c != "null"] or groups.get(name, [])
-    keyed = [o for o in overrides if o.key_or_group not in known and "/" not in o.key_or_group]
-    keyed = [o for o in keyed if not o.key_or_group.startswith("hydra.") and o.package is None]
+    keyed = [
+        (arg, o)
+        for arg, o in zip(given, overrides)
+        if o.key_or_group not in known and "/" not in o.key_or_group and not o.key_or_group.startswith("hydra.")
+    ]
     if not keyed:
         return argv
-    composed = _composed_keys({k: v for k, v in groups.items() if v}, _search_path_override(args, dirs))
-    keys = set().union(*(k for _, k in composed))
-    removed: set[str] = set()  # keys deleted by an earlier `~key` (which a later `+key=` may add anew)
-    for o in keyed:
-        key = o.key_or_group
-        if o.is_add() and key in removed:
+    searched = _search_path_override(args, dirs)
+    fixed = [_first_value(arg, o) for arg, o in keyed]  # every job's own values: experiments.train.check_sweep
+    names = list(groups)
+    combos = list(itertools.islice(itertools.product(*(groups[n] for n in names)), MAX_COMPOSED)) or [()]
+    failed: list[tuple[str, str]] = []  # (the choices, the key a composition lacked)
+    for combo in combos:
+        chosen = [f"{n}={c}" for n, c in zip(names, combo)]
+        try:
+            composed = _compose([*searched, *chosen, *fixed])
+        except HydraException as exc:
+            key = _missing_key(exc)
+            if key is None:
+                raise ConfigError(_hydra_line(exc, keyed)) from None
+            failed.append((" ".join(chosen), key))
             continue
-        if o.is_add() and key in keys:
-            raise ConfigError(f"+{key}: the config has {key} already; override it without the +: {key}=...")
-        missing = [chosen for chosen, have in composed if key not in have]
-        if not missing:
-            if o.is_delete():
-                removed.add(key)
-            continue
-        if (o.is_add() or o.is_force_add()) and key.split(".")[0] in OPEN and key.rpartition(".")[0] in keys:
-            continue  # a new option of a constructor, which refuses it if it does not take it
-        if len(missing) < len(composed):
+        try:
+            parse({k: v for k, v in composed.items() if k != "hydra"})
+        except ConfigError as exc:
+            raise ConfigError(_nothing_reads(str(exc), keyed)) from None
+    if failed:
+        chosen, key = failed[0]
+        if len(failed) < len(combos):
             raise ConfigError(
-                f"{key} exists with some of the swept choices but not with {missing[0]}; sweep those separately"
+                f"{key} exists with some of the swept choices but not with {chosen}; sweep those separately"
             )
-        what = "nothing reads it" if o.is_add() or o.is_force_add() else "the config has no such key"
-        raise ConfigError(f"unknown key {key!r} ({what}); {_suggest(key, keys)}")
+        keys = _keys(_compose([*searched, *(f"{n}={groups[n][0]}" for n in names)])) | set(schema_keys())
+        raise ConfigError(f"unknown key {key!r} (the config has no such key); {suggest(key, sorted(keys))}")
     return argv
+
+
+def _first_value(arg: str, override) -> str:
+    """A swept override (`key=a,b`) at its first value; any other as it is."""
+    if not override.is_sweep_override():
+        return arg
+    values = _choices(override)
+    return f"{arg.partition('=')[0]}={values[0]}" if values else arg.partition("=")[0].lstrip("+~") + "=null"
+
+
+def _hydra_line(exc: Exception, keyed: list) -> str:
+    """A Hydra composition error as one line: `+key` on a key the config has, or Hydra's own first line."""
+    text = str(exc)
+    m = re.search(r"An item is already at '([^']+)'", text)
+    if m:
+        return f"+{m.group(1)}: the config has {m.group(1)} already; override it without the +: {m.group(1)}=..."
+    cause = exc.__cause__
+    if cause is not None and getattr(cause, "full_key", None):
+        return str(one_line(cause, _given(keyed)))
+    return " ".join(text.split("\n")[0].split())
+
+
+def _given(keyed: list) -> dict:
+    """The command line's keyed overrides as a nested mapping (the values as the user typed them)."""
+    out: dict = {}
+    for _, o in keyed:
+        node = out
+        *parents, last = o.key_or_group.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = o.value() if not o.is_sweep_override() else None
+    return out
+
+
+def _nothing_reads(line: str, keyed: list) -> str:
+    """A key added with `+` that the schema has no place for: nothing reads it (rather than 'no such key')."""
+    added = {o.key_or_group for _, o in keyed if o.is_add() or o.is_force_add()}
+    m = re.match(r"unknown key '([^']+)' \(the config has no such key\)", line)
+    if m and m.group(1) in added:
+        return line.replace("(the config has no such key)", "(nothing reads it)", 1)
+    return line
 
 
 def sweep_jobs(argv: list[str]) -> list[tuple[list[str], dict]] | None:

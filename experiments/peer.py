@@ -14,17 +14,17 @@ import torch
 from omegaconf import OmegaConf
 
 from dpsgd import backends, supervisor
-from dpsgd.backends import error_line
-from dpsgd.backends.launch import ERROR_FILE
+from dpsgd.backends import ERROR_FILE, error_line
+from dpsgd.config import RunConfig, parse
 from dpsgd.training import train
 
 
-def run_peer(comm, cfg: dict, run_dir: Path | None) -> dict:
+def run_peer(comm, config: RunConfig, run_dir: Path | None) -> dict:
     """Train; on failure print one line naming the rank (and leave it in RUN_DIR/logs for the driver)
     and end the whole world."""
     supervisor.report_step(comm.rank, 0)  # the driver now follows this peer
     try:
-        summary = train(comm, cfg, run_dir)
+        summary = train(comm, config, run_dir)
     except Exception as exc:  # noqa: BLE001 - reported in one line, then the world is stopped
         line = error_line(comm.rank, exc)
         print(f"error: {line}", file=sys.stderr, flush=True)
@@ -42,10 +42,10 @@ def run_peer(comm, cfg: dict, run_dir: Path | None) -> dict:
 
 def main() -> None:
     run_dir = Path(sys.argv[1])
-    cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    config = parse(OmegaConf.load(run_dir / "config.yaml"))
     torch.set_num_threads(1)
-    comm = backends.connect(cfg)
-    run_peer(comm, cfg, run_dir)
+    comm = backends.connect(config)
+    run_peer(comm, config, run_dir)
     comm.close()
     # the results are written and the group is down: leave without the interpreter's teardown, where
     # gloo's threads aborted about one torch peer in ten at exit ("terminate called without an active exception")

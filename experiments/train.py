@@ -24,8 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dpsgd import backends
-from dpsgd.backends import Backend
-from dpsgd.backends.interrupt import Interrupted, exit_on_signals, stop_on_signals
+from dpsgd.backends import Backend, Interrupted, exit_on_signals, stop_on_signals
+from dpsgd.config import FaultsConfig, RunConfig, parse
 from dpsgd.divergence import Diverged
 from experiments import captions, overrides
 from experiments.table import format_table
@@ -102,27 +102,28 @@ def check_elastic_launcher(launcher: Backend, argv: list[str]) -> None:
         fail(problem)
 
 
-def _fit_batch_size(cfg: dict) -> str | None:
-    """Many peers on a small dataset: the batch becomes a peer's whole share (dpsgd.build.fit_batch_size).
-    A config that cannot load its data is left for validate() to name."""
-    from dpsgd.build import fit_batch_size
+def fit_batch_size(run: RunConfig) -> tuple[RunConfig, str | None]:
+    """Many peers on a small dataset: the batch becomes a peer's whole share (dpsgd.build.fitted_batch_size), with
+    the note that says so. A config that cannot load its data is left for validate() to name."""
+    from dpsgd.build import fitted_batch_size
 
     try:
-        return fit_batch_size(cfg)
+        batch_size, note = fitted_batch_size(run)
     except Exception:  # noqa: BLE001 - reported by validate() in one line
-        return None
+        return run, None
+    return run.replace(batch_size=batch_size), note
 
 
-def resume_line(cfg: dict, run_dir: Path, launcher: Backend | None) -> str:
+def resume_line(run: RunConfig, run_dir: Path, launcher: Backend | None) -> str:
     """The one line an interrupted run ends with: what stopped it, what is kept, the command that resumes it."""
     from dpsgd import checkpoint
 
-    steps = checkpoint.complete_steps(run_dir, None if cfg.get("elastic") else cfg["peers"], verify=False)
+    steps = checkpoint.complete_steps(run_dir, None if run.elastic else run.peers, verify=False)
     kept = f"the newest complete checkpoint is step {steps[-1]}" if steps else "no complete checkpoint yet"
     args = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir=", "hydra.job.name="))]
     args = [a for a in args if a != "hydra.output_subdir=null"]
     again = ["resume=true", f"hydra.run.dir={run_dir}"]
-    if launcher is not None and cfg.get("elastic"):  # torchrun stops the workers when its world re-forms
+    if launcher is not None and run.elastic:  # torchrun stops the workers when its world re-forms
         return f"stopped by {{signal}}; {kept}; an elastic world continues from it when the launcher re-forms it"
     if launcher is not None:  # the user's launcher command is not ours to repeat
         return f"interrupted by {{signal}}; {kept}; resume with your launcher command plus: {shlex.join(again)}"
@@ -131,7 +132,12 @@ def resume_line(cfg: dict, run_dir: Path, launcher: Backend | None) -> str:
     return f"interrupted by {{signal}}; {kept}; resume with: {command}"
 
 
-def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
+def save_config(run: RunConfig, run_dir: Path) -> None:
+    """The run's resolved config as run_dir/config.yaml, which its peers and a resume read."""
+    OmegaConf.save(OmegaConf.create(run.as_dict()), run_dir / "config.yaml")
+
+
+def run(config: RunConfig, run_dir: Path, launcher: Backend | None) -> dict | None:
     """Run the experiment; return the summary where this process has it (driver or rank 0)."""
     import torch
 
@@ -139,23 +145,23 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
     if launcher is not None:
         from experiments.peer import run_peer
 
-        exit_on_signals((lambda: resume_line(cfg, run_dir, launcher)) if launcher.world()[0] == 0 else None)
-        comm = backends.connect(cfg)
+        exit_on_signals((lambda: resume_line(config, run_dir, launcher)) if launcher.world()[0] == 0 else None)
+        comm = backends.connect(config)
         if comm.rank == 0:
-            OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
-        summary = run_peer(comm, cfg, run_dir)
+            save_config(config, run_dir)
+        summary = run_peer(comm, config, run_dir)
         comm.close()
         return summary if comm.rank == 0 else None
-    OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
+    save_config(config, run_dir)
     try:
         with stop_on_signals():
-            if cfg.get("elastic"):
-                return relaunching(cfg, run_dir)
-            return backends.get(cfg["backend"]["name"]).start(cfg, run_dir, PEER_ARGV + [str(run_dir)])
+            if config.elastic:
+                return relaunching(config, run_dir)
+            return backends.get(config.backend.name).start(config, run_dir, PEER_ARGV + [str(run_dir)])
     except (backends.RunFailed, Diverged) as exc:  # Diverged: a run in this process (the fleet)
         fail(str(exc), code=1)
     except Interrupted as exc:  # every peer is stopped by now (dpsgd.backends.launch) or dies with this process (local)
-        line = resume_line(cfg, run_dir, launcher).format(signal=signal_name(exc.signum))
+        line = resume_line(config, run_dir, launcher).format(signal=signal_name(exc.signum))
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + exc.signum)  # local peers are threads still running: the interpreter's teardown aborts
@@ -164,21 +170,21 @@ def run(cfg: dict, run_dir: Path, launcher: Backend | None) -> dict | None:
 PEER_ARGV = ["-m", "experiments.peer"]
 
 
-def relaunching(cfg: dict, run_dir: Path) -> dict:
+def relaunching(run: RunConfig, run_dir: Path) -> dict:
     """elastic=true with peers the app starts: when a world fails, relaunch it from the newest complete
     checkpoint, without the peer that died (with every peer when an error, not a death, ended it), at most
     `max_restarts` times; each world continues as dpsgd.elastic says. Injected faults act in the first
     world only (the relaunched config has none), and each failed world's logs move to logs/world{k}/."""
     from dpsgd import checkpoint, elastic
 
-    backend, n = backends.get(cfg["backend"]["name"]), int(cfg["peers"])
-    for restart in range(int(cfg["max_restarts"]) + 1):
+    backend, n = backends.get(run.backend.name), run.peers
+    for restart in range(run.max_restarts + 1):
         try:
-            return backend.start(cfg, run_dir, PEER_ARGV + [str(run_dir)], peers=n)
+            return backend.start(run, run_dir, PEER_ARGV + [str(run_dir)], peers=n)
         except backends.RunFailed as exc:
             found = checkpoint.newest(run_dir)
             survivors = n - (exc.died is not None)
-            if restart == cfg["max_restarts"] or found is None or survivors < 1:
+            if restart == run.max_restarts or found is None or survivors < 1:
                 why = (
                     "no complete checkpoint yet"
                     if found is None
@@ -188,12 +194,12 @@ def relaunching(cfg: dict, run_dir: Path) -> dict:
                 )
                 raise backends.RunFailed(f"{exc} (elastic: not relaunched, {why})") from None
             try:
-                elastic.check_world(cfg, survivors)
+                elastic.check_world(run.topology, survivors)
             except ValueError as problem:
                 raise backends.RunFailed(f"{exc}; {problem}") from None
             print(
                 f"note: {exc}; elastic: relaunching {survivors} peers from the checkpoint of step {found[0]} "
-                f"(restart {restart + 1} of max_restarts={cfg['max_restarts']})",
+                f"(restart {restart + 1} of max_restarts={run.max_restarts})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -202,9 +208,9 @@ def relaunching(cfg: dict, run_dir: Path) -> dict:
             for f in (run_dir / "logs").iterdir():
                 if f.is_file():
                     f.rename(old / f.name)
-            if cfg.get("faults"):
-                cfg = {**cfg, "faults": None}
-                OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
+            if run.faults != FaultsConfig():
+                run = run.replace(faults=FaultsConfig())
+                save_config(run, run_dir)
             n = survivors
     raise AssertionError("unreachable: the last restart returns or raises")
 
@@ -221,34 +227,32 @@ def hydra_main(cfg: DictConfig) -> float | None:
     launcher = launched()
     rank, world_size = launcher.world() if launcher is not None else (0, None)
     try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        if launcher is not None and resolved["backend"]["name"] != launcher.name:
+        config, note = fit_batch_size(parse(cfg))  # parsed once, here
+        if launcher is not None and config.backend.name != launcher.name:
             # srun's tasks are a world for mpi and torch alike: the config's backend, where it sees one
-            launcher = backends.launched(resolved["backend"]["name"]) or launcher
+            launcher = backends.launched(config.backend.name) or launcher
             rank, world_size = launcher.world() or (rank, world_size)
-        if launcher is not None and resolved["backend"]["name"] != launcher.name:
+        if launcher is not None and config.backend.name != launcher.name:
             raise ConfigError(
-                f"started by a {launcher.name} launcher but backend={resolved['backend']['name']}; "
-                f"pass backend={launcher.name}"
+                f"started by a {launcher.name} launcher but backend={config.backend.name}; pass backend={launcher.name}"
             )
-        note = _fit_batch_size(resolved)
         if note and rank == 0:
             print(f"note: {note}", file=sys.stderr, flush=True)
-        validate(resolved, world_size, launched=launcher is not None)
+        validate(config, world_size, launched=launcher is not None)
         # the run folder: judged by the driver, or by rank 0 alone (another rank could look after rank
         # 0 has begun writing; if rank 0 refuses, the launcher stops the others)
         # an elastic world continues the run in its folder (a re-formed world is started like the first)
-        continuing = resolved.get("resume") or resolved.get("elastic")
+        continuing = config.resume or config.elastic
         if rank == 0:
             if not continuing and any((run_dir / f).exists() for f in RUN_FILES):
                 raise ConfigError(
                     f"{run_dir} already holds a run; pass resume=true to continue it, or choose a new hydra.run.dir"
                 )
             if continuing and (run_dir / "config.yaml").exists():
-                check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), resolved, run_dir)
+                check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), config, run_dir)
     except ConfigError as exc:
         fail(str(exc), run_dir)
-    summary = run(resolved, run_dir, launcher)
+    summary = run(config, run_dir, launcher)
     if summary is None:
         return None
     shown = summary if captions.uses_topology({"config": {}, "summary": summary}) else {**summary, "topology": "unused"}
@@ -284,8 +288,7 @@ def check_sweep(argv: list[str]) -> None:
         return
     for i, (job, cfg) in enumerate(jobs or []):
         try:
-            _fit_batch_size(cfg)
-            validate(cfg, None)
+            validate(fit_batch_size(parse(cfg))[0])
         except ConfigError as exc:
             fail(f"sweep job {i} of {len(jobs)} ({' '.join(job)}): {exc}; nothing was run")
 

@@ -57,7 +57,7 @@ def default_lr(algorithm: str, overrides: list[str]) -> float:
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, f"algorithm={algorithm}"])
-    return float(cfg.algorithm.lr)
+    return float(cfg.optimizer.lr)
 
 
 def search_space(
@@ -65,7 +65,7 @@ def search_space(
 ) -> dict[str, list]:
     """The settings searched: the learning rate, the algorithm's own knob, and with `schedules` the learning-rate
     schedule (conf/schedule/: the rate is then the schedule's peak)."""
-    space: dict[str, list] = {"algorithm.lr": lrs}
+    space: dict[str, list] = {"optimizer.lr": lrs}
     if algorithm in KNOBS:
         name, values = KNOBS[algorithm]
         space[f"algorithm.{name}"] = knob_values or values
@@ -83,7 +83,7 @@ def sweep_args(space: dict[str, list], sampler: str, trials: int | None) -> list
     args = ["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}", "hydra.sweeper.direction=maximize"]
     args.append(f"hydra.sweeper.n_trials={grid if sampler == 'grid' else trials or grid}")
     for key, text in lists.items():
-        if sampler == "tpe" and key == "algorithm.lr":  # TPE samples the whole log range, not only the grid
+        if sampler == "tpe" and key == "optimizer.lr":  # TPE samples the whole log range, not only the grid
             args.append(f"{key}=tag(log, interval({min(space[key]):g}, {max(space[key]):g}))")
         else:
             args.append(f"{key}=choice({text})")

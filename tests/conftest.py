@@ -94,6 +94,10 @@ def hydra_config():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from dpsgd.config import register
+
+    register()  # the typed schema conf/config.yaml composes onto
+
     def composed(*overrides: str) -> dict:
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("config", overrides=["backend=local", *overrides])

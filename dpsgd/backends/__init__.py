@@ -8,14 +8,33 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpsgd.comm import Communicator, transport
+from dpsgd.config import RunConfig
 
 from .driver import Backend, RunFailed, error_line
 from .fleet import FleetBackend
+from .hosts import placement as host_placement
+from .interrupt import Interrupted, exit_on_signals, stop_on_signals
+from .launch import ERROR_FILE, peer_env
 from .local import LocalBackend
 from .mpi import MPIBackend
 from .torch_dist import TorchBackend
 
-__all__ = ["Backend", "RunFailed", "connect", "error_line", "get", "launched", "names", "spawn"]
+__all__ = [
+    "ERROR_FILE",
+    "Backend",
+    "Interrupted",
+    "RunFailed",
+    "connect",
+    "error_line",
+    "exit_on_signals",
+    "get",
+    "host_placement",
+    "launched",
+    "names",
+    "peer_env",
+    "spawn",
+    "stop_on_signals",
+]
 
 _REGISTRY: dict[str, Backend] = {b.name: b for b in (LocalBackend(), MPIBackend(), TorchBackend(), FleetBackend())}
 
@@ -35,10 +54,10 @@ def launched(prefer: str | None = None) -> Backend | None:
     return next((b for b in [*first, *_REGISTRY.values()] if b.world() is not None), None)
 
 
-def connect(cfg: dict) -> Communicator:
-    """The communicator of one peer of the run `cfg`."""
-    backend = get(cfg["backend"]["name"])
-    return backend.connect(float(cfg["comm"]["timeout_s"]), **backend.options(cfg))
+def connect(config: RunConfig) -> Communicator:
+    """The communicator of one peer of the run `config`."""
+    backend = get(config.backend.name)
+    return backend.connect(config.comm.timeout_s, **backend.options(config.backend.options, config.device))
 
 
 def spawn(

@@ -5,6 +5,7 @@ transport record (dpsgd.comm.transport) with these parts added, so the app asks 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from dpsgd.comm import transport
 from dpsgd.comm.transport import Transport
+from dpsgd.config import RunConfig
 from dpsgd.supervisor import ENV, Supervisor
 
 from .hosts import placement
@@ -54,13 +56,13 @@ class Backend(Transport):
         runner, environment); rank r's stderr to log_dir/rank{r}.log; the exit code (the first failure stops all)."""
         raise ValueError(f"backend={self.name} starts no peer processes; use backend={transport.having('processes')}")
 
-    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
-        """From the driver, run every peer of the experiment `cfg` (written to run_dir/config.yaml) and
+    def start(self, config: RunConfig, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
+        """From the driver, run every peer of the experiment `config` (written to run_dir/config.yaml) and
         return its summary; `argv` is one peer process's command line; `peers`: how many (default
-        cfg["peers"]; an elastic run's relaunch has fewer). Raises RunFailed: one line naming the peer
+        config.peers; an elastic run's relaunch has fewer). Raises RunFailed: one line naming the peer
         that failed first (followed by dpsgd.supervisor), the step and why."""
-        n = int(cfg["peers"]) if peers is None else peers
-        launcher = cfg.get("launcher") if (cfg.get("launcher") or {}).get("hosts") else None
+        n = config.peers if peers is None else peers
+        launcher = dataclasses.asdict(config.launcher) if config.launcher.hosts else None
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
@@ -70,7 +72,7 @@ class Backend(Transport):
             env = {"DPSGD_PROGRESS": progress, ENV: sup.path}
             # the watchdog stops the peers when none progresses (every one hung): spawn then returns
             with Watchdog(
-                cfg["comm"]["timeout_s"], lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
+                config.comm.timeout_s, lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
             ) as dog:
                 code = self.spawn(n, argv, env=env, log_dir=logs, codes_out=codes, launcher=launcher)
             if dog.line is not None:

@@ -7,6 +7,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dpsgd.config import RunConfig
+
 from .driver import Backend
 
 
@@ -14,8 +16,17 @@ class FleetBackend(Backend):
     name = "fleet"
     checkpoints = False  # a fleet run is minutes
 
-    def options(self, cfg: Mapping) -> dict:
-        return {"threads": threads(cfg["backend"])}
+    # threads: torch's; compute_*: the event simulator's virtual compute time per step (dpsgd.sim.events)
+    config_options = {
+        "threads": None,
+        "compute_mean_s": 0.01,
+        "compute_distribution": "constant",
+        "compute_sigma": 0.5,
+        "compute_shape": 2.5,
+    }
+
+    def options(self, backend: Mapping, device: str) -> dict:
+        return {"threads": threads(backend)}
 
     def connect(self, timeout_s: float, **options):
         raise ValueError(
@@ -23,17 +34,17 @@ class FleetBackend(Backend):
             "of them; run it with experiments.train backend=fleet, or choose local, mpi or torch"
         )
 
-    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
-        """The fleet simulates cfg["peers"]; `peers` (an elastic relaunch's count) never comes: validate refuses."""
+    def start(self, config: RunConfig, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
+        """The fleet simulates config.peers; `peers` (an elastic relaunch's count) never comes: validate refuses."""
         import torch
 
         from dpsgd.sim import train_fleet
 
-        torch.set_num_threads(self.options(cfg)["threads"])
-        return train_fleet(cfg, run_dir)
+        torch.set_num_threads(threads(config.backend.options))
+        return train_fleet(config, run_dir)
 
 
-def threads(backend: dict) -> int:
+def threads(backend: Mapping) -> int:
     """torch's intra-op threads for the fleet: `backend.threads`, or every core when it is null. Small models on a
     shared machine run faster on 1: idle threads spin-wait for cores that other jobs hold."""
     wanted = backend.get("threads")

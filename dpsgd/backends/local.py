@@ -9,6 +9,7 @@ from pathlib import Path
 from dpsgd import supervisor
 from dpsgd.comm import CommError, LocalWorld, run_local
 from dpsgd.comm.local import LocalTransport
+from dpsgd.config import RunConfig
 
 from .driver import Backend, RunFailed, error_line
 from .watchdog import Watchdog
@@ -18,26 +19,26 @@ class _PeerError(RuntimeError):
     """A peer failed; the message is its one line (rank, error type, message)."""
 
 
-def _peer(comm, cfg: dict, run_dir: Path) -> dict:
+def _peer(comm, config: RunConfig, run_dir: Path) -> dict:
     from dpsgd.training import train
 
     try:
-        return train(comm, cfg, run_dir)
+        return train(comm, config, run_dir)
     except Exception as exc:  # noqa: BLE001 - one line for the user, the traceback to the logs
         raise _PeerError(error_line(comm.rank, exc)) from exc
 
 
 class LocalBackend(LocalTransport, Backend):
-    def start(self, cfg: dict, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
+    def start(self, config: RunConfig, run_dir: Path, argv: list[str], peers: int | None = None) -> dict:
         start = time.monotonic()
-        world = LocalWorld(cfg["peers"] if peers is None else peers)
+        world = LocalWorld(config.peers if peers is None else peers)
         supervisor.in_process_steps.clear()
         supervisor.in_process_progress = None
-        timeout_s = float(cfg["comm"]["timeout_s"])
+        timeout_s = config.comm.timeout_s
         dog = Watchdog(timeout_s, lambda: supervisor.in_process_progress, world.stop, supervisor.in_process_steps.copy)
         try:
             with dog:
-                return run_local(cfg["peers"], _peer, cfg, run_dir, timeout_s=timeout_s, world=world)[0]
+                return run_local(config.peers, _peer, config, run_dir, timeout_s=timeout_s, world=world)[0]
         except CommError:
             if dog.line is None:
                 raise

@@ -81,12 +81,9 @@ def _seed(seed: int, sender: int, call: int) -> int:
     return int(state) & ((1 << 63) - 1)
 
 
-def from_faults(section: dict | None, n: int, seed: int = 0) -> Corruption | None:
-    """The Corruption of a config's `faults:` block (already checked by dpsgd.faults.FaultPlan), or None."""
-    section = section or {}
-    peers = section.get("corrupt_peer")
-    if peers is None:
+def from_faults(peers: list[int], mode: str, scale: float | None, n: int, seed: int = 0) -> Corruption | None:
+    """The Corruption of a config's `faults:` (already checked by dpsgd.faults.FaultPlan): `peers` send `mode`d
+    values; None when no peer is corrupt."""
+    if not peers:
         return None
-    peers = [peers] if isinstance(peers, int) else list(peers)
-    return Corruption(frozenset(int(p) for p in peers), section.get("corrupt_mode", "scale"),
-                      section.get("corrupt_scale"), seed, n)  # fmt: skip
+    return Corruption(frozenset(int(p) for p in peers), mode, scale, seed, n)

@@ -196,8 +196,10 @@ class MPITransport(Transport):
     def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> Communicator:
         return MPICommunicator(timeout_s=timeout_s, **options)
 
-    def options(self, cfg: Mapping) -> dict:
-        return {"staging": cfg["backend"].get("staging", "auto")}
+    config_options = {"staging": "auto"}
+
+    def options(self, backend: Mapping, device: str) -> dict:
+        return {"staging": backend.get("staging", "auto")}
 
     def world(self) -> tuple[int, int] | None:
         sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")  # set by mpiexec/srun

@@ -34,6 +34,7 @@ overlap) is hidden behind it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import random
 import time
@@ -313,10 +314,11 @@ class NetworkEmulator:
         self._rng = random.Random(link_jitter_seed(seed, rank))
 
     @classmethod
-    def from_config(
-        cls, network: dict | None, rank: int = 0, size: int | None = None, seed: int = 0
-    ) -> NetworkEmulator:
-        network = dict(network or {})
+    def from_config(cls, network, rank: int = 0, size: int | None = None, seed: int = 0) -> NetworkEmulator:
+        """The emulator of a `network=` section (dpsgd.config.NetworkConfig, or a mapping of its keys; None:
+        nothing emulated) for peer `rank` of `size`."""
+        is_section = dataclasses.is_dataclass(network) and not isinstance(network, type)
+        network = dataclasses.asdict(network) if is_section else dict(network or {})
         if unknown := sorted(set(network) - set(NETWORK_KEYS)):
             raise ValueError(f"unknown network option(s) {unknown}; valid: {', '.join(NETWORK_KEYS)}")
         slow = network.get("slow_peers") or ()

@@ -194,18 +194,19 @@ class TorchTransport(Transport):
     def connect(self, timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> Communicator:
         return TorchCommunicator(timeout_s=timeout_s, **options)
 
-    def options(self, cfg: Mapping) -> dict:
-        return {"dist_backend": self.dist_backend(cfg), "staging": cfg["backend"].get("staging", "auto")}
+    config_options = {"dist_backend": None, "staging": "auto"}
+
+    def options(self, backend: Mapping, device: str) -> dict:
+        return {"dist_backend": self.dist_backend(backend, device), "staging": backend.get("staging", "auto")}
 
     @staticmethod
-    def dist_backend(cfg: Mapping) -> str:
+    def dist_backend(backend: Mapping, device: str) -> str:
         """`backend.dist_backend`, else nccl for peers on GPUs and gloo for peers on CPUs."""
-        device = str(cfg.get("device", "cpu"))
         on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        return (cfg.get("backend") or {}).get("dist_backend") or ("nccl" if on_gpu else "gloo")
+        return backend.get("dist_backend") or ("nccl" if on_gpu else "gloo")
 
-    def uses_nccl(self, cfg: Mapping) -> bool:
-        return self.dist_backend(cfg) == "nccl"
+    def uses_nccl(self, backend: Mapping, device: str) -> bool:
+        return self.dist_backend(backend, device) == "nccl"
 
     def world(self) -> tuple[int, int] | None:
         size = int(os.environ.get("WORLD_SIZE", "1") or 1)

@@ -22,6 +22,8 @@ class Transport:
     processes = False  # peers are processes of their own (which faults can kill or hang)
     checkpoints = True  # runs keep checkpoints and resume from them
     host_staging = False  # CUDA tensors can travel through pinned host buffers (the `backend.staging` option)
+    # the keys its `backend=NAME` config takes, with their defaults (conf/backend/NAME.yaml writes them out)
+    config_options: dict[str, object] = {}
 
     @property
     def real_peers(self) -> bool:
@@ -32,12 +34,13 @@ class Transport:
         """This process's communicator (`dpsgd.comm.init`)."""
         raise NotImplementedError
 
-    def options(self, cfg: Mapping) -> dict:
-        """The `connect` options a run's config sets."""
+    def options(self, backend: Mapping, device: str) -> dict:
+        """The `connect` options of a run whose `backend=` section holds `backend` (its own keys) and whose
+        peers compute on `device`."""
         return {}
 
-    def uses_nccl(self, cfg: Mapping) -> bool:
-        """The run `cfg`'s peers talk over nccl, which needs a GPU of its own per peer (dpsgd.placement)."""
+    def uses_nccl(self, backend: Mapping, device: str) -> bool:
+        """Such a run's peers talk over nccl, which needs a GPU of its own per peer (dpsgd.placement)."""
         return False
 
     def world(self) -> tuple[int, int] | None:

@@ -41,7 +41,12 @@ ALGORITHMS = {
     "sparseloco": SparseLoCo,
     "desloc": DESLOC,
 }
-BASE_OPTIMIZERS = ("sgd", "adam", "adamw")
+# the base optimizers of `optimizer=NAME` (conf/optimizer/): each takes its torch class's own keyword options
+BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
 
 __all__ = [
     "ADPSGD",
@@ -69,18 +74,15 @@ __all__ = [
 ]
 
 
-def build_base(
-    params, name: str = "sgd", lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
-) -> torch.optim.Optimizer:
-    """The local optimizer a config names."""
-    if not lr > 0:
-        raise ValueError(f"the learning rate must be > 0, got {lr}")
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-    if name in ("adam", "adamw"):
-        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-        return cls(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown base optimizer {name!r}; valid: {', '.join(BASE_OPTIMIZERS)}")
+def build_base(params, name: str = "sgd", **options) -> torch.optim.Optimizer:
+    """The base optimizer `name` (a key of BASE_OPTIMIZERS) over `params`, with its torch class's own options
+    (`lr`, `momentum`, `betas`, `weight_decay`, ...)."""
+    if name not in BASE_OPTIMIZERS:
+        raise ValueError(f"unknown base optimizer {name!r}; valid: {', '.join(BASE_OPTIMIZERS)}")
+    lr = options.get("lr", 0.1)
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
+        raise ValueError(f"the learning rate must be a number > 0, got {lr!r}")
+    return BASE_OPTIMIZERS[name](params, **{"lr": lr, **options})
 
 
 def build(

@@ -21,6 +21,7 @@ from dpsgd import placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
 from dpsgd.comm.base import Communicator
 from dpsgd.comm.netem import NetworkEmulator
+from dpsgd.config import Choice, NetworkConfig, RunConfig
 from dpsgd.metrics import loss_function
 from dpsgd.optim import AsynchronousOptimizer
 
@@ -90,24 +91,27 @@ class SimulatedCommunicator(Communicator):
 
 
 class Simulation:
-    """An asynchronous algorithm on n simulated peers of the experiment config `cfg` (the same data shares,
-    batches, initial model, topology, optimizer and partner draws as the real run)."""
+    """An asynchronous algorithm on n simulated peers of the run `config` (the same data shares, batches, initial
+    model, topology, optimizer and partner draws as the real run)."""
 
-    def __init__(self, cfg: dict, link=None, compute: ComputeTimes | None = None):
-        n, bs = int(cfg["peers"]), int(cfg["batch_size"])
+    def __init__(self, config: RunConfig, link=None, compute: ComputeTimes | None = None):
+        n, bs = config.peers, config.batch_size
         self.n, self.batch_size = n, bs
-        self.link = link if link is not None else NetworkEmulator.from_config(cfg.get("network")).link
-        self.compute = compute if compute is not None else compute_times(cfg, n)
-        self.plan = run = plan(cfg, n)
+        self.link = link if link is not None else NetworkEmulator.from_config(config.network).link
+        self.compute = compute if compute is not None else compute_times(config.backend, config.network, config.seed, n)
+        self.plan = run = plan(config, n)
         self.batches = [run.batches(r) for r in range(n)]
-        self.device = placement.single_device(cfg)  # the config's `device`: the peers' tensors, all on one
-        self.model = build_model(cfg, run.split).to(self.device)
+        self.device = placement.single_device(config.device)  # the config's `device`: the peers' tensors, all on one
+        self.model = build_model(config.model, run.split, config.seed, config.data.name).to(self.device)
         self.names = [name for name, _ in self.model.named_parameters()]
-        self.topology = build_topology(cfg, n)
+        self.topology = build_topology(config.topology, n)
         self.loss_fn = loss_function(run.split.y_train)
         self.now = 0.0
         tally: dict[int, int] = {}
-        alone = {**cfg, "algorithm": {**cfg["algorithm"], "broadcast_initial": False}}  # no collective here
+        algorithm = config.algorithm
+        alone = config.replace(  # no collective here
+            algorithm=Choice(algorithm.name, algorithm.target, {**algorithm.options, "broadcast_initial": False})
+        )
         self.params = [[p.detach().clone() for p in self.model.parameters()] for _ in range(n)]  # x_hat_i
         self.opts: list[AsynchronousOptimizer] = []
         for r in range(n):
@@ -263,20 +267,18 @@ class Simulation:
         self.finished_at[i] = max(self.finished_at[i], self.now)
 
 
-def compute_times(cfg: dict, n: int) -> ComputeTimes:
-    """The compute model of a config: `backend.compute_*` keys (fleet.yaml), the straggler keys of
-    `network` (slow_peers x compute_scale; compute_time, when set, as the mean)."""
-    backend, network = cfg.get("backend") or {}, cfg.get("network") or {}
-    slow = network.get("slow_peers") or ()
-    slow = (slow,) if isinstance(slow, int) else slow
-    scale = float(network.get("compute_scale") or 1.0)
-    mean = float(network.get("compute_time") or backend.get("compute_mean_s") or 0.01)
+def compute_times(backend: Choice, network: NetworkConfig, seed: int, n: int) -> ComputeTimes:
+    """The compute model of a run: its `backend.compute_*` keys (fleet.yaml), the straggler keys of `network`
+    (slow_peers x compute_scale; compute_time, when set, as the mean)."""
+    options = backend.options
+    scale = float(network.compute_scale or 1.0)
+    mean = float(network.compute_time or options.get("compute_mean_s") or 0.01)
     return ComputeTimes(
         n,
         mean,
-        str(backend.get("compute_distribution") or "constant"),
-        float(backend.get("compute_sigma") or 0.5),
-        float(backend.get("compute_shape") or 2.5),
-        {int(p): scale for p in slow},
-        int(cfg["seed"]),
+        str(options.get("compute_distribution") or "constant"),
+        float(options.get("compute_sigma") or 0.5),
+        float(options.get("compute_shape") or 2.5),
+        {int(p): scale for p in network.slow_peers},
+        seed,
     )

@@ -27,10 +27,10 @@ from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpsgd import metrics, placement
-from dpsgd.build import build_model, build_optimizer, build_topology, plan
+from dpsgd.build import build_model, build_optimizer, build_topology, plan, schedule, step_options
 from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
-from dpsgd.schedule import Schedule
-from dpsgd.stepping import StepOptions, Stepper
+from dpsgd.config import RunConfig
+from dpsgd.stepping import Stepper, TrainStep
 from topologies import Topology
 from topologies.matrices import canonical, entries, is_sparse
 
@@ -208,36 +208,39 @@ def check_model(model: torch.nn.Module) -> None:
 
 
 class Fleet:
-    """n peers of the experiment config `cfg` (the dict a Hydra run resolves): the same data split,
-    shares, batch order, initial model, topology and algorithm as the real run with the same seed."""
+    """n peers of the run `config` (a dpsgd.config.RunConfig): the same data split, shares, batch order, initial
+    model, topology and algorithm as the real run with the same seed. `step(k)` takes every peer's step k
+    (dpsgd.stepping.TrainStep) and returns their (n,) minibatch losses."""
 
-    def __init__(self, cfg: dict, peers: int | None = None):
-        self.cfg, self.n = cfg, int(peers if peers is not None else cfg["peers"])
+    def __init__(self, config: RunConfig, peers: int | None = None):
+        self.config, self.n = config, int(peers if peers is not None else config.peers)
         n = self.n
-        self.device = placement.single_device(cfg)
-        self.plan = run = plan(cfg, n)
+        self.device = placement.single_device(config.device)
+        self.plan = run = plan(config, n)
         self.batches = FleetBatches(
             run.split.x_train.to(self.device),
             run.split.y_train.to(self.device),
             run.shares,
             run.batch_size,
-            int(cfg["seed"]),
+            config.seed,
         )
-        self.model = build_model(cfg, run.split).to(self.device)
+        self.model = build_model(config.model, run.split, config.seed, config.data.name).to(self.device)
         check_model(self.model)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.params = [
             p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_() for p in self.model.parameters()
         ]
-        self.topology = build_topology(cfg, n)
+        self.topology = build_topology(config.topology, n)
         self.comm = FleetCommunicator(n)
-        self.algorithm = build_optimizer(cfg, self.params, self.topology, self.comm)
+        self.algorithm = build_optimizer(config, self.params, self.topology, self.comm)
         self.loss_fn = metrics.loss_function(run.split.y_train)
         self._losses = vmap(self._loss)
         # precision, micro-batches, clipping (each peer's own norm) and the schedule, as on real peers
-        schedule = Schedule(cfg.get("schedule"), run.total_steps)
-        self.stepper = Stepper(StepOptions.from_config(cfg), self.algorithm, schedule, self.device, peer_axis=True)
+        self.stepper = Stepper(
+            step_options(config), self.algorithm, schedule(config, run.total_steps), self.device, peer_axis=True
+        )
         self._wide = self._widened()
+        self.step = TrainStep(self.stepper, self.batches, self.losses, self.device, split_dim=1)
 
     def _loss(self, params: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(functional_call(self.model, dict(zip(self.names, params)), (x,)), y)
@@ -271,32 +274,14 @@ class Fleet:
         out = peer_outputs(functional_call(wide, dict(zip(self.names, params)), inputs), channels)
         return self.loss_fn(out, y, reduction="none").reshape(len(out), -1).mean(1)
 
-    def train_step(self) -> torch.Tensor:
-        """Every peer's forward, backward and step; returns the (n,) minibatch losses."""
-        x, y = self.batches.next()
-        if self.algorithm.overlap:
-            self.algorithm.start_communication()
-        losses = self.gradients(x, y)
-        self.stepper.step()
-        return losses
-
-    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Every peer's loss on its batch (x, y with a leading peer axis) and its gradient in `.grad`, summed over
-        the micro-batches as the stepper says (precision, accumulation); the losses."""
-        stepper, total = self.stepper, torch.zeros(())
-        for p in self.params:
-            p.grad = None
-        for xm, ym in stepper.options.split(x, y, dim=1):  # micro-batches along each peer's sample axis
-            with stepper.options.autocast(self.device):
-                if self._wide is not None:
-                    losses = self._wide_losses(self._wide, self.params, xm, ym)
-                else:  # attention as its decomposed products: vmap has no batching rule for the fused kernels
-                    with sdpa_kernel(SDPBackend.MATH):
-                        losses = self._losses(tuple(self.params), xm, ym)
-            # peer i's loss depends on its own weights only, so the gradient of the sum is each peer's own
-            stepper.backward(losses.sum())
-            total = total + losses.detach()
-        return total / stepper.options.accumulate
+    def losses(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Every peer's loss on its micro-batch (x, y with a leading peer axis): the (n,) losses."""
+        if self._wide is not None:
+            return self._wide_losses(self._wide, self.params, x, y)
+        with sdpa_kernel(
+            SDPBackend.MATH
+        ):  # attention as its decomposed products: vmap has no rule for the fused kernels
+            return self._losses(tuple(self.params), x, y)
 
     def flat(self) -> torch.Tensor:
         """The (n, D) matrix of every peer's parameters, in model.parameters() order."""

@@ -1,4 +1,4 @@
-"""An experiment on the fleet: `train_fleet(cfg, out_dir)` is `dpsgd.training.train` for
+"""An experiment on the fleet: `train_fleet(config, out_dir)` is `dpsgd.training.train` for
 `backend=fleet`. It runs all peers in this process (dpsgd.sim.Fleet; an asynchronous algorithm on the
 event simulator, dpsgd.sim.events) through the one training loop (`dpsgd.training.run_loop`), which
 writes the same files with the same keys as a real run, so `experiments.report` reads fleet sweeps.
@@ -8,11 +8,14 @@ means), which every peer shares; nothing waits, so `comm_overlap_s` is 0."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpsgd import metrics
+from dpsgd.build import algorithm_class
+from dpsgd.config import RunConfig
 from dpsgd.training import Run, run_loop
 
 from .fleet import Fleet, FleetCommunicator
@@ -24,8 +27,8 @@ class FleetRun(Run):
     writer = True
     comm: FleetCommunicator
 
-    def __init__(self, cfg: dict):
-        self.fleet = fleet = Fleet(cfg)
+    def __init__(self, config: RunConfig):
+        self.fleet = fleet = Fleet(config)
         self.plan, self.topology, self.comm = fleet.plan, fleet.topology, fleet.comm
         self.step_count, self.total_steps = 0, fleet.plan.total_steps
         self.peak_step_bytes = 0.0  # the most bytes one peer sent in one step
@@ -33,9 +36,8 @@ class FleetRun(Run):
 
     def train_step(self) -> float | None:
         self.step_count += 1
-        self.fleet.stepper.begin(self.step_count)
         sent = self.comm.bytes_sent.clone()
-        loss = float(self.fleet.train_step().double().mean())
+        loss = float(self.fleet.step(self.step_count).mean())
         self.peak_step_bytes = max(self.peak_step_bytes, float((self.comm.bytes_sent - sent).max()))
         return loss
 
@@ -67,11 +69,11 @@ class EventsRun(FleetRun):
     """An asynchronous algorithm on the event simulator (virtual time), for dpsgd.training.run_loop: a record at every
     `log_every`-th step of peer 0, each covering every peer, with the virtual time as `emulated_time_s`."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, config: RunConfig):
         from .events import Simulation
 
-        self.sim = sim = Simulation(cfg)
-        self.lr = float(cfg["algorithm"]["lr"])  # constant: the simulator takes no schedule (experiments.validate)
+        self.sim = sim = Simulation(config)
+        self.lr = float(cast(Any, sim.opts[0]).param_groups[0]["lr"])  # constant: the simulator takes no schedule
         self.plan, self.topology = sim.plan, sim.topology
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
         self.step_count, self.total_steps = 0, sim.plan.total_steps
@@ -129,10 +131,8 @@ class EventsRun(FleetRun):
         return {opt.summary_key: opt.summary(rows), "class_histograms": sim.plan.class_histograms()}
 
 
-def train_fleet(cfg: dict, out_dir: str | Path | None = None) -> dict:
-    """Run the experiment `cfg` with every peer in this process; write metrics.jsonl and summary.json to
+def train_fleet(config: RunConfig, out_dir: str | Path | None = None) -> dict:
+    """Run the experiment `config` with every peer in this process; write metrics.jsonl and summary.json to
     `out_dir`. An asynchronous algorithm runs on the event simulator (dpsgd.sim.events)."""
-    from dpsgd.build import check_algorithm
-
-    asynchronous = getattr(check_algorithm(cfg), "asynchronous", False)
-    return run_loop(EventsRun(cfg) if asynchronous else FleetRun(cfg), cfg, out_dir)
+    asynchronous = getattr(algorithm_class(config.algorithm), "asynchronous", False)
+    return run_loop(EventsRun(config) if asynchronous else FleetRun(config), config, out_dir)

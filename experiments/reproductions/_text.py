@@ -20,7 +20,7 @@ WORKLOAD = [
     "data.test_fraction=0.025",
     "data.split_seed=0",
 ]
-INNER = ["algorithm.optimizer=adamw", "algorithm.lr=0.003", "algorithm.weight_decay=0.1", "algorithm.momentum=0.0"]
+INNER = ["optimizer=adamw", "optimizer.lr=0.003", "optimizer.weight_decay=0.1"]  # one inner optimizer for all
 
 
 def mb_to_reach(config: Configuration, target: float, key: str = "test_perplexity") -> list[float | None]:

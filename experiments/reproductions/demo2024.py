@@ -18,7 +18,7 @@ CLAIM = (
 )
 SWEEPS = {
     # DeMo's sign step at AdamW's lr, no weight decay (the reference's settings: decay 0.999, topk 32, chunk 64)
-    "demo": [*WORKLOAD, "algorithm=demo", "algorithm.lr=0.003"],
+    "demo": [*WORKLOAD, "algorithm=demo", "optimizer.lr=0.003"],
     "adamw": [*WORKLOAD, *INNER, "algorithm=allreduce"],
 }
 RUNS = {"demo": 1, "adamw": 1}
