@@ -126,7 +126,7 @@ class CheckpointConfig:
 class LauncherConfig:
     """`launcher:`: where the driver starts the peers (dpsgd.backends.hosts); no hosts: all on this machine."""
 
-    hosts: list[str] = field(default_factory=list)  # e.g. [10.0.0.1,10.0.0.2] or [node1:2,node2:2]
+    hosts: list[str] | None = None  # e.g. [10.0.0.1,10.0.0.2] or [node1:2,node2:2]; null or []: this machine
     runner: str = "ssh"  # runs a shell line on a host as `RUNNER HOST LINE`
     port: int = 0  # backend=torch: the master's port; 0: a free one
 

@@ -117,7 +117,7 @@ def missing_package(logger: LoggerConfig) -> str | None:
 
 
 def dotted_keys(tree: dict, separator: str = ".", prefix: str = "") -> dict[str, Any]:
-    """A nested config as one level of dotted keys (`algorithm.lr`)."""
+    """A nested config as one level of dotted keys (`optimizer.lr`)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):

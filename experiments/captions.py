@@ -50,7 +50,7 @@ SUMMARY_NAMES = {
 
 
 def setting(run: dict, key: str):
-    """A run's setting `key` (a flat config key such as 'algorithm.lr'), from its config, else its summary."""
+    """A run's setting `key` (a flat config key such as 'optimizer.lr'), from its config, else its summary."""
     if key in run["config"]:
         return run["config"][key]
     return run["summary"].get(SUMMARY_NAMES.get(key, key))

@@ -15,10 +15,40 @@ def load(group: str, name: str) -> dict:
     return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
 
-def experiment(algorithm: dict, topology: str = "ring", peers: int = 4, backend: str = "local") -> dict:
-    """A resolved config: `algorithm` on the MLP and digits, seed 3, one epoch of batches of 16."""
+def algorithm(name: str, **options) -> dict:
+    """conf/algorithm/NAME.yaml's section (its keys, without the defaults list that picks its optimizer), with
+    `options` on top."""
+    return {k: v for k, v in load("algorithm", name).items() if k != "defaults"} | options
+
+
+def optimizer_of(name: str) -> str:
+    """The optimizer option (conf/optimizer/) the algorithm's yaml picks (`override /optimizer...`), else sgd."""
+    for entry in load("algorithm", name).get("defaults") or []:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                if "/optimizer" in key:
+                    return value
+    return "sgd"
+
+
+def own_options(name: str) -> dict:
+    """The algorithm's own options as a run's build hands them to its constructor (`_target_` dicts made
+    factories): the yaml's keys but its name."""
+    from dpsgd.options import factories
+
+    return factories({k: v for k, v in algorithm(name).items() if k != "name"})
+
+
+def experiment(
+    algorithm: dict, topology: str = "ring", peers: int = 4, backend: str = "local", optimizer: dict | None = None
+) -> dict:
+    """A resolved config: `algorithm` (stepping `optimizer`, default the one its yaml picks) on the MLP and digits,
+    seed 3, one epoch of batches of 16."""
+    name = algorithm.get("name")
+    default = optimizer_of(name) if (CONF / "algorithm" / f"{name}.yaml").exists() else "sgd"
     return {
-        "algorithm": algorithm,
+        "algorithm": {k: v for k, v in algorithm.items() if k != "defaults"},
+        "optimizer": optimizer if optimizer is not None else load("optimizer", default),
         "topology": load("topology", topology),
         "model": load("model", "mlp"),
         "data": load("data", "digits"),

@@ -13,15 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import runs
 import torch
-import yaml
 from peers import quadratic as q
 from peers import suite_peer as s
 from reference import grads
 
 import topologies
 from dpsgd.backends import spawn
-from dpsgd.build import BASE_KEYS, factories
 from dpsgd.comm import run_local
 from dpsgd.optim import ALGORITHMS, D2, DPSGD, SGP, Choco, GradientTracking, build
 
@@ -356,14 +355,14 @@ def test_sgp_accepts_directed_and_undirected_d2_accepts_lazy_ring():
 
 @pytest.mark.parametrize("name", ["sgp", "choco", "d2", "gradient_tracking", "qgm"])
 def test_configs_build_their_algorithm(name):
-    cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
-    assert cfg["name"] == name and name in ALGORITHMS
-    options = {k: v for k, v in cfg.items() if k not in BASE_KEYS}
+    assert runs.algorithm(name)["name"] == name and name in ALGORITHMS
+    options = runs.own_options(name)
+    base_cfg = runs.load("optimizer", runs.optimizer_of(name))  # the base optimizer its yaml picks
     params = [torch.nn.Parameter(torch.zeros(3))]
     comm = types.SimpleNamespace(rank=0, size=8)
     opt = build(
         name,
-        torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"]),
+        torch.optim.SGD(params, lr=base_cfg["lr"], momentum=base_cfg["momentum"]),
         topology=topologies.make("ring", 8),
         comm=comm,
         broadcast_initial=False,
@@ -383,8 +382,7 @@ def test_torch_step_hooks_fire_around_every_algorithms_step():
             if name == "adpsgd":
                 continue  # asynchronous: its step needs its budget and threads (test_adpsgd)
             w = torch.nn.Parameter(torch.ones(3))
-            config = yaml.safe_load((CONF / f"{name}.yaml").read_text())
-            options = factories({k: v for k, v in config.items() if k not in BASE_KEYS})  # as a run's build does
+            options = runs.own_options(name)  # as a run's build hands them over
             topology = topologies.make("directed_exponential" if name == "sgp" else "ring", comm.size)
             opt = build(name, torch.optim.SGD([w], lr=0.1), topology=topology, comm=comm, **options)
             opt.register_step_pre_hook(lambda o, args, kwargs, n=name: calls.append(("pre", n, o.step_count)))

@@ -5,7 +5,6 @@ parameters equal a numpy replay of its event log with the plug-in's own averagin
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from test_sim_events import config, replay
 
 from dpsgd.comm.netem import Link
+from dpsgd.config import parse
 from dpsgd.sim import train_fleet
 from dpsgd.sim.events import ComputeTimes, Simulation
 
@@ -25,7 +25,7 @@ PLUGIN = {"_target_": "plugins.PartialGossip", "name": "partial_gossip", "weight
 def test_the_simulator_runs_the_plugins_own_rule():
     cfg = config(peers=6, momentum=0.0)
     cfg["algorithm"].update(PLUGIN)
-    sim = Simulation(copy.deepcopy(cfg), link=Link(latency_s=0.004), compute=ComputeTimes(6, 0.01, seed=1))
+    sim = Simulation(parse(cfg), link=Link(latency_s=0.004), compute=ComputeTimes(6, 0.01, seed=1))
     x0 = sim.live[0].double().numpy().copy()
     sim.run()
     assert type(sim.opts[0]).__name__ == "PartialGossip" and any(e[0] == "avg" for e in sim.log)
@@ -38,7 +38,7 @@ def test_the_simulator_runs_the_plugins_own_rule():
 def test_the_simulator_writes_the_plugins_summary_block(tmp_path):
     cfg = config(peers=4)
     cfg["algorithm"].update(PLUGIN)
-    summary = train_fleet(cfg, tmp_path)
+    summary = train_fleet(parse(cfg), tmp_path)
     block = summary["partial_gossip"]
     assert "adpsgd" not in summary and block["averagings"] > 0
     assert block["averagings"] == sum(block["averagings_served_per_peer"])

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpsgd.build import build_model, import_target, load_data
+from dpsgd.build import build_model, load_data
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.optim import DPSGD
+from dpsgd.options import import_target
 from dpsgd.training import train
 from experiments.validate import ConfigError, validate
 
@@ -21,19 +23,25 @@ CFG = {
     "backend": {"name": "local"},
     "topology": {"name": "ring"},
     "data": {"name": "digits"},
-    "algorithm": {"name": "custom", "_target_": "dpsgd.optim.DPSGD", "lr": 0.1, "order": "atc"},
+    "algorithm": {"name": "custom", "_target_": "dpsgd.optim.DPSGD", "order": "atc"},
+    "optimizer": {"name": "sgd", "lr": 0.1},
     "model": {"name": "tiny", "_target_": "plugins.TinyNet", "width": 8},
 }
 
 
+def built_model(cfg: dict):
+    run = parse(cfg)
+    return build_model(run.model, load_data(run.data, run.seed, run.peers), run.seed, run.data.name)
+
+
 def test_user_classes_train_through_target():
     validate(CFG)
-    model = build_model(CFG, load_data(CFG))
+    model = built_model(CFG)
     assert type(model).__name__ == "TinyNet" and model.net[1].out_features == 8
     assert import_target("dpsgd.optim.DPSGD", "algorithm") is DPSGD
-    summaries = run_local(2, train, CFG)
+    summaries = run_local(2, train, parse(CFG))
     assert summaries[0]["test_accuracy"] > 0.5 and summaries[0]["peers"] == 2
-    again = build_model(CFG, load_data(CFG))  # one seed, one initial model
+    again = built_model(CFG)  # one seed, one initial model
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
@@ -56,21 +64,21 @@ def test_bad_targets_are_one_line_errors(section, target, words):
 
 def test_batch_larger_than_a_share_becomes_the_share():
     """256 peers on digits' 1437 training samples: each peer's batch is its whole share of 5, said once."""
-    from dpsgd.build import fit_batch_size
+    from dpsgd.build import fitted_batch_size
 
     cfg = {"peers": 256, "batch_size": 32, "seed": 0, "data": {"name": "digits", "partition": "iid"}}
-    note = fit_batch_size(cfg)
-    assert cfg["batch_size"] == 5 and "1437 training samples / 256 peers = 5" in note
+    size, note = fitted_batch_size(parse(cfg))
+    assert size == 5 and "1437 training samples / 256 peers = 5" in note
     cfg = {"peers": 4, "batch_size": 32, "seed": 0, "data": {"name": "digits", "partition": "iid"}}
-    assert fit_batch_size(cfg) is None and cfg["batch_size"] == 32
+    assert fitted_batch_size(parse(cfg)) == (32, None)
     cfg = {"peers": 256, "batch_size": 32, "seed": 0, "data": {"name": "digits", "partition": "dirichlet"}}
-    assert fit_batch_size(cfg) is None  # non-iid shares differ: the partition's own check speaks
+    assert fitted_batch_size(parse(cfg)) == (32, None)  # non-iid shares differ: the partition's own check speaks
 
 
 def test_an_unknown_option_of_an_algorithm_that_hands_options_on_is_named():
     """QGM and BMUF pass **options to their parents' constructors: the parents' keywords are the valid ones."""
-    from dpsgd.build import check_options
     from dpsgd.optim import BMUF, QGM
+    from dpsgd.options import check_options
 
     for cls, valid in ((QGM, "beta"), (BMUF, "period")):
         with pytest.raises(ValueError, match=f"takes no option 'foo'; its options: .*{valid}"):

@@ -14,6 +14,7 @@ from peers import contract_peer as peer
 
 from dpsgd.backends import spawn
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.optim import ALGORITHMS
 from dpsgd.sim import Fleet
 
@@ -34,9 +35,9 @@ def results(tmp_path_factory) -> dict:
 
 
 def test_a_users_algorithm_gives_the_same_parameters_on_every_backend(results):
-    fleet = Fleet(peer.config(N, "fleet"))
-    for _ in range(peer.STEPS):
-        fleet.train_step()
+    fleet = Fleet(parse(peer.config(N, "fleet")))
+    for step in range(1, peer.STEPS + 1):
+        fleet.step(step)
     expected = fleet.flat()
     assert (expected - expected.mean(0)).abs().max() > 1e-4  # gossip left the peers apart: not trivially equal
     for backend, ranks in results.items():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dpsgd import data, models
+from dpsgd.config import parse
 
 
 def test_iid_partition_is_equal_disjoint_and_seeded():
@@ -152,11 +153,12 @@ def test_tiny_text_and_transformer_learn_next_characters():
         "epochs": 3,
         "batch_size": 16,
         "log_every": 100,
-        "algorithm": {"name": "dpsgd", "optimizer": "adam", "lr": 0.003},
+        "algorithm": {"name": "dpsgd"},
+        "optimizer": {"name": "adam", "lr": 0.003},
         "topology": {"name": "ring"},
         "model": {"name": "transformer", "dim": 32, "layers": 1, "heads": 2},
         "data": {"name": "tiny_text", "num_samples": 400, "seq_len": 16},
     }
-    summary = run_local(2, train, cfg)[0]
+    summary = run_local(2, train, parse(cfg))[0]
     # far above guessing among ~30 characters: the model learned the grammar's words
     assert summary["test_accuracy"] > 0.35, summary

@@ -14,10 +14,11 @@ from runs import experiment, load
 
 from dpsgd import divergence
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.sim import train_fleet
 from dpsgd.training import train
 
-BLOWS_UP = ["algorithm.lr=1e6", "epochs=3"]
+BLOWS_UP = ["optimizer.lr=1e6", "epochs=3"]
 
 
 def _strict(text: str):
@@ -41,7 +42,8 @@ def _outputs_clean(run_dir: Path) -> dict:
 
 
 def _config(lr: float, **extra) -> dict:
-    cfg = experiment({**load("algorithm", "dpsgd"), "lr": lr})
+    cfg = experiment(load("algorithm", "dpsgd"))
+    cfg["optimizer"]["lr"] = lr
     cfg.update(epochs=3, log_every=2, **extra)
     return cfg
 
@@ -65,7 +67,7 @@ def test_norms_and_problems_match_numpy():
 def test_local_stop_names_peer_and_step_and_keeps_outputs_clean(tmp_path):
     cfg = _config(1e6, checkpoint={"every": 1})
     with pytest.raises(divergence.Diverged) as caught:
-        run_local(4, train, cfg, tmp_path)
+        run_local(4, train, parse(cfg), tmp_path)
     exc = caught.value
     assert 0 <= exc.peer < 4 and 1 <= exc.step <= 5, exc  # lr=1e6: within 5 steps of the start
     assert f"peer {exc.peer} diverged at step {exc.step}" in str(exc) and "\n" not in str(exc)
@@ -77,7 +79,7 @@ def test_local_stop_names_peer_and_step_and_keeps_outputs_clean(tmp_path):
 
 def test_local_mark_trains_on_marks_and_saves_no_checkpoint_after(tmp_path):
     cfg = _config(1e6, checkpoint={"every": 1}, on_divergence="mark")
-    summaries = run_local(4, train, cfg, tmp_path)
+    summaries = run_local(4, train, parse(cfg), tmp_path)
     s = _outputs_clean(tmp_path)
     assert s["status"] == "diverged" and s["steps"] == summaries[0]["steps"] > 5
     first = s["diverged"]
@@ -87,7 +89,7 @@ def test_local_mark_trains_on_marks_and_saves_no_checkpoint_after(tmp_path):
 
 
 def test_healthy_run_says_ok(tmp_path):
-    s = train_fleet(_config(0.1), tmp_path)
+    s = train_fleet(parse(_config(0.1)), tmp_path)
     assert s["status"] == "ok" and "diverged" not in s
     assert _strict((tmp_path / "summary.json").read_text())["status"] == "ok"
 
@@ -100,10 +102,10 @@ def test_fleet_names_the_first_peer(tmp_path):
         from dpsgd.sim.run import FleetRun
         from dpsgd.training import run_loop
 
-        run = FleetRun(cfg)
+        run = FleetRun(parse(cfg))
         with torch.no_grad():
             run.fleet.params[0][2].view(-1)[0] = math.inf
-        run_loop(run, cfg, tmp_path)
+        run_loop(run, parse(cfg), tmp_path)
     assert caught.value.peer == 2 and caught.value.step == 1
     assert _outputs_clean(tmp_path)["diverged"]["peer"] == 2
 
@@ -139,7 +141,7 @@ def test_report_marks_and_tune_fails_diverged_runs(tmp_path, capsys):
         cfg = _config(lr, on_divergence="mark", backend={"name": "fleet"})
         (tmp_path / name).mkdir()
         OmegaConf.save(OmegaConf.create(cfg), tmp_path / name / "config.yaml")
-        train_fleet(cfg, tmp_path / name)
+        train_fleet(parse(cfg), tmp_path / name)
     assert report.main([str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "status" in table and "diverged" in table and "1 of 2 runs diverged" in table
@@ -148,14 +150,14 @@ def test_report_marks_and_tune_fails_diverged_runs(tmp_path, capsys):
     found = [{**t, "config": {**t["config"], "data": {**t["config"]["data"]}}} for t in tune.trials(tmp_path)]
     for t in found:
         t["summary"]["evaluated_on"] = "validation"
-    choice = tune.select(found, ["algorithm.lr"])
-    assert choice["failed"] == 1 and choice["chosen"] == {"algorithm.lr": 0.1}
+    choice = tune.select(found, ["optimizer.lr"])
+    assert choice["failed"] == 1 and choice["chosen"] == {"optimizer.lr": 0.1}
 
 
 def test_event_simulator_is_checked_too(tmp_path):
     """AD-PSGD on the event simulator: every peer's live parameters, once per step of peer 0."""
-    cfg = {**_config(1e6), "algorithm": {**load("algorithm", "adpsgd"), "lr": 1e6}, "backend": {"name": "fleet"}}
+    cfg = {**_config(1e6), "algorithm": load("algorithm", "adpsgd"), "backend": {"name": "fleet"}}
     with pytest.raises(divergence.Diverged) as caught:
-        train_fleet(cfg, tmp_path)
+        train_fleet(parse(cfg), tmp_path)
     assert 1 <= caught.value.step <= 5
     assert _outputs_clean(tmp_path)["status"] == "diverged"

@@ -14,6 +14,7 @@ from runs import experiment
 
 from dpsgd import checkpoint, elastic
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.training import train
 from experiments.validate import ConfigError, validate
 
@@ -21,12 +22,12 @@ from experiments.validate import ConfigError, validate
 def elastic_config(algorithm: str = "dpsgd", epochs: int = 2) -> dict:
     from runs import load
 
-    cfg = experiment({**load("algorithm", algorithm), "momentum": 0.9}, peers=3)
+    cfg = experiment(load("algorithm", algorithm), peers=3)  # the base steps SGD with momentum 0.9
     return {**cfg, "elastic": True, "epochs": epochs, "log_every": 5, "checkpoint": {"every": 10}}
 
 
 def trained(tmp_path: Path, peers: int, cfg: dict) -> list[dict]:
-    return run_local(peers, lambda comm: train(comm, cfg, tmp_path))
+    return run_local(peers, lambda comm: train(comm, parse(cfg), tmp_path))
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -92,7 +93,7 @@ def test_elastic_config_checks(hydra_config):
     with pytest.raises(ConfigError, match=r"needs checkpoint.every > 0"):
         check("backend=torch", "checkpoint.every=0")
     with pytest.raises(ValueError, match=r"re-formed with 5 peers, but topology 'hypercube' cannot be built"):
-        elastic.check_world(hydra_config("topology=hypercube", "peers=8"), 5)
+        elastic.check_world(parse(hydra_config("topology=hypercube", "peers=8")).topology, 5)
 
 
 @pytest.mark.processes

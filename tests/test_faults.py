@@ -18,6 +18,7 @@ from runs import assert_same_numbers
 from dpsgd import checkpoint
 from dpsgd.backends.launch import failure_cause
 from dpsgd.comm import PeerTimeoutError, run_local, transport
+from dpsgd.config import parse
 from dpsgd.faults import FaultInjector, FaultPlan, InjectedFault
 from dpsgd.supervisor import Supervisor
 from dpsgd.training import train
@@ -74,9 +75,9 @@ def test_lost_messages_only_on_local():
 
 def test_no_fault_configured_changes_nothing(config):
     cfg = config("peers=4")
-    plain = run_local(4, train, cfg, None)[0]
+    plain = run_local(4, train, parse(cfg), None)[0]
     delayed = run_local(
-        4, train, config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.01", "faults.at_step=3"), None
+        4, train, parse(config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.01", "faults.at_step=3")), None
     )[0]
     for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
         assert plain[key] == delayed[key], key  # a slow peer slows the run, never its numbers
@@ -86,7 +87,7 @@ def test_no_fault_configured_changes_nothing(config):
 def test_delay_past_the_timeout_names_the_slow_peer(config):
     cfg = config("peers=4", "faults.delay_peer=2", "faults.delay_s=1.5", "faults.at_step=3")
     with pytest.raises(PeerTimeoutError) as info:
-        run_local(4, train, cfg, None, timeout_s=0.5)
+        run_local(4, train, parse(cfg), None, timeout_s=0.5)
     assert "waiting for peer(s) [2] at step 3" in str(info.value)
 
 
@@ -109,7 +110,7 @@ def test_lost_messages_are_a_timeout_naming_the_sender(config):
     cfg = config("peers=4", "faults.drop_messages=1.0", "faults.at_step=4")
     start = time.monotonic()
     with pytest.raises(PeerTimeoutError) as info:
-        run_local(4, train, cfg, None, timeout_s=1.0)
+        run_local(4, train, parse(cfg), None, timeout_s=1.0)
     assert time.monotonic() - start < 10
     assert "neighbor_average timed out after 1 s" in str(info.value) and "at step 4" in str(info.value)
 
@@ -132,7 +133,7 @@ def test_killed_local_peer_stops_the_world_at_once(config):
     cfg = config("peers=4", "faults.kill_peer=3", "faults.at_step=5")
     start = time.monotonic()
     with pytest.raises(InjectedFault, match="peer 3 exited at step 5"):
-        run_local(4, train, cfg, None, timeout_s=60)
+        run_local(4, train, parse(cfg), None, timeout_s=60)
     assert time.monotonic() - start < 30  # not the 60 s timeout: the world knows the peer failed
 
 

@@ -16,6 +16,7 @@ import torch
 from dpsgd import data
 from dpsgd.build import build_peer
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.sim import Fleet
 from dpsgd.sim.batches import FleetBatches
 
@@ -23,17 +24,23 @@ torch.set_num_threads(1)
 STEPS = 20
 
 
-def config(algorithm: str, topology: str = "ring", peers: int = 4, **algo) -> dict:
-    return runs.experiment({**runs.load("algorithm", algorithm), **algo}, topology, peers, "fleet")
+def config(algorithm: str, topology: str = "ring", peers: int = 4, optimizer: dict | None = None, **algo) -> dict:
+    """`algorithm` with its options `algo`, stepping the base optimizer its yaml picks (with `optimizer`'s keys,
+    where `optimizer` names no other: {"name": "adam", "lr": 0.01})."""
+    cfg = runs.experiment(runs.algorithm(algorithm, **algo), topology, peers, "fleet")
+    if optimizer:
+        base = runs.load("optimizer", optimizer["name"]) if "name" in optimizer else cfg["optimizer"]
+        cfg["optimizer"] = {**base, **optimizer}
+    return cfg
 
 
 def local_parameters(cfg: dict, steps: int) -> list[torch.Tensor]:
     """(n, D) parameters of the real peers (local backend threads) after `steps` training steps."""
 
     def peer(comm):
-        p = build_peer(comm, cfg)
-        for _ in range(steps):
-            p.train_step()
+        p = build_peer(comm, parse(cfg))
+        for step in range(1, steps + 1):
+            p.step(step)
         return torch.cat([t.detach().reshape(-1) for t in p.model.parameters()])
 
     return torch.stack(run_local(cfg["peers"], peer, timeout_s=60))
@@ -44,7 +51,7 @@ CASES = {
     "allreduce": ("allreduce", "ring", {}),
     "dpsgd-cta": ("dpsgd", "ring", {}),
     "dpsgd-atc": ("dpsgd", "one_peer_exponential", {"order": "atc"}),
-    "dpsgd-nesterov-wd": ("dpsgd", "exponential", {"nesterov": True, "weight_decay": 1e-3}),
+    "dpsgd-nesterov-wd": ("dpsgd", "exponential", {"optimizer": {"nesterov": True, "weight_decay": 1e-3}}),
     "qgm": ("qgm", "ring", {}),
     "local_sgd": ("local_sgd", "ring", {"warmup_steps": 3}),
     "local_sgd-state-avg-groups": (
@@ -52,7 +59,7 @@ CASES = {
         "ring",
         {"inner_state": "average", "group_size": 2, "global_period": 8},
     ),
-    "local_sgd-reset": ("local_sgd", "ring", {"inner_state": "reset", "optimizer": "adam", "lr": 0.01}),
+    "local_sgd-reset": ("local_sgd", "ring", {"inner_state": "reset", "optimizer": {"name": "adam", "lr": 0.01}}),
     "slowmo": ("slowmo", "ring", {}),
     "bmuf": ("bmuf", "ring", {}),
     "diloco": ("diloco", "ring", {}),
@@ -76,9 +83,9 @@ CASES = {
 def test_fleet_equals_local_backend(case, peers):
     algorithm, topology, options = CASES[case]
     cfg = config(algorithm, topology, peers, **options)
-    fleet = Fleet(copy.deepcopy(cfg))
-    for _ in range(STEPS):
-        fleet.train_step()
+    fleet = Fleet(parse(cfg))
+    for step in range(1, STEPS + 1):
+        fleet.step(step)
     expected = local_parameters(cfg, STEPS)
     got = fleet.flat()
     assert got.shape == expected.shape
@@ -102,14 +109,14 @@ def test_batches_match_each_peers_own():
 def test_bytes_are_counted_as_the_communicators_count_them():
     for algorithm, topology in (("dpsgd", "one_peer_exponential"), ("allreduce", "ring"), ("choco", "ring")):
         cfg = config(algorithm, topology, 8)
-        fleet = Fleet(copy.deepcopy(cfg))
-        for _ in range(3):
-            fleet.train_step()
+        fleet = Fleet(parse(copy.deepcopy(cfg)))
+        for step in range(1, 3 + 1):
+            fleet.step(step)
 
         def peer(comm, cfg=cfg):
-            p = build_peer(comm, cfg)
-            for _ in range(3):
-                p.train_step()
+            p = build_peer(comm, parse(cfg))
+            for step in range(1, 3 + 1):
+                p.step(step)
             return comm.stats.bytes_sent, comm.stats.bytes_received
 
         real = torch.tensor(run_local(8, peer, timeout_s=60), dtype=torch.float64)
@@ -119,7 +126,7 @@ def test_bytes_are_counted_as_the_communicators_count_them():
 
 def test_invalid_options_fail_as_in_real_runs():
     with pytest.raises(ValueError, match="Choco keeps s_i"):
-        Fleet(config("choco", "one_peer_exponential"))
+        Fleet(parse(config("choco", "one_peer_exponential")))
 
 
 @pytest.mark.parametrize("algorithm", ["dpsgd", "adpsgd"])
@@ -135,8 +142,8 @@ def test_files_have_the_keys_of_a_real_run(algorithm, tmp_path):
     (tmp_path / "fleet").mkdir()
     local_cfg = copy.deepcopy(cfg)
     local_cfg["backend"] = {"name": "local"}
-    run_local(4, train, local_cfg, tmp_path / "local", timeout_s=60)
-    train_fleet(copy.deepcopy(cfg), tmp_path / "fleet")
+    run_local(4, train, parse(local_cfg), tmp_path / "local", timeout_s=60)
+    train_fleet(parse(cfg), tmp_path / "fleet")
     records = {
         k: [json.loads(r) for r in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
         for k in ("local", "fleet")

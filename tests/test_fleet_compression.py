@@ -14,6 +14,7 @@ import torch
 
 from dpsgd.build import build_peer
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.sim import Fleet
 
 torch.set_num_threads(1)
@@ -33,9 +34,9 @@ def local_run(cfg: dict, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, D) parameters and (n, 2) bytes sent and received of the real peers (local backend threads)."""
 
     def peer(comm):
-        p = build_peer(comm, cfg)
-        for _ in range(steps):
-            p.train_step()
+        p = build_peer(comm, parse(cfg))
+        for step in range(1, steps + 1):
+            p.step(step)
         flat = torch.cat([t.detach().reshape(-1) for t in p.model.parameters()])
         return flat, torch.tensor([comm.stats.bytes_sent, comm.stats.bytes_received], dtype=torch.float64)
 
@@ -77,9 +78,9 @@ CASES = {
 def test_fleet_equals_local_backend_with_compression(case):
     algorithm, topology, compression, options, steps = CASES[case]
     cfg = config(algorithm, topology, compression, **options)
-    fleet = Fleet(copy.deepcopy(cfg))
-    for _ in range(steps):
-        fleet.train_step()
+    fleet = Fleet(parse(copy.deepcopy(cfg)))
+    for step in range(1, steps + 1):
+        fleet.step(step)
     expected, traffic = local_run(cfg, steps)
     torch.testing.assert_close(fleet.flat(), expected, rtol=1e-5, atol=1e-5)
     # bytes as encoded: the fleet counts what each real peer's communicator counted
@@ -88,14 +89,14 @@ def test_fleet_equals_local_backend_with_compression(case):
     if algorithm == "choco":  # one vocabulary: compression=random_k is Choco's compressor=random_k
         own = {k: v for k, v in compression.items() if k != "error_feedback"}
         cfg = config(algorithm, topology, {"name": "none"}, **{**options, "compressor": own.pop("name"), **own})
-        same = Fleet(cfg)
-        for _ in range(steps):
-            same.train_step()
+        same = Fleet(parse(cfg))
+        for step in range(1, steps + 1):
+            same.step(step)
         assert torch.equal(same.flat(), fleet.flat()) and torch.equal(same.comm.bytes_sent, fleet.comm.bytes_sent)
         return
-    exact = Fleet(copy.deepcopy({**cfg, "compression": {"name": "none"}}))
-    for _ in range(steps):
-        exact.train_step()
+    exact = Fleet(parse(copy.deepcopy({**cfg, "compression": {"name": "none"}})))
+    for step in range(1, steps + 1):
+        exact.step(step)
     assert (fleet.comm.bytes_sent < exact.comm.bytes_sent).all()  # the codec was used...
     assert (fleet.flat() - exact.flat()).abs().max() > 1e-6  # ...and changed the numbers
 

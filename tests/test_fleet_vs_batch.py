@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from dpsgd.config import parse
 from dpsgd.sim import Fleet
 from experiments.bench import fleet_vs_batch as bench
 
@@ -32,7 +33,7 @@ def test_rows_and_targets(tmp_path):
 def test_the_reference_does_the_fleets_arithmetic():
     """Peers with equal weights (the fleet's start): the one model's gradient at batch n*b is the mean of theirs."""
     torch.manual_seed(0)
-    fleet = Fleet(bench.config("cnn", 4, 8, "cpu"))
+    fleet = Fleet(parse(bench.config("cnn", 4, 8, "cpu")))
     x, y = fleet.batches.next()
     fleet.gradients(x, y)
     ref = bench.Reference(fleet, lr=0.1, momentum=0.9)

@@ -13,6 +13,7 @@ import torch
 from test_fleet import local_parameters
 
 import topologies
+from dpsgd.config import parse
 from dpsgd.sim import Fleet
 from dpsgd.sim.fleet import mixing
 from dpsgd.sim.wide import widen
@@ -32,28 +33,38 @@ MODELS = {
 }
 
 
+def gradients(fleet: Fleet, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Every peer's gradient of its loss on its batch in `.grad` (the fleet's step without the optimizer's)."""
+    for p in fleet.params:
+        p.grad = None
+    fleet.losses(x, y).sum().backward()
+
+
 @pytest.mark.parametrize("model", [*MODELS, "mlp"])
 def test_wide_gradients_equal_vmaps(model):
-    fleet = Fleet(image_config(MODELS[model]) if model in MODELS else runs.experiment(runs.load("algorithm", "dpsgd")))
+    fleet = Fleet(
+        parse(image_config(MODELS[model]) if model in MODELS else runs.experiment(runs.load("algorithm", "dpsgd")))
+    )
     assert fleet._wide is not None  # the fleet chose the wide layout
+    generator = torch.Generator().manual_seed(0)  # seeded: the same weights on every run of the test
     with torch.no_grad():  # peers with different weights: a layout that mixed peers would show
         for p in fleet.params:
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
     x, y = fleet.batches.next()
-    fleet.gradients(x, y)
+    gradients(fleet, x, y)
     wide = [p.grad.clone() for p in fleet.params]
     fleet._wide = None
-    fleet.gradients(x, y)
+    gradients(fleet, x, y)
     for name, a, b in zip(fleet.names, wide, (p.grad for p in fleet.params)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_wide_fleet_equals_local_backend():
     cfg = image_config(MODELS["cnn"])
-    fleet = Fleet(copy.deepcopy(cfg))
+    fleet = Fleet(parse(copy.deepcopy(cfg)))
     assert fleet._wide is not None
-    for _ in range(10):
-        fleet.train_step()
+    for step in range(1, 10 + 1):
+        fleet.step(step)
     torch.testing.assert_close(fleet.flat(), local_parameters(cfg, 10), rtol=1e-5, atol=1e-5)
 
 
@@ -69,9 +80,9 @@ def test_transformer_fleet_equals_local_backend():
     cfg = runs.experiment(runs.load("algorithm", "dpsgd"), "ring", 4, "fleet")
     cfg = {**cfg, "model": {"name": "transformer", "dim": 16, "layers": 1, "heads": 2}, "batch_size": 4,
            "data": {**runs.load("data", "tiny_text"), "num_samples": 200, "seq_len": 12}}  # fmt: skip
-    fleet = Fleet(copy.deepcopy(cfg))
-    for _ in range(5):
-        fleet.train_step()
+    fleet = Fleet(parse(copy.deepcopy(cfg)))
+    for step in range(1, 5 + 1):
+        fleet.step(step)
     torch.testing.assert_close(fleet.flat(), local_parameters(cfg, 5), rtol=1e-5, atol=1e-5)
 
 

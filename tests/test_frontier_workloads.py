@@ -17,6 +17,7 @@ from peers import frontier_workloads_peer as peer
 from dpsgd import data
 from dpsgd.backends import spawn
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.sim import Fleet
 
 N = 4
@@ -25,9 +26,9 @@ torch.set_num_threads(1)
 
 
 def fleet_parameters(algorithm: str, workload: str) -> torch.Tensor:
-    fleet = Fleet(copy.deepcopy(peer.config(algorithm, workload, N, "fleet")))
-    for _ in range(peer.STEPS):
-        fleet.train_step()
+    fleet = Fleet(parse(copy.deepcopy(peer.config(algorithm, workload, N, "fleet"))))
+    for step in range(1, peer.STEPS + 1):
+        fleet.step(step)
     return fleet.flat()
 
 
@@ -80,7 +81,7 @@ def test_a_fleet_run_on_text_corpus_reports_test_perplexity(tmp_path):
 
     cfg = peer.config("sparseloco", "text_corpus", N, "fleet")
     cfg["epochs"], cfg["log_every"] = 1, 4
-    summary = train_fleet(cfg, tmp_path)
+    summary = train_fleet(parse(cfg), tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records and all(math.isclose(r["test_perplexity"], math.exp(r["test_loss"])) for r in records)
     assert summary["test_perplexity"] == pytest.approx(records[-1]["test_perplexity"])

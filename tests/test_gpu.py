@@ -21,12 +21,15 @@ pytestmark = [
 
 
 def test_place_makes_the_peers_gpu_current():
+    from dpsgd.config import parse
+
     cfg = {"device": "cuda", "device_share": True, "backend": {"name": "mpi"}}
-    device = placement.place(cfg, 0, 1)
+    device = placement.place(parse(cfg), 0, 1)
     assert device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
-    assert placement.single_device({"device": "auto"}) == torch.device("cuda", 0)
+    assert placement.single_device("auto") == torch.device("cuda", 0)
     # peers in one process (local threads) share its GPU, named with its index
-    assert placement.place({**cfg, "backend": {"name": "local"}}, 3, 8, in_process=True) == torch.device("cuda", 0)
+    local = parse({**cfg, "backend": {"name": "local"}})
+    assert placement.place(local, 3, 8, in_process=True) == torch.device("cuda", 0)
 
 
 def _operations(comm, device: str, staged: bool) -> list[torch.Tensor]:
@@ -69,6 +72,7 @@ def test_overlap_is_timed_on_the_device():
 
 
 def test_fleet_on_the_gpu_matches_the_cpu_fleet():
+    from dpsgd.config import parse
     from dpsgd.sim import Fleet
     from experiments.bench.fleet_gpu import config
 
@@ -77,8 +81,8 @@ def test_fleet_on_the_gpu_matches_the_cpu_fleet():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full float32, as the CPU
     try:
         for device in ("cpu", "cuda"):
-            fleet = Fleet(config(8, 4, device, samples=200))
-            losses[device] = torch.stack([fleet.train_step().detach().cpu() for _ in range(3)])
+            fleet = Fleet(parse(config(8, 4, device, samples=200)))
+            losses[device] = torch.stack([fleet.step(k).detach().cpu() for k in (1, 2, 3)])
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
     assert torch.allclose(losses["cuda"], losses["cpu"], rtol=1e-3)

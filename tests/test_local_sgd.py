@@ -19,9 +19,9 @@ from peers import quadratic as q
 from reference import grads, sgd_increment
 
 from dpsgd.backends import spawn
-from dpsgd.build import factories
 from dpsgd.comm import run_local
 from dpsgd.optim import ALGORITHMS, BMUF, AllReduce, DiLoCo, LocalSGD, SlowMo, build
+from dpsgd.options import factories
 
 N = 4
 PEER_SCRIPT = str(Path(__file__).parent / "peers" / "local_sgd_peer.py")

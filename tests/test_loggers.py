@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dpsgd.config import LoggerConfig
 from dpsgd.loggers import missing_package, scalars
 
 
@@ -20,8 +21,8 @@ def test_scalars_of_a_record():
         "adpsgd": {"staleness_mean": 1.5, "roles": ["active"]},
     }
     assert scalars(record) == {"test_accuracy": 0.5, "adpsgd/staleness_mean": 1.5}
-    assert missing_package({"logger": {"sinks": ["tensorboard", "mlflow"]}}) is None  # the dev extra installs both
-    assert "valid sinks: tensorboard, mlflow" in missing_package({"logger": {"sinks": ["wandb"]}})
+    assert missing_package(LoggerConfig(sinks=["tensorboard", "mlflow"])) is None  # the dev extra installs both
+    assert "valid sinks: tensorboard, mlflow" in missing_package(LoggerConfig(sinks=["wandb"]))
 
 
 def test_tensorboard_and_mlflow_hold_the_records(app, tmp_path, monkeypatch):

@@ -100,7 +100,7 @@ def test_the_language_model_preset_composes_for_every_algorithm_with_one_inner_o
     assert metric in gossip_map.MINIMISED and target > 1
     cfg = gossip_map.compose([*workload, "algorithm=dpsgd", "topology=one_peer_exponential", "peers=16"])
     assert (cfg.data.name, cfg.model.name, cfg.backend.name, cfg.peers) == ("text_corpus", "transformer", "fleet", 16)
-    assert (cfg.algorithm.name, cfg.algorithm.optimizer, cfg.algorithm.lr) == ("dpsgd", "adamw", 0.003)
+    assert (cfg.algorithm.name, cfg.optimizer.name, cfg.optimizer.lr) == ("dpsgd", "adamw", 0.003)
     with pytest.raises(SystemExit, match="unknown workload 'text_lm'"):
         gossip_map.workload_overrides("text_lm")
     with pytest.raises(SystemExit, match=r"--check-algorithms \['adpsgd'\]: expected labels among"):

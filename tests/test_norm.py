@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dpsgd import metrics, models
+from dpsgd.config import parse
 from experiments.validate import ConfigError, validate
 
 
@@ -39,7 +40,6 @@ def test_buffers_option_reaches_the_app(hydra_config):
     """`buffers=` of the config governs a real peer's BatchNorm statistics (dpsgd.optim's `buffers=`): the same on
     every peer with broadcast (rank 0's), mixed with D-PSGD's gossip with average (nearer each other), each its
     own with local."""
-    import copy
 
     from dpsgd.build import build_peer
     from dpsgd.comm import run_local
@@ -48,10 +48,9 @@ def test_buffers_option_reaches_the_app(hydra_config):
         cfg = hydra_config("model=resnet20", "model.norm=batch", "data.partition=shards", f"buffers={mode}")
 
         def peer(comm):
-            p = build_peer(comm, copy.deepcopy(cfg))
+            p = build_peer(comm, parse(cfg))
             for step in range(1, 4):
-                p.before_step(step)
-                p.train_step()
+                p.step(step)
             return torch.cat([b.reshape(-1).float() for b in p.model.buffers()])
 
         return torch.stack(run_local(4, peer, timeout_s=120))

@@ -15,7 +15,9 @@ from experiments.validate import ConfigError
     [
         (["epochz=3"], ["unknown key 'epochz'", "no such key", "did you mean epochs?"]),
         (["+epochz=3"], ["unknown key 'epochz'", "nothing reads it", "did you mean epochs?"]),
-        (["algorithm.lrr=0.1"], ["unknown key 'algorithm.lrr'", "did you mean algorithm.lr"]),
+        (["optimizer.lrr=0.1"], ["unknown key 'optimizer.lrr'", "did you mean optimizer.lr"]),
+        (["algorithm.lr=0.1"], ["unknown key 'algorithm.lr'", "the keys under algorithm: name, order, overlap"]),
+        (["epochs=abc"], ["epochs must be an integer >= 1, got 'abc'"]),
         (["+data.rot=x"], ["unknown key 'data.rot'", "nothing reads it", "the keys under data"]),
         (["+epochs=3"], ["the config has epochs already", "epochs=..."]),
         (["algorithm=dpsgdd"], ["unknown algorithm 'dpsgdd'", "did you mean dpsgd"]),
@@ -40,10 +42,12 @@ def test_refused_in_one_line(argv, words):
     "argv",
     [
         ["epochs=3", "algorithm=local_sgd", "algorithm.period=2"],
-        ["algorithm=local_sgd", "~algorithm.outer", "+algorithm.outer={_target_: torch.optim.Adam, lr: 0.01}"],
-        ["+algorithm.dampening=0.1"],  # a new option of the algorithm's constructor (which refuses unknown ones)
+        ["algorithm=diloco", "~algorithm.outer", "+algorithm.outer={_target_: torch.optim.Adam, lr: 0.01}"],
+        ["algorithm=local_sgd", "algorithm.outer={_target_: torch.optim.Adam, lr: 0.01}"],
+        ["+algorithm.new_option=0.1"],  # a choice's keys are its constructor's to check (experiments.validate)
+        ["+optimizer.dampening=0.1"],
         ["++epochs=3", "hydra.run.dir=x", "hydra/launcher=basic"],
-        ["-m", "seed=range(3)", "algorithm=dpsgd,allreduce", "algorithm.lr=0.1,0.2"],
+        ["-m", "seed=range(3)", "algorithm=dpsgd,allreduce", "optimizer.lr=0.1,0.2"],
         ["--cfg", "job", "whatever=1"],  # Hydra's own flags: left to Hydra
         ["data=mnist", "data.root=/tmp/x"],
     ],
@@ -72,7 +76,7 @@ def test_app_unknown_key_one_line_exit_2_no_folder(app, tmp_path, arg):
 
 def test_a_users_config_folder_joins(tmp_path):
     (tmp_path / "algorithm").mkdir()
-    (tmp_path / "algorithm" / "mine.yaml").write_text("defaults:\n  - dpsgd\n  - _self_\nlr: 0.2\nextra_knob: 3\n")
+    (tmp_path / "algorithm" / "mine.yaml").write_text("defaults:\n  - dpsgd\n  - _self_\norder: atc\nextra_knob: 3\n")
     where = f"hydra.searchpath=[file://{tmp_path}]"
     argv = [where, "algorithm=mine", "algorithm.extra_knob=4"]
     assert overrides.check(argv) == argv
@@ -115,7 +119,7 @@ def test_config_dir_gets_the_same_one_line_checks(tmp_path):
     "argv, words",
     [
         (["-m", "topology=ring,hypercube", "peers=6"], ["sweep job 1 of 2", "topology=hypercube", "power of 2"]),
-        (["-m", "algorithm.lr=0.1,-1", "seed=0,1"], ["sweep job 2 of 4", "algorithm.lr=-1 seed=0", "> 0"]),
+        (["-m", "optimizer.lr=0.1,-1", "seed=0,1"], ["sweep job 2 of 4", "optimizer.lr=-1 seed=0", "> 0"]),
     ],
 )
 def test_every_job_of_a_sweep_is_checked_before_the_first_runs(argv, words, capsys):

@@ -11,6 +11,7 @@ import torch
 from dpsgd import placement
 from dpsgd.comm.local import run_local
 from dpsgd.comm.staging import HostStaging
+from dpsgd.config import RunConfig, parse
 from tests.runs import EXACT, summary
 from topologies import Neighbors
 
@@ -23,19 +24,29 @@ LAUNCHERS = {
 }
 
 
-def cfg(device="cuda", share=False, backend="mpi", dist_backend=None):
-    return {"device": device, "device_share": share, "backend": {"name": backend, "dist_backend": dist_backend}}
+def cfg(device="cuda", share=False, backend="mpi", dist_backend=None) -> RunConfig:
+    backend_options = {"dist_backend": dist_backend} if backend == "torch" else {}
+    return parse({"device": device, "device_share": share, "backend": {"name": backend, **backend_options}})
+
+
+def device_of(config: RunConfig, rank: int, peers: int, **kw) -> torch.device:
+    """The device placement gives peer `rank` of `peers` under the run `config`."""
+    return placement.peer_device(config.device, rank, peers, share=config.device_share, **kw)
+
+
+def nccl(config: RunConfig) -> bool:
+    return placement.uses_nccl(config.backend, config.device)
 
 
 def test_torchrun_4_processes_on_4_gpus_put_peer_r_on_cuda_r_and_nccl_never_shares():
     config = cfg(backend="torch")  # nccl: the default with device=cuda
-    assert placement.uses_nccl(config)
-    devices = [placement.peer_device(config, 0, 4, env=env, gpus=4, nccl=True) for env in TORCHRUN_4]
+    assert nccl(config)
+    devices = [device_of(config, 0, 4, env=env, gpus=4, nccl=True) for env in TORCHRUN_4]
     assert devices == [torch.device("cuda", r) for r in range(4)]
     with pytest.raises(RuntimeError, match="4 peers on this node but 2 GPU"):
-        placement.peer_device(config, 0, 4, env=TORCHRUN_4[3], gpus=2, nccl=True)
+        device_of(config, 0, 4, env=TORCHRUN_4[3], gpus=2, nccl=True)
     with pytest.raises(RuntimeError, match="nccl needs one GPU per peer"):  # device_share does not lift it
-        placement.peer_device({**config, "device_share": True}, 0, 4, env=TORCHRUN_4[3], gpus=2, nccl=True)
+        device_of(config.replace(device_share=True), 0, 4, env=TORCHRUN_4[3], gpus=2, nccl=True)
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
@@ -43,44 +54,44 @@ def test_every_launchers_local_rank_picks_the_gpu(launcher):
     # 2 nodes of 4 peers, 4 GPUs each: the global rank never decides, the rank on the node does
     for local in range(4):
         env = LAUNCHERS[launcher](local, 4)
-        assert placement.peer_device(cfg(), rank=99, peers=8, env=env, gpus=4) == torch.device("cuda", local)
+        assert device_of(cfg(), rank=99, peers=8, env=env, gpus=4) == torch.device("cuda", local)
 
 
 def test_sharing_gpus_only_when_asked_and_never_for_nccl():
     env = LAUNCHERS["mpich"](5, 8)
     with pytest.raises(RuntimeError, match="set device_share=true"):
-        placement.peer_device(cfg(), 5, 8, env=env, gpus=4)
-    assert placement.peer_device(cfg(share=True), 5, 8, env=env, gpus=4) == torch.device("cuda", 1)
+        device_of(cfg(), 5, 8, env=env, gpus=4)
+    assert device_of(cfg(share=True), 5, 8, env=env, gpus=4) == torch.device("cuda", 1)
     # no launcher's variables (the app's own spawner): every peer on this node, by rank
-    assert placement.peer_device(cfg(share=True), 6, 8, env={}, gpus=4) == torch.device("cuda", 2)
+    assert device_of(cfg(share=True), 6, 8, env={}, gpus=4) == torch.device("cuda", 2)
     with pytest.raises(RuntimeError, match="8 peers on this node but 1 GPU"):
-        placement.peer_device(cfg(), 6, 8, env={}, gpus=1)
+        device_of(cfg(), 6, 8, env={}, gpus=1)
     # srun without --ntasks-per-node does not say how many share the node: nothing to refuse
-    assert placement.peer_device(cfg(), 5, 8, env={"SLURM_LOCALID": "1"}, gpus=4) == torch.device("cuda", 1)
+    assert device_of(cfg(), 5, 8, env={"SLURM_LOCALID": "1"}, gpus=4) == torch.device("cuda", 1)
     # one GPU named for every peer of the node is sharing too
     with pytest.raises(RuntimeError, match="device=cuda:1 puts them all on one GPU"):
-        placement.peer_device(cfg(device="cuda:1"), 0, 4, env=LAUNCHERS["mpich"](0, 4), gpus=2)
-    assert placement.peer_device(cfg(device="cuda:1", share=True), 0, 4, env={}, gpus=2) == torch.device("cuda", 1)
+        device_of(cfg(device="cuda:1"), 0, 4, env=LAUNCHERS["mpich"](0, 4), gpus=2)
+    assert device_of(cfg(device="cuda:1", share=True), 0, 4, env={}, gpus=2) == torch.device("cuda", 1)
 
 
 def test_device_values():
-    assert placement.peer_device(cfg(device="cpu"), 3, 4, env={}, gpus=8) == torch.device("cpu")
-    assert placement.peer_device(cfg(device="cuda:3"), 0, 1, env={}, gpus=4) == torch.device("cuda", 3)
+    assert device_of(cfg(device="cpu"), 3, 4, env={}, gpus=8) == torch.device("cpu")
+    assert device_of(cfg(device="cuda:3"), 0, 1, env={}, gpus=4) == torch.device("cuda", 3)
     with pytest.raises(ValueError, match="has 4 GPU"):
-        placement.peer_device(cfg(device="cuda:4"), 0, 1, env={}, gpus=4)
+        device_of(cfg(device="cuda:4"), 0, 1, env={}, gpus=4)
     # peers in one process (local threads, the fleet) share its device, however many
     assert placement.place(cfg(device="cpu", backend="local"), 5, 64, in_process=True) == torch.device("cpu")
     with pytest.raises(ValueError, match="device must be one of cpu, cuda, auto"):
         placement.kind("gpu")
     assert placement.kind("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert not placement.uses_nccl(cfg(backend="torch", dist_backend="gloo"))
-    assert not placement.uses_nccl(cfg(device="cpu", backend="torch"))
+    assert not nccl(cfg(backend="torch", dist_backend="gloo"))
+    assert not nccl(cfg(device="cpu", backend="torch"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_cuda_without_a_gpu_says_so_in_one_line():
     with pytest.raises(RuntimeError) as err:
-        placement.peer_device(cfg(), 0, 1, env={})
+        device_of(cfg(), 0, 1, env={})
     assert "torch sees no GPU" in str(err.value) and "\n" not in str(err.value)
 
 

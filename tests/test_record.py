@@ -13,6 +13,7 @@ import runs
 
 from dpsgd import metrics
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.sim import train_fleet
 from dpsgd.training import train
 
@@ -36,9 +37,9 @@ def test_real_peers_fleet_and_simulator_write_exactly_the_schemas_keys(algorithm
     real = copy.deepcopy(cfg)
     real["backend"] = {"name": "local"}
     (tmp_path / "real").mkdir()
-    run_local(4, train, real, tmp_path / "real", timeout_s=60)
+    run_local(4, train, parse(real), tmp_path / "real", timeout_s=60)
     (tmp_path / "sim").mkdir()
-    train_fleet(copy.deepcopy(cfg), tmp_path / "sim")  # the fleet, or the event simulator for adpsgd
+    train_fleet(parse(cfg), tmp_path / "sim")  # the fleet, or the event simulator for adpsgd
     for kind in ("real", "sim"):
         lines, summary = records(tmp_path / kind)
         assert len(lines) >= 2

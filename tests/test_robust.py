@@ -18,6 +18,7 @@ from dpsgd import backends, divergence
 from dpsgd.comm import codecs, run_local, transport
 from dpsgd.comm.corrupt import Corruption, alie_z
 from dpsgd.comm.robust import Robust, Rule, make, wrap
+from dpsgd.config import parse
 from dpsgd.faults import FaultPlan
 from dpsgd.sim.fleet import FleetCommunicator
 from dpsgd.training import train
@@ -143,17 +144,19 @@ def test_nan_sender_is_named_as_the_diverged_peer(tmp_path):
     cfg = experiment({**load("algorithm", "dpsgd")})
     cfg["faults"] = {"corrupt_peer": 2, "corrupt_mode": "nan"}
     with pytest.raises(divergence.Diverged) as caught:
-        run_local(4, train, cfg, tmp_path)
+        run_local(4, train, parse(cfg), tmp_path)
     assert caught.value.peer == 2 and caught.value.step == 1
     assert "it sent non-finite values (received by peer" in str(caught.value)
 
 
 def test_corrupt_mode_nan_from_the_command_line_is_the_nan_mode(hydra_config):
-    """Hydra's grammar reads `faults.corrupt_mode=nan` as the float NaN: it was refused as 'got nan'."""
+    """Hydra's grammar reads `faults.corrupt_mode=nan` as the float NaN (it was refused as 'got nan'): the typed
+    config (a string field) makes it the word again, and a NaN given in Python still means the nan mode."""
     faults = hydra_config("faults.corrupt_peer=2", "faults.corrupt_mode=nan")["faults"]
-    assert isinstance(faults["corrupt_mode"], float) and math.isnan(faults["corrupt_mode"])
+    assert faults["corrupt_mode"] == "nan"
     assert FaultPlan.from_config(faults, 4, transport.get("local")).corrupt_mode == "nan"
-    assert Corruption(frozenset([2]), faults["corrupt_mode"]).mode == "nan"
+    assert FaultPlan.from_config({**faults, "corrupt_mode": math.nan}, 4, transport.get("local")).corrupt_mode == "nan"
+    assert Corruption(frozenset([2]), math.nan).mode == "nan"
 
 
 def test_config_checks():

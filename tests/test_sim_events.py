@@ -4,7 +4,6 @@ stragglers and link costs acting as they should, compute-time distributions of t
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
@@ -15,18 +14,20 @@ import yaml
 
 from dpsgd import data
 from dpsgd.comm.netem import Link
+from dpsgd.config import parse
 from dpsgd.sim.events import ComputeTimes, Simulation
 
 torch.set_num_threads(1)
 CONF = Path(__file__).parent.parent / "conf"
 
 
-def config(peers=4, topology="ring", model="linear", **algo) -> dict:
+def config(peers=4, topology="ring", model="linear", momentum=0.9, **algo) -> dict:
     def load(group, name):
         return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
     return {
         "algorithm": {**load("algorithm", "adpsgd"), **algo},
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": momentum},
         "topology": load("topology", topology),
         "model": load("model", model),
         "data": load("data", "digits"),
@@ -60,7 +61,7 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray, weight: float = 0.5) -> n
     the peer's snapshot (its live value after its previous step), -lr g added to the live value; an
     averaging moves each of its two peers `weight` of the way to the other (1/2: both to their mean).
     Checks each logged staleness on the way."""
-    n, lr = cfg["peers"], cfg["algorithm"]["lr"]
+    n, lr = cfg["peers"], cfg["optimizer"]["lr"]
     live = np.tile(x0.astype(np.float64), (n, 1))
     snap = live.copy()
     version, snap_version = np.zeros(n, int), np.zeros(n, int)
@@ -90,9 +91,7 @@ def replay(cfg: dict, sim: Simulation, x0: np.ndarray, weight: float = 0.5) -> n
 @pytest.mark.parametrize("distribution", ["constant", "lognormal"])
 def test_parameters_equal_a_numpy_replay_of_the_event_log(link, distribution):
     cfg = config(peers=6, momentum=0.0)
-    sim = Simulation(
-        copy.deepcopy(cfg), link=link, compute=ComputeTimes(6, 0.01, distribution, seed=1, scales={1: 3.0})
-    )
+    sim = Simulation(parse(cfg), link=link, compute=ComputeTimes(6, 0.01, distribution, seed=1, scales={1: 3.0}))
     x0 = sim.live[0].double().numpy().copy()
     sim.run()
     assert any(e[0] == "avg" for e in sim.log) and max(opt.measurements()["staleness_max"] for opt in sim.opts) >= 1
@@ -102,7 +101,7 @@ def test_parameters_equal_a_numpy_replay_of_the_event_log(link, distribution):
 
 def test_protocol_invariants():
     cfg = config(peers=8, topology="hypercube", model="mlp")
-    sim = Simulation(copy.deepcopy(cfg), link=Link(latency_s=0.02))  # slower links than compute: steps wait
+    sim = Simulation(parse(cfg), link=Link(latency_s=0.02))  # slower links than compute: steps wait
     sim.run()
     active = {r for r in range(8) if sim.opts[r].role == "active"}
     for e in sim.log:
@@ -120,17 +119,17 @@ def test_protocol_invariants():
 
 def test_one_history_per_seed():
     cfg = config(peers=4, model="mlp")
-    runs = [Simulation(copy.deepcopy(cfg), compute=ComputeTimes(4, 0.01, "pareto", seed=3)).run() for _ in range(2)]
+    runs = [Simulation(parse(cfg), compute=ComputeTimes(4, 0.01, "pareto", seed=3)).run() for _ in range(2)]
     assert runs[0].log == runs[1].log
     assert torch.equal(runs[0].live, runs[1].live)
-    other = Simulation(copy.deepcopy(cfg), compute=ComputeTimes(4, 0.01, "pareto", seed=4)).run()
+    other = Simulation(parse(cfg), compute=ComputeTimes(4, 0.01, "pareto", seed=4)).run()
     assert other.log != runs[0].log
 
 
 def test_a_straggler_slows_only_itself():
     cfg = config(peers=8, model="linear")
     cfg["network"].update(slow_peers=[3], compute_scale=4.0)
-    sim = Simulation(copy.deepcopy(cfg)).run()
+    sim = Simulation(parse(cfg)).run()
     others = [s for r, s in enumerate(sim.steps) if r != 3]
     assert sim.steps[3] <= min(others) / 3  # about a quarter of the others' steps
     assert max(others) - min(others) <= 2

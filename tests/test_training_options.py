@@ -5,7 +5,6 @@ ends with the uninterrupted numbers, an fp16 overflow on one peer skipped by all
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -18,6 +17,7 @@ import torch
 from dpsgd import training
 from dpsgd.build import build_peer
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.schedule import Schedule
 from dpsgd.sim import Fleet
 from dpsgd.stepping import StepOptions
@@ -39,19 +39,19 @@ def rates(scheduler_cls, steps: int, **kw) -> list[float]:
 
 def test_schedules_equal_torchs_schedulers():
     total = 40
-    cosine = Schedule({"name": "cosine", "warmup_steps": 0}, total)
+    cosine = Schedule("cosine", total, warmup_steps=0)
     expected = rates(torch.optim.lr_scheduler.CosineAnnealingLR, total, T_max=total)
     np.testing.assert_allclose([cosine.factor(k) for k in range(1, total + 1)], expected, rtol=1e-12, atol=1e-15)
-    step = Schedule({"name": "step", "milestones": [0.5, 0.75], "gamma": 0.1}, total)
+    step = Schedule("step", total, milestones=[0.5, 0.75], gamma=0.1)
     expected = rates(torch.optim.lr_scheduler.MultiStepLR, total, milestones=[20, 30], gamma=0.1)
     np.testing.assert_allclose([step.factor(k) for k in range(1, total + 1)], expected, rtol=1e-12)
     # linear warm-up (k / w for steps 1..w), then the cosine over the remaining steps from its top
-    warm = Schedule({"name": "cosine", "warmup_steps": 10, "final": 0.1}, total)
+    warm = Schedule("cosine", total, warmup_steps=10, final=0.1)
     assert [warm.factor(k) for k in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])
     assert warm.factor(11) == pytest.approx(1.0)
     assert warm.factor(total) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 29 / 30)))
     assert warm.factor(25) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 14 / 30)))
-    assert Schedule(None, total).factor(7) == 1.0
+    assert Schedule("constant", total).factor(7) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -60,11 +60,12 @@ def test_schedules_equal_torchs_schedulers():
         ({"name": "linear"}, "valid schedules: constant, step, cosine"),
         ({"name": "step", "milestones": [30]}, "fractions of the run"),
         ({"name": "cosine", "warmup_steps": -1}, "warmup_steps"),
+        ({"name": "constant", "gamma": 0.5}, "schedule=constant takes no option 'gamma'; its options: warmup_steps"),
     ],
 )
 def test_bad_schedules_say_what_is_expected(cfg, words):
     with pytest.raises(ValueError, match=words):
-        Schedule(cfg, 10)
+        Schedule.of(cfg.pop("name"), cfg, 10)
 
 
 @pytest.mark.parametrize(
@@ -77,12 +78,13 @@ def test_bad_schedules_say_what_is_expected(cfg, words):
     ],
 )
 def test_bad_step_options_say_what_is_expected(options, words):
+    batch_size = options.pop("batch_size", 32)
     with pytest.raises(ValueError, match=words):
-        StepOptions.from_config(options)
+        StepOptions(**options).check_batch(batch_size)
 
 
 def config(algorithm: str = "dpsgd", **top) -> dict:
-    cfg = runs.experiment(runs.load("algorithm", algorithm))
+    cfg = runs.experiment(runs.algorithm(algorithm))
     cfg.update({"schedule": runs.load("schedule", "constant"), **top})
     return cfg
 
@@ -105,17 +107,18 @@ def test_resume_mid_schedule_gives_the_uninterrupted_numbers(tmp_path):
     )
     full = tmp_path / "full"
     full.mkdir()
-    run_local(4, lambda comm: training.train(comm, copy.deepcopy(cfg), full), timeout_s=120)
+    run_local(4, lambda comm: training.train(comm, parse(cfg), full), timeout_s=120)
     lrs = [r["lr"] for r in records(full)]
     total = records(full)[-1]["step"]
-    expected = [cfg["algorithm"]["lr"] * Schedule(cfg["schedule"], total).factor(r["step"]) for r in records(full)]
+    schedule = Schedule("cosine", total, warmup_steps=10, final=0.0)
+    expected = [cfg["optimizer"]["lr"] * schedule.factor(r["step"]) for r in records(full)]
     assert lrs == pytest.approx(expected) and lrs[0] < lrs[2] and lrs[-1] < 0.01 * max(lrs)  # warm-up, then decay
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(full / "checkpoints" / "step_00000020", resumed / "checkpoints" / "step_00000020")
     kept = [line for line in (full / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 20]
     (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
-    run_local(4, lambda comm: training.train(comm, {**copy.deepcopy(cfg), "resume": True}, resumed), timeout_s=120)
+    run_local(4, lambda comm: training.train(comm, parse({**cfg, "resume": True}), resumed), timeout_s=120)
     runs.assert_same_numbers(full, resumed)
 
 
@@ -125,14 +128,13 @@ def test_fp16_overflow_on_one_peer_is_skipped_by_every_peer():
     cfg = config(precision="fp16")
 
     def peer(comm):
-        p = build_peer(comm, copy.deepcopy(cfg))
-        loss_fn, seen = p.loss_fn, []
-        p.loss_fn = lambda out, y: loss_fn(out, y) * (float("inf") if comm.rank == 2 and len(seen) == 3 else 1.0)
+        p = build_peer(comm, parse(cfg))
+        losses, seen = p.step.losses, []
+        p.step.losses = lambda x, y: losses(x, y) * (float("inf") if comm.rank == 2 and len(seen) == 3 else 1.0)
         for step in range(1, 7):
-            p.before_step(step)
             before = [t.detach().clone() for t in p.model.parameters()]
             seen.append(step)
-            p.train_step()
+            p.step(step)
             if step == 3:
                 skipped = all(torch.equal(a, b) for a, b in zip(before, p.model.parameters()))
         flat = torch.cat([t.detach().reshape(-1) for t in p.model.parameters()])
@@ -147,10 +149,9 @@ def test_fp16_overflow_on_one_peer_is_skipped_by_every_peer():
 
 def local_parameters(cfg: dict, steps: int) -> torch.Tensor:
     def peer(comm):
-        p = build_peer(comm, copy.deepcopy(cfg))
+        p = build_peer(comm, parse(cfg))
         for step in range(1, steps + 1):
-            p.before_step(step)
-            p.train_step()
+            p.step(step)
         return torch.cat([t.detach().reshape(-1) for t in p.model.parameters()])
 
     return torch.stack(run_local(cfg["peers"], peer, timeout_s=60))
@@ -164,10 +165,9 @@ def test_options_on_the_fleet_equal_the_local_backend(algorithm):
     cfg = config(
         algorithm, schedule={"name": "cosine", "warmup_steps": 10, "final": 0.0}, **{**OPTIONS, "clip_grad_norm": 0.1}
     )
-    fleet = Fleet({**copy.deepcopy(cfg), "backend": {"name": "fleet"}})
+    fleet = Fleet(parse({**cfg, "backend": {"name": "fleet"}}))
     for step in range(1, 21):
-        fleet.stepper.begin(step)
-        fleet.train_step()
+        fleet.step(step)
     expected = local_parameters(cfg, 20)
     torch.testing.assert_close(fleet.flat(), expected, rtol=0, atol=5e-3)
     plain = local_parameters(config(algorithm, schedule=cfg["schedule"]), 20)
@@ -202,7 +202,7 @@ def test_options_run_in_the_app_with_the_same_numbers_on_local_mpi_and_the_fleet
 def test_the_event_simulator_refuses_options_it_does_not_take_and_records_its_rate(hydra_config, tmp_path):
     from dpsgd.sim.run import train_fleet
 
-    train_fleet(hydra_config("backend=fleet", "algorithm=adpsgd", "epochs=1", "log_every=5"), tmp_path)
+    train_fleet(parse(hydra_config("backend=fleet", "algorithm=adpsgd", "epochs=1", "log_every=5")), tmp_path)
     assert {r["lr"] for r in records(tmp_path)} == {0.1}  # the configured rate, constant
     from experiments.validate import ConfigError, validate
 

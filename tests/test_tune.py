@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from dpsgd import data
 from dpsgd.build import load_data
+from dpsgd.config import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,11 +37,15 @@ def test_validation_split_is_carved_from_training_data(name):
 
 
 def test_fixed_split_seed_keeps_one_test_split_across_seeds(hydra_config):
-    tests = [load_data(hydra_config(f"seed={s}", "data.split_seed=0")).x_test for s in range(3)]
+    def split(*overrides):
+        run = parse(hydra_config(*overrides))
+        return load_data(run.data, run.seed, run.peers)
+
+    tests = [split(f"seed={s}", "data.split_seed=0").x_test for s in range(3)]
     assert all(t.equal(tests[0]) for t in tests)
-    validation = load_data(hydra_config("seed=2", "data.split_seed=0", "data.validation_fraction=0.2")).x_test
+    validation = split("seed=2", "data.split_seed=0", "data.validation_fraction=0.2").x_test
     assert not _rows(validation) & _rows(tests[0])
-    assert not load_data(hydra_config("seed=1")).x_test.equal(tests[0])  # by default the seed moves the split
+    assert not split("seed=1").x_test.equal(tests[0])  # by default the seed moves the split
 
 
 def test_tune_selects_on_validation_then_runs_seeds(tmp_path):
@@ -63,7 +68,7 @@ def test_tune_selects_on_validation_then_runs_seeds(tmp_path):
 
     search = runs(out / "search" / "local_sgd")
     assert len(search) == 4  # lr 0.03, 0.3 x period 2, 8
-    assert {(c["algorithm"]["lr"], c["algorithm"]["period"]) for c, _ in search} == {
+    assert {(c["optimizer"]["lr"], c["algorithm"]["period"]) for c, _ in search} == {
         (0.03, 2),
         (0.03, 8),
         (0.3, 2),
@@ -71,14 +76,15 @@ def test_tune_selects_on_validation_then_runs_seeds(tmp_path):
     }
     for config, summary in search:
         assert summary["evaluated_on"] == "validation" and config["data"]["validation_fraction"] == 0.2
-    best = max(search, key=lambda r: (r[1]["test_accuracy"], -r[1]["test_loss"]))[0]["algorithm"]
+    best_config = max(search, key=lambda r: (r[1]["test_accuracy"], -r[1]["test_loss"]))[0]
+    best = {"lr": best_config["optimizer"]["lr"], "period": best_config["algorithm"]["period"]}
     chosen = json.loads((out / "tuned.json").read_text())["algorithms"]["local_sgd"]["chosen"]
-    assert chosen == {"algorithm.lr": best["lr"], "algorithm.period": best["period"]}
+    assert chosen == {"optimizer.lr": best["lr"], "algorithm.period": best["period"]}
     final = runs(out / "final" / "local_sgd")
     assert sorted(s["seed"] for _, s in final) == [0, 1]
     for config, summary in final:
         assert summary["evaluated_on"] == "test" and config["data"]["split_seed"] == 0
-        assert (config["algorithm"]["lr"], config["algorithm"]["period"]) == (best["lr"], best["period"])
+        assert (config["optimizer"]["lr"], config["algorithm"]["period"]) == (best["lr"], best["period"])
     tuned_md = (out / "tuned.md").read_text()
     assert f"lr {best['lr']:g}, period {best['period']}" in tuned_md and "| 2 |" in tuned_md
 
@@ -99,7 +105,7 @@ def test_schedule_is_a_searched_setting():
     from experiments import tune
 
     space = tune.search_space("allreduce", [0.1], None, ["constant", "cosine"])
-    assert tune.sweep_args(space, "basic", None) == ["algorithm.lr=0.1", "schedule=constant,cosine"]
+    assert tune.sweep_args(space, "basic", None) == ["optimizer.lr=0.1", "schedule=constant,cosine"]
     assert "schedule=choice(constant,cosine)" in tune.sweep_args(space, "grid", None)
     assert tune._get({"schedule": {"name": "cosine", "warmup_steps": 0}}, "schedule") == "cosine"
 

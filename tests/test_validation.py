@@ -19,15 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (["algorithm.lr=0"], "algorithm.lr must be a number > 0, got 0"),
-        (["algorithm.lr=-0.1"], "algorithm.lr must be a number > 0, got -0.1"),
-        (["algorithm.lr=fast"], "algorithm.lr must be a number > 0, got 'fast'"),
+        (["optimizer.lr=0"], "optimizer.lr must be a number > 0, got 0"),
+        (["optimizer.lr=-0.1"], "optimizer.lr must be a number > 0, got -0.1"),
+        (["optimizer.lr=fast"], "optimizer.lr must be a number > 0, got 'fast'"),
         (["peers=0"], "peers must be an integer >= 1, got 0"),
         (["peers=2.5"], "peers must be an integer >= 1, got 2.5"),
-        (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1, got 0"),
+        (["algorithm=local_sgd", "algorithm.period=0"], "LocalSGD period must be an integer >= 1, got 0"),
+        (["algorithm=local_sgd", "algorithm.period=two"], "algorithm.period must be an integer, got 'two'"),
         (
             ["algorithm=choco", "algorithm.ratio=0"],
-            "algorithm.ratio (the fraction of entries a compressor sends) must be in (0, 1], got 0",
+            "top_k: ratio is the fraction of entries sent and must be in (0, 1]",
         ),
         (["algorithm=choco", "algorithm.ratio=1.5"], "must be in (0, 1], got 1.5"),
         (["algorithm=choco", "algorithm.compressor=zip"], "unknown codec 'zip'; valid: top_k"),
@@ -75,7 +76,12 @@ ROOT = Path(__file__).resolve().parent.parent
     ],
 )
 def test_bad_config_is_one_line(hydra_config, overrides, words):
+    """As the app checks a command line: its overrides composed onto the typed schema first (experiments.overrides:
+    unknown keys, types, bounds), then the run validated (the parts' own refusals)."""
+    from experiments import overrides as command_line
+
     with pytest.raises(ConfigError) as info:
+        command_line.check(list(overrides))
         validate(hydra_config(*overrides))
     message = str(info.value)
     assert words in message, message

@@ -19,6 +19,7 @@ import topologies
 from dpsgd import data, metrics, models
 from dpsgd.build import build_peer
 from dpsgd.comm import run_local
+from dpsgd.config import parse
 from dpsgd.sim import Fleet, train_fleet
 
 torch.set_num_threads(1)
@@ -115,7 +116,8 @@ def test_reference_dpsgd_stops_short_by_the_heterogeneity_and_tracking_does_not(
 
 # --- the optimizers on the fleet and on real peers, against the reference -------------------------------------
 def config(algorithm: str, peers: int, h: float, steps: int, backend: str = "fleet") -> dict:
-    cfg = runs.experiment({**runs.load("algorithm", algorithm), "lr": LR, "momentum": 0.0}, "ring", peers, backend)
+    cfg = runs.experiment(runs.algorithm(algorithm), "ring", peers, backend)
+    cfg["optimizer"] = {"name": "sgd", "lr": LR, "momentum": 0.0}
     cfg["model"] = runs.load("model", "linear")
     cfg["data"] = {**runs.load("data", "heterogeneous_regression"), "heterogeneity": h}
     cfg.update(batch_size=int(SAMPLES * 0.8), epochs=steps, log_every=steps // 4, seed=0)
@@ -123,7 +125,7 @@ def config(algorithm: str, peers: int, h: float, steps: int, backend: str = "fle
 
 
 def initial(cfg: dict) -> np.ndarray:
-    return Fleet(copy.deepcopy(cfg)).flat()[0].double().numpy()
+    return Fleet(parse(copy.deepcopy(cfg))).flat()[0].double().numpy()
 
 
 @pytest.mark.parametrize("algorithm", ["dpsgd", "gradient_tracking"])
@@ -132,17 +134,17 @@ def test_fleet_and_local_peers_follow_the_reference(algorithm):
     cfg = config(algorithm, peers, 2.0, steps)
     z, y, _ = problem(peers, 2.0)
     w, x0 = topologies.make("ring", peers).mixing_matrix(0), initial(cfg)
-    fleet = Fleet(copy.deepcopy(cfg))
+    fleet = Fleet(parse(copy.deepcopy(cfg)))
     for step in range(1, steps + 1):
-        fleet.train_step()
+        fleet.step(step)
         expected = reference(algorithm, z, y, w, x0, step)
         np.testing.assert_allclose(fleet.flat().double().numpy(), expected, rtol=1e-4, atol=1e-5, err_msg=str(step))
     assert np.abs(expected - expected.mean(0)).max() > 1e-3  # the peers differ: not a trivial agreement
 
     def peer(comm):
-        p = build_peer(comm, copy.deepcopy(cfg))
-        for _ in range(steps):
-            p.train_step()
+        p = build_peer(comm, parse(cfg))
+        for step in range(1, steps + 1):
+            p.step(step)
         return torch.cat([t.detach().reshape(-1) for t in p.model.parameters()])
 
     local = torch.stack(run_local(peers, peer, timeout_s=60)).double().numpy()
@@ -156,7 +158,7 @@ def test_runs_report_the_distances_of_the_reference(tmp_path):
     z, y, optimum = problem(peers, 1.0)
     w = topologies.make("ring", peers).mixing_matrix(0)
     x0 = initial(cfg)
-    summary = train_fleet(copy.deepcopy(cfg), tmp_path)
+    summary = train_fleet(parse(cfg), tmp_path)
     records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [100, 200, 300, 400]
     for r in records:
@@ -168,7 +170,9 @@ def test_runs_report_the_distances_of_the_reference(tmp_path):
     local = run_local(peers, lambda comm: _train_local(comm, local_cfg), timeout_s=60)[0]
     for key in ("optimum_distance", "peer_optimum_distance", "consensus_distance", "test_loss"):
         assert local[key] == pytest.approx(summary[key], rel=1e-3), key
-    digits = train_fleet({**copy.deepcopy(cfg), "data": runs.load("data", "digits"), "epochs": 1, "batch_size": 16})
+    digits = train_fleet(
+        parse({**copy.deepcopy(cfg), "data": runs.load("data", "digits"), "epochs": 1, "batch_size": 16})
+    )
     assert "optimum_distance" not in digits  # no known optimum: no such key
 
 
@@ -182,7 +186,7 @@ def test_report_shows_the_distances(tmp_path, capsys):
         run_dir.mkdir()
         cfg = config(algorithm, 4, 1.0, 12)
         OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
-        train_fleet(cfg, run_dir)
+        train_fleet(parse(cfg), run_dir)
     assert report.main([str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert "dist to x* (avg model)" in table[0] and "dist to x* (peers, rms)" in table[0]
@@ -192,7 +196,7 @@ def test_report_shows_the_distances(tmp_path, capsys):
 def _train_local(comm, cfg):
     from dpsgd.training import train
 
-    return train(comm, cfg)
+    return train(comm, parse(cfg))
 
 
 def test_mpi_peers_give_the_fleets_numbers(app, hydra_config, tmp_path):
@@ -208,13 +212,13 @@ def test_mpi_peers_give_the_fleets_numbers(app, hydra_config, tmp_path):
         "batch_size=32",
         "epochs=60",
         "log_every=10",
-        "algorithm.lr=0.02",
-        "algorithm.momentum=0",
+        "optimizer=plain_sgd",
+        "optimizer.lr=0.02",
     ]
     proc = app(["backend=mpi", *args], tmp_path / "mpi", timeout=120)
     assert proc.returncode == 0, proc.stderr
     (tmp_path / "fleet").mkdir()
-    train_fleet(hydra_config(*args, "backend=fleet"), tmp_path / "fleet")
+    train_fleet(parse(hydra_config(*args, "backend=fleet")), tmp_path / "fleet")
     mpi, fleet = (
         [json.loads(r) for r in (tmp_path / kind / "metrics.jsonl").read_text().splitlines()]
         for kind in ("mpi", "fleet")
@@ -250,8 +254,8 @@ def test_language_runs_report_perplexity(tmp_path):
         "model": {"name": "transformer", "dim": 16, "layers": 1, "heads": 2},
         "data": {"name": "tiny_text", "num_samples": 200, "seq_len": 16},
     }
-    cfg["algorithm"].update(optimizer="adam", lr=0.003, momentum=0.0)
-    summary = train_fleet(copy.deepcopy(cfg), tmp_path)
+    cfg["optimizer"] = runs.load("optimizer", "adam")
+    summary = train_fleet(parse(cfg), tmp_path)
     records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["test_perplexity"] == pytest.approx(math.exp(r["test_loss"])) for r in records)
     assert summary["test_perplexity"] == pytest.approx(math.exp(summary["test_loss"]))

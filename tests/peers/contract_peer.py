@@ -19,11 +19,8 @@ sys.path.insert(0, str(TESTS))  # plugins.py (the user's own module) and runs.py
 import runs  # noqa: E402
 
 import topologies  # noqa: E402
-from dpsgd.build import (  # noqa: E402
-    BASE_KEYS,
-    build_peer,
-    factories,  # noqa: E402
-)
+from dpsgd.build import build_peer  # noqa: E402
+from dpsgd.config import parse  # noqa: E402
 from dpsgd.optim import ALGORITHMS, build  # noqa: E402
 
 STEPS = 20
@@ -31,13 +28,7 @@ TOPOLOGY = {"sgp": "directed_exponential"}  # the rest run on a ring
 
 
 def config(peers: int = 4, backend: str = "local") -> dict:
-    algorithm = {
-        "name": "alternating",
-        "_target_": "plugins.AlternatingGossip",
-        "lr": 0.1,
-        "momentum": 0.9,
-        "period": 7,
-    }
+    algorithm = {"name": "alternating", "_target_": "plugins.AlternatingGossip", "period": 7}
     return runs.experiment(algorithm, "ring", peers, backend)
 
 
@@ -58,7 +49,7 @@ def initial_parameters(comm) -> dict:
     for name in ALGORITHMS:
         model = seeded_model(comm.rank)
         # the config's options as a run's build hands them over (a `_target_` dict made its factory)
-        options = factories({k: v for k, v in runs.load("algorithm", name).items() if k not in BASE_KEYS})
+        options = runs.own_options(name)
         topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
         opt = build(name, torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, comm=comm, **options)
         if opt.asynchronous:
@@ -69,9 +60,9 @@ def initial_parameters(comm) -> dict:
 
 
 def plugin_parameters(comm) -> list[float]:
-    peer = build_peer(comm, config(comm.size, comm.backend))
-    for _ in range(STEPS):
-        peer.train_step()
+    peer = build_peer(comm, parse(config(comm.size, comm.backend)))
+    for step in range(1, STEPS + 1):
+        peer.step(step)
     return torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()]).tolist()
 
 

@@ -17,12 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs.py
 import runs  # noqa: E402
 
 from dpsgd.build import build_peer  # noqa: E402
+from dpsgd.config import parse
 
 STEPS = 5  # every rule communicates by step 3 (periods below)
 # short periods, so that every rule communicates within STEPS
 OPTIONS = {
     "noloco": {"period": 3},
-    "demo": {"lr": 0.003},
+    "demo": {},
     "sparseloco": {"period": 3},
     "desloc": {"param_period": 2, "momentum_period": 3, "variance_period": 4},
 }
@@ -32,16 +33,18 @@ CASES = [(algorithm, workload) for algorithm in OPTIONS for workload in ("digits
 
 
 def config(algorithm: str, workload: str, peers: int = 4, backend: str = "local") -> dict:
-    cfg = runs.experiment({**runs.load("algorithm", algorithm), **OPTIONS[algorithm]}, "ring", peers, backend)
+    cfg = runs.experiment(runs.algorithm(algorithm, **OPTIONS[algorithm]), "ring", peers, backend)
+    if algorithm == "demo":
+        cfg["optimizer"]["lr"] = 0.003
     if workload == "text_corpus":
         cfg["data"], cfg["model"], cfg["batch_size"] = dict(TEXT), dict(TRANSFORMER), 8
     return cfg
 
 
 def parameters(comm, algorithm: str, workload: str) -> list[float]:
-    peer = build_peer(comm, config(algorithm, workload, comm.size, comm.backend))
-    for _ in range(STEPS):
-        peer.train_step()
+    peer = build_peer(comm, parse(config(algorithm, workload, comm.size, comm.backend)))
+    for step in range(1, STEPS + 1):
+        peer.step(step)
     return torch.cat([p.detach().reshape(-1) for p in peer.model.parameters()]).tolist()
 
 

@@ -16,8 +16,8 @@ try:
 except ImportError:  # run as a script: tests/peers is the script's own folder
     import quadratic as q
 
-from dpsgd.build import factories
 from dpsgd.optim import build
+from dpsgd.options import factories
 
 STEPS = 12
 SGD = {"_target_": "torch.optim.SGD"}

@@ -22,7 +22,6 @@ sys.path.insert(0, str(TESTS))
 import runs  # noqa: E402
 
 import topologies  # noqa: E402
-from dpsgd.build import BASE_KEYS, factories  # noqa: E402
 from dpsgd.optim import ALGORITHMS, build  # noqa: E402
 
 STEPS, RESTORE_AT, INF_AT = 10, 4, 2
@@ -30,8 +29,9 @@ TOPOLOGY = {"sgp": "directed_exponential"}  # the rest gossip on a ring
 SYNCHRONOUS = [name for name, cls in ALGORITHMS.items() if not cls.asynchronous]
 
 
-def conf(name: str) -> dict:
-    return runs.load("algorithm", name)
+def momentum(name: str) -> float:
+    """The momentum of the base optimizer the algorithm's yaml steps (conf/optimizer/)."""
+    return float(runs.load("optimizer", runs.optimizer_of(name)).get("momentum", 0.0))
 
 
 def model_for(seed: int) -> torch.nn.Module:
@@ -64,7 +64,7 @@ def module_state(comm) -> dict:
     for name in ALGORITHMS:
         model = whole_model(comm.rank)
         base = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        options = factories({k: v for k, v in conf(name).items() if k not in BASE_KEYS})
+        options = runs.own_options(name)
         topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
         opt = build(name, base, topology=topology, comm=comm, module=model, **options)
         if opt.asynchronous:
@@ -84,13 +84,12 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def make(comm, name: str, model: torch.nn.Module, head: bool = True, **keywords):
     """Two parameter groups (the head at half the rate, with weight decay) under algorithm `name`
     (`head=False`: the first group only)."""
-    c = conf(name)
     groups = [
         {"params": list(model[0].parameters())},
         {"params": list(model[2].parameters()), "lr": 0.05, "weight_decay": 1e-3},
     ][: 2 if head else 1]
-    base = torch.optim.SGD(groups, lr=0.1, momentum=float(c.get("momentum", 0.0)))
-    options = factories({k: v for k, v in c.items() if k not in BASE_KEYS})
+    base = torch.optim.SGD(groups, lr=0.1, momentum=momentum(name))
+    options = runs.own_options(name)
     topology = topologies.make(TOPOLOGY.get(name, "ring"), comm.size)
     return build(name, base, topology=topology, comm=comm, **{**options, **keywords})
 
@@ -100,7 +99,7 @@ SCHEDULERS = {
     "multistep": lambda opt, name: sched.MultiStepLR(opt, milestones=[2, 7], gamma=0.3),
     "cosine": lambda opt, name: sched.CosineAnnealingLR(opt, T_max=STEPS),
     "onecycle": lambda opt, name: sched.OneCycleLR(
-        opt, max_lr=[0.2, 0.1], total_steps=STEPS, cycle_momentum=conf(name).get("momentum", 0) > 0
+        opt, max_lr=[0.2, 0.1], total_steps=STEPS, cycle_momentum=momentum(name) > 0
     ),
     "warmup": lambda opt, name: sched.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)),
     "sequential": lambda opt, name: sched.SequentialLR(
@@ -154,12 +153,11 @@ def train(comm, name: str, schedule: str, restore_at: int | None = None, bf16: b
 def reference_schedule(name: str, schedule: str, losses: list[float]) -> list:
     """The (lr, momentum) a plain torch.optim.SGD over the same groups gets from the same scheduler."""
     model = model_for(0)
-    c = conf(name)
     groups = [
         {"params": list(model[0].parameters())},
         {"params": list(model[2].parameters()), "lr": 0.05, "weight_decay": 1e-3},
     ]
-    opt = torch.optim.SGD(groups, lr=0.1, momentum=float(c.get("momentum", 0.0)))
+    opt = torch.optim.SGD(groups, lr=0.1, momentum=momentum(name))
     scheduler = SCHEDULERS[schedule](opt, name)
     used = []
     for t in range(STEPS):
