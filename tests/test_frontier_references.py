@@ -359,7 +359,7 @@ STARTS = fp.problem(N)[2] + np.random.default_rng(7).normal(size=(N, fp.DIM))  #
 LRS = fp.LR * np.array([0.1, 1.0, 0.3, 2.0, 0.5, 1.5, 0.2, 1.2, 0.7, 0.4, 1.8, 0.9])
 
 
-def run_peers(make, starts=None, lrs=None, seen=None) -> np.ndarray:
+def peer_trajectories(make, starts=None, lrs=None, seen=None) -> np.ndarray:
     """(steps, N, DIM): fp.STEPS steps of `make(params, comm)` on each peer's least-squares share, peer i from
     starts[i] (default: the common x0), the base's lr set to lrs[t] before step t; `seen(opt, comm, t)` after
     each step."""
@@ -392,7 +392,7 @@ def test_sparseloco_peers_starting_apart_take_the_mean_of_their_starts_as_anchor
     from dpsgd.optim import SparseLoCo
 
     _, kind, options = fp.CASES["sparseloco"]
-    got = run_peers(
+    got = peer_trajectories(
         lambda params, comm: SparseLoCo(fp.base(kind, params), comm=comm, broadcast_initial=False, **options), STARTS
     )
     A, b, x0 = fp.problem(N)
@@ -407,7 +407,7 @@ def test_demo_under_a_changing_learning_rate_matches_numpy():
     from dpsgd.optim import DeMo
 
     _, _, options = fp.CASES["demo"]
-    got = run_peers(lambda params, comm: DeMo(torch.optim.SGD(params, lr=fp.LR), comm=comm, **options), lrs=LRS)
+    got = peer_trajectories(lambda params, comm: DeMo(torch.optim.SGD(params, lr=fp.LR), comm=comm, **options), lrs=LRS)
     A, b, x0 = fp.problem(N)
     np.testing.assert_allclose(got, ref_demo(A, b, x0, **options, lrs=LRS), rtol=0, atol=1e-9, err_msg="DeMo")
     # not vacuous: left out of the momentum, a constant lr changes nothing (the sign does not see a scale), this
@@ -437,7 +437,7 @@ def test_desloc_averages_sgds_momentum_buffer_as_its_first_moment():
     from dpsgd.optim import DESLOC
 
     periods = {"param_period": 4, "momentum_period": 3, "variance_period": 5}
-    got = run_peers(lambda params, comm: DESLOC(fp.base("sgd_momentum", params), comm=comm, **periods))
+    got = peer_trajectories(lambda params, comm: DESLOC(fp.base("sgd_momentum", params), comm=comm, **periods))
     A, b, x0 = fp.problem(N)
     want = ref_desloc_sgd(A, b, x0, 4, 3)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-9, err_msg="DES-LOC over SGD with momentum")
@@ -468,7 +468,7 @@ def test_desloc_averages_the_moments_exactly_under_compression():
             (s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in map(opt.state.get, opt.params())
         ]
 
-    got = run_peers(make, seen=seen)
+    got = peer_trajectories(make, seen=seen)
     for t in range(1, fp.STEPS + 1):
         for which, period in ((0, periods["momentum_period"]), (1, periods["variance_period"])):
             for k in range(len(fp.SHAPES)):
