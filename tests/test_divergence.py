@@ -161,3 +161,33 @@ def test_event_simulator_is_checked_too(tmp_path):
         train_fleet(parse(cfg), tmp_path)
     assert 1 <= caught.value.step <= 5
     assert _outputs_clean(tmp_path)["status"] == "diverged"
+
+
+def test_mark_names_the_first_peer_to_diverge_not_a_later_one():
+    """on_divergence=mark over 4 real peers: peer 1 diverges at step 4, peer 2 at step 2 (its loss), peer 3 at
+    step 5; each stays diverged afterwards. The summary every peer writes names peer 2 at step 2: the earliest
+    step (not the latest, nor the lowest or highest rank among the diverged), and that peer's first step."""
+    from types import SimpleNamespace
+
+    diverges = {1: 4, 2: 2, 3: 5}
+
+    def peer(comm):
+        model = torch.nn.Linear(3, 1)
+        run = SimpleNamespace(peer=SimpleNamespace(model=model, optimizer=SimpleNamespace(comm=comm)), comm=comm)
+        guard = divergence.Guard(run, {"on_divergence": "mark"})
+        for step in range(1, 8):
+            loss = 0.5
+            if comm.rank in diverges and step >= diverges[comm.rank]:
+                if comm.rank == 2:
+                    loss = math.nan
+                else:
+                    with torch.no_grad():
+                        model.weight[0, comm.rank - 1] = math.inf
+            guard.check(step, loss)
+        return guard.summary()
+
+    summaries = run_local(4, peer, timeout_s=60)
+    for r, s in enumerate(summaries):
+        assert s["status"] == "diverged", f"rank {r}: {s}"
+        assert (s["diverged"]["peer"], s["diverged"]["step"]) == (2, 2), f"rank {r} names {s['diverged']}"
+        assert "training loss is nan" in s["diverged"]["what"]

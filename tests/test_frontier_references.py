@@ -116,21 +116,25 @@ def ref_noloco(A, b, x0, period, outer, gamma=None):
     return np.array(out)
 
 
-def ref_demo(A, b, x0, decay, topk, chunk):
+def ref_demo(A, b, x0, decay, topk, chunk, lrs=None, lr_in_momentum=True):
+    """lrs: the base's lr at each step (default fp.LR throughout); DeMo's gamma is the step's lr
+    (lr_in_momentum=False: left out of the momentum, a wrong rule, for the tests' contrast)."""
+    lrs = [fp.LR] * fp.STEPS if lrs is None else lrs
     x = np.tile(x0, (N, 1))
     m, out = np.zeros_like(x), []
-    for _ in range(fp.STEPS):
-        m = decay * m + fp.LR * grads(A, b, x)
+    for t in range(fp.STEPS):
+        m = decay * m + (lrs[t] if lr_in_momentum else 1.0) * grads(A, b, x)
         q = np.stack([sparse(m[i], chunk, topk, dct=True) for i in range(N)])
         m = m - q
-        x = x - fp.LR * np.sign(q.mean(0))
+        x = x - lrs[t] * np.sign(q.mean(0))
         out.append(x.copy())
     return np.array(out)
 
 
-def ref_sparseloco(A, b, x0, period, decay, topk, chunk, bits, outer, momentum):
-    x = np.tile(x0, (N, 1))
-    anchor, e, buf, out = x0.copy(), np.zeros_like(x), None, []
+def ref_sparseloco(A, b, x0, period, decay, topk, chunk, bits, outer, momentum, starts=None):
+    """starts: each peer's own start, (N, DIM) (broadcast_initial=False): the anchor starts as their mean."""
+    x = np.tile(x0, (N, 1)) if starts is None else starts.copy()
+    anchor, e, buf, out = x.mean(0), np.zeros_like(x), None, []
     for t in range(1, fp.STEPS + 1):
         g = grads(A, b, x)
         buf = g if buf is None else momentum * buf + g
@@ -346,3 +350,135 @@ def test_state_dict_resumes_bit_for_bit(case):
         step(resumed, opt2)
     for p, q in zip(params, resumed):
         assert torch.equal(p, q), case
+
+
+# --- peers starting apart, a changing lr, DES-LOC's SGD momentum and compression ---------------------------
+STARTS = fp.problem(N)[2] + np.random.default_rng(7).normal(size=(N, fp.DIM))  # peer i's own start (row i)
+# a learning rate that changes at every step (a constant one hides a missing lr factor in DeMo's momentum: the
+# sign of the mean is the same for every scale of the momenta)
+LRS = fp.LR * np.array([0.1, 1.0, 0.3, 2.0, 0.5, 1.5, 0.2, 1.2, 0.7, 0.4, 1.8, 0.9])
+
+
+def peer_trajectories(make, starts=None, lrs=None, seen=None) -> np.ndarray:
+    """(steps, N, DIM): fp.STEPS steps of `make(params, comm)` on each peer's least-squares share, peer i from
+    starts[i] (default: the common x0), the base's lr set to lrs[t] before step t; `seen(opt, comm, t)` after
+    each step."""
+
+    def peer(comm):
+        A, b, x0 = fp.problem(comm.size)
+        A_i, b_i = torch.tensor(A[comm.rank]), torch.tensor(b[comm.rank])
+        params = fp._params(x0 if starts is None else starts[comm.rank], ())
+        opt = make(params, comm)
+        out = []
+        for t in range(fp.STEPS):
+            if lrs is not None:
+                for group in opt.param_groups:
+                    group["lr"] = float(lrs[t])
+            opt.zero_grad()
+            x = torch.cat([p.reshape(-1) for p in params])
+            (0.5 / fp.ROWS * (A_i @ x - b_i).pow(2).sum()).backward()
+            opt.step()
+            if seen is not None:
+                seen(opt, comm, t + 1)
+            out.append(torch.cat([p.detach().reshape(-1) for p in params]).numpy().copy())
+        return out
+
+    return np.stack([np.array(t) for t in run_local(N, peer, timeout_s=60)], axis=1)
+
+
+def test_sparseloco_peers_starting_apart_take_the_mean_of_their_starts_as_anchor():
+    """broadcast_initial=False: each peer keeps its own start and the anchor starts as the peers' mean (the
+    DiLoCo family's 'common model'), so the first outer step lands every peer on mean(x_0) - mean_j s_j."""
+    from dpsgd.optim import SparseLoCo
+
+    _, kind, options = fp.CASES["sparseloco"]
+    got = peer_trajectories(
+        lambda params, comm: SparseLoCo(fp.base(kind, params), comm=comm, broadcast_initial=False, **options), STARTS
+    )
+    A, b, x0 = fp.problem(N)
+    want = ref_sparseloco(A, b, x0, **options, momentum=0.9, starts=STARTS)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-9, err_msg="SparseLoCo from starts apart")
+    assert np.abs(got[options["period"] - 2] - got[options["period"] - 2].mean(0)).max() > 0.5  # apart until then
+    assert np.abs(got[-1] - got[-1][0]).max() == 0  # one model after each outer step
+
+
+def test_demo_under_a_changing_learning_rate_matches_numpy():
+    """DeMo's m_i <- beta m_i + gamma_t g_i and x_i <- x_i - gamma_t sign(Q) with gamma_t the lr of step t."""
+    from dpsgd.optim import DeMo
+
+    _, _, options = fp.CASES["demo"]
+    got = peer_trajectories(lambda params, comm: DeMo(torch.optim.SGD(params, lr=fp.LR), comm=comm, **options), lrs=LRS)
+    A, b, x0 = fp.problem(N)
+    np.testing.assert_allclose(got, ref_demo(A, b, x0, **options, lrs=LRS), rtol=0, atol=1e-9, err_msg="DeMo")
+    # not vacuous: left out of the momentum, a constant lr changes nothing (the sign does not see a scale), this
+    # schedule does
+    same = ref_demo(A, b, x0, **options, lr_in_momentum=False)
+    np.testing.assert_allclose(same, ref_demo(A, b, x0, **options), rtol=0, atol=1e-12)
+    assert np.abs(ref_demo(A, b, x0, **options, lrs=LRS, lr_in_momentum=False) - got).max() > 1e-3
+
+
+def ref_desloc_sgd(A, b, x0, param_period, momentum_period, momentum=0.9):
+    """Local SGD with momentum (torch's: buf = g at first, then mu buf + g; x -= lr buf), x averaged every
+    param_period steps and the momentum buffer, the first moment, every momentum_period."""
+    x, buf, out = np.tile(x0, (N, 1)), None, []
+    for t in range(1, fp.STEPS + 1):
+        g = grads(A, b, x)
+        buf = g.copy() if buf is None else momentum * buf + g
+        x = x - fp.LR * buf
+        if t % param_period == 0:
+            x[:] = x.mean(0)
+        if t % momentum_period == 0:
+            buf[:] = buf.mean(0)
+        out.append(x.copy())
+    return np.array(out)
+
+
+def test_desloc_averages_sgds_momentum_buffer_as_its_first_moment():
+    from dpsgd.optim import DESLOC
+
+    periods = {"param_period": 4, "momentum_period": 3, "variance_period": 5}
+    got = peer_trajectories(lambda params, comm: DESLOC(fp.base("sgd_momentum", params), comm=comm, **periods))
+    A, b, x0 = fp.problem(N)
+    want = ref_desloc_sgd(A, b, x0, 4, 3)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-9, err_msg="DES-LOC over SGD with momentum")
+    assert np.abs(want - ref_desloc_sgd(A, b, x0, 4, 10**6)).max() > 1e-3  # the buffer's averaging matters here
+
+
+def test_desloc_averages_the_moments_exactly_under_compression():
+    """compression=top_k: the parameters travel encoded, Adam's moments in an exact all-reduce. After each step
+    at which a moment is due, every peer holds the numpy mean of the moments the peers' base steps left."""
+    from dpsgd.comm import codecs
+    from dpsgd.optim import DESLOC
+
+    periods = {"param_period": 2, "momentum_period": 3, "variance_period": 4}
+    before, after = {}, {}
+
+    def make(params, comm):
+        base = fp.base("adam", params)
+
+        def keep(opt, args, kwargs):  # the moments as the base step left them, before DES-LOC's averaging
+            t = int(opt.state[params[0]]["step"])
+            before[comm.rank, t] = [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in map(opt.state.get, params)]
+
+        base.register_step_post_hook(keep)
+        return DESLOC(base, comm=codecs.wrap(comm, {"name": "top_k", "ratio": 0.25}), **periods)
+
+    def seen(opt, comm, t):
+        after[comm.rank, t] = [
+            (s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in map(opt.state.get, opt.params())
+        ]
+
+    got = peer_trajectories(make, seen=seen)
+    for t in range(1, fp.STEPS + 1):
+        for which, period in ((0, periods["momentum_period"]), (1, periods["variance_period"])):
+            for k in range(len(fp.SHAPES)):
+                held = np.stack([before[r, t][k][which].numpy() for r in range(N)])
+                for r in range(N):
+                    want = held.mean(0) if t % period == 0 else held[r]
+                    name = ("exp_avg", "exp_avg_sq")[which]
+                    np.testing.assert_allclose(
+                        after[r, t][k][which].numpy(), want, rtol=1e-12, atol=1e-15,
+                        err_msg=f"step {t}, rank {r}, tensor {k}: {name}",
+                    )  # fmt: skip
+    # not vacuous: the parameters' average at step 2 was encoded (top-k keeps a quarter of the entries)
+    assert (got[1] == 0).mean() >= 0.5 and (got[0] == 0).mean() == 0

@@ -8,6 +8,7 @@ import json
 import math
 import time
 
+import numpy as np
 import pytest
 
 from experiments import map as gossip_map
@@ -105,6 +106,86 @@ def test_the_language_model_preset_composes_for_every_algorithm_with_one_inner_o
         gossip_map.workload_overrides("text_lm")
     with pytest.raises(SystemExit, match=r"--check-algorithms \['adpsgd'\]: expected labels among"):
         gossip_map.main(["text_lm_peers", "--check-algorithms", "adpsgd", "dpsgd ring"])  # AD-PSGD is not checked
+
+
+def _touching(spread: float, a: float = 1.0) -> tuple[list[float], float]:
+    """Winner times [a - spread, a + spread] and the runner-up's centre b at which the two 95% Student-t intervals
+    touch: b - h and a + h the same float, h each one's half width (equal spreads, exact deviations). h is the
+    map's own (experiments.intervals) to the last bit, so that the touch is exact; it is scipy's to 1e-12."""
+    from scipy import stats
+
+    from experiments import intervals
+
+    winner = [a - spread, a + spread]
+    lo, hi = stats.t.interval(0.95, df=1, loc=a, scale=stats.sem(winner))
+    h = intervals.half_width(winner)
+    assert h == pytest.approx(hi - a, rel=1e-12) and h == intervals.half_width([7 - spread, 7 + spread])
+    b = (a + h) + h
+    for _ in range(64):  # the float b whose lower end b - h is the winner's upper end exactly
+        if b - h == a + h:
+            break
+        b = float(np.nextafter(b, np.inf if b - h < a + h else -np.inf))
+    assert b - h == a + h and (b - spread) + spread == b and (b + spread) - spread == b
+    return winner, b
+
+
+def test_apart_at_and_on_either_side_of_the_boundary_where_the_intervals_touch():
+    """Two seeds each, equal spreads: the winner's and the runner-up's 95% Student-t intervals (scipy.stats.t with
+    n - 1 = 1 degree of freedom: t = 12.706) are apart when the winner's upper end is below the runner-up's lower end,
+    not when they touch, and the decision turns within one part in 1e9 of the gap on either side."""
+    from scipy import stats
+
+    spread = 0.25
+    winner, b = _touching(spread)
+    _, hi_w = stats.t.interval(0.95, df=1, loc=np.mean(winner), scale=stats.sem(winner))
+    for offset, apart in ((0.0, False), (-1e-9, False), (1e-9, True)):
+        centre = b + offset * (b - 1.0)
+        runner = [centre - spread, centre + spread]
+        lo_r, _ = stats.t.interval(0.95, df=1, loc=np.mean(runner), scale=stats.sem(runner))
+        assert (hi_w < lo_r) == apart or offset == 0.0  # scipy's own ends, off the touching point
+        d = gossip_map.decide({"runner": runner, "winner": winner})
+        assert (d["winner"], d["runner_up"]) == ("winner", "runner")
+        assert d["apart"] is apart, f"gap {offset:+g} of the touching point: apart={d['apart']}, expected {apart}"
+    # three seeds (2 degrees of freedom, t = 4.303): the boundary from scipy's intervals, decided on either side
+    winner = [0.5, 1.0, 1.5]
+    _, hi_w = stats.t.interval(0.95, df=2, loc=1.0, scale=stats.sem(winner))
+    boundary = hi_w + (hi_w - 1.0)  # the runner-up's centre where its lower end meets hi_w (the same spread)
+    assert boundary == pytest.approx(1.0 + 2 * stats.t.ppf(0.975, 2) * 0.5 / math.sqrt(3), rel=1e-12)
+    for offset, apart in ((-1e-9, False), (1e-9, True)):
+        centre = boundary * (1 + offset)
+        d = gossip_map.decide({"winner": winner, "runner": [centre - 0.5, centre, centre + 0.5]})
+        assert d["apart"] is apart, f"3 seeds, {offset:+g} of the boundary: apart={d['apart']}, expected {apart}"
+
+
+def test_epochs_for_gives_the_fewest_epochs_whose_steps_reach_min_steps():
+    """Against the run's own plan (dpsgd.build.plan: total_steps of a run of E epochs): the smallest E, at least the
+    workload's (or the given) epochs, whose run takes min_steps steps; checked at, below and above whole epochs."""
+    from runs import experiment, load
+
+    from dpsgd import build
+
+    cfg = experiment(load("algorithm", "dpsgd"))
+    train_size = len(build.load_data(cfg).x_train)
+
+    def reference(n: int, min_steps: int, floor: int) -> int:
+        return next(e for e in range(floor, 10_000) if build.plan({**cfg, "epochs": e}, n).total_steps >= min_steps)
+
+    for n in (4, 8):
+        per_epoch = build.plan({**cfg, "epochs": 1}, n).total_steps
+        assert per_epoch > 5
+        for min_steps in (
+            1,
+            per_epoch - 1,
+            per_epoch,
+            per_epoch + 1,
+            3 * per_epoch,
+            3 * per_epoch + 1,
+            7 * per_epoch - 1,
+        ):
+            for epochs in (None, 2):
+                floor = epochs or cfg["epochs"]
+                got = gossip_map.epochs_for(cfg, n, train_size, min_steps, epochs)
+                assert got == reference(n, min_steps, floor), f"n={n}, min_steps={min_steps}, epochs={epochs}"
 
 
 @pytest.mark.slow  # make soak: 5.1 min on 2 cores, 2026-12-05 (fleet sweeps, then 6 real mpi runs)

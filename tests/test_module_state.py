@@ -111,3 +111,56 @@ def test_buffer_options_are_refused_in_one_line():
         AllReduce(base, comm=init("local"), module=model, buffers="mean")
     with pytest.raises(TypeError, match="module= takes the model"):
         AllReduce(base, comm=init("local"), module=base)
+
+
+class WithStatistic(torch.nn.Module):
+    """A linear layer and a floating buffer the test sets before each step (a running statistic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+        self.register_buffer("statistic", torch.zeros(5, dtype=torch.float64))
+
+
+def test_average_buffers_mix_with_the_steps_own_matrix_on_a_time_varying_topology():
+    """buffers="average" on D-PSGD over one_peer_exponential (W(k) changes every step): after step k (k = 0, 1,
+    ...) the buffers are W(k) times the peers' buffers, the matrix the parameters mixed with at that step (cta,
+    lr 0: x <- W(k) x), checked against numpy with the topology's mixing_matrix(k)."""
+    n, steps = 8, 5
+    topology = topologies.make("one_peer_exponential", n)
+    starts = np.random.default_rng(2).normal(size=(n, 8))  # each peer's own parameters (broadcast_initial=False)
+    values = np.random.default_rng(3).normal(size=(steps, n, 5))  # each peer's statistic before each step
+
+    def peer(comm):
+        model = WithStatistic().double()
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(torch.tensor(starts[comm.rank]), model.parameters())
+        opt = DPSGD(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            topology=topologies.make("one_peer_exponential", comm.size),
+            comm=comm,
+            module=model,
+            buffers="average",
+            broadcast_initial=False,
+        )
+        out = []
+        for k in range(steps):
+            model.statistic.copy_(torch.tensor(values[k, comm.rank]))
+            model.layer(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+            opt.step()
+            params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+            out.append((params.numpy().copy(), model.statistic.numpy().copy()))
+        return out
+
+    results = run_local(n, peer, timeout_s=60)
+    x = starts.copy()
+    for k in range(steps):
+        w = topology.mixing_matrix(k)
+        x = w @ x
+        for r in range(n):
+            params, statistic = results[r][k]
+            np.testing.assert_allclose(params, x[r], rtol=1e-12, atol=1e-12, err_msg=f"step {k}, rank {r}: parameters")
+            np.testing.assert_allclose(
+                statistic, (w @ values[k])[r], rtol=1e-12, atol=1e-12, err_msg=f"step {k}, rank {r}: buffer"
+            )
+    assert not np.allclose(topology.mixing_matrix(0), topology.mixing_matrix(1))  # the matrix changes every step

@@ -233,3 +233,45 @@ def test_a_library_users_gossip_on_a_robust_wrap_is_checked_too():
     refused = run_local(4, build, "one_peer_exponential")
     assert all(r is not None and "never mixes" in r for r in refused), refused
     assert run_local(4, build, "exponential") == [None] * 4
+
+
+def test_trimmed_mean_of_four_values_trims_one_per_side_whatever_byzantine_asks():
+    """4 values with byzantine=2: trimming 2 per side would leave none (a mean of nothing: nan); the cap keeps the
+    middle two, scipy's trim_mean with a quarter cut per side. On 4 real peers (a robust mean) with peer 3 sending
+    its values scaled by 1e6, every peer holds the trimmed mean of what it holds and received."""
+    from scipy.stats import trim_mean
+
+    values = np.random.default_rng(4).normal(size=(4, D))
+    got = Rule("trimmed_mean", byzantine=2).combine(
+        torch.tensor(values[0]), [torch.tensor(v) for v in values[1:]], [0.25] * 3, 0.25
+    )
+    np.testing.assert_allclose(got.numpy(), trim_mean(values, 0.25, axis=0), rtol=1e-12)
+    sent = values.copy()
+    sent[3] *= 1e6
+    corruption = Corruption(frozenset({3}), "scale", 1e6, n=4)
+
+    def peer(comm):
+        robust = wrap(comm, {"name": "trimmed_mean", "byzantine": 2}, corruption)
+        return robust.allreduce_mean([torch.tensor(values[comm.rank])])[0].numpy()
+
+    for r, mean in enumerate(run_local(4, peer)):
+        held = np.vstack([sent[:r], values[r : r + 1], sent[r + 1 :]])  # a corrupt peer keeps its own true x
+        # atol: the sum less the largest and smallest cancels the 1e6 to within 1e6 float64 ulps
+        np.testing.assert_allclose(mean, trim_mean(held, 0.25, axis=0), rtol=0, atol=1e-8, err_msg=f"rank {r}")
+
+
+@pytest.mark.parametrize("n, corrupt", [(5, 1), (7, 2), (9, 1), (10, 2), (11, 3), (20, 4), (50, 12)])
+def test_alies_default_z_is_baruchs_where_it_is_not_zero(n, corrupt):
+    """Baruch et al. 2019: s = floor(n/2 + 1) - f peers, z = Phi^-1((n - s) / n) (scipy's normal quantile), at
+    sizes odd and even where z > 0; a corrupt peer with no faults.corrupt_scale sends mean - z std of what it saw."""
+    s = math.floor(n / 2 + 1) - corrupt
+    z = gaussian.ppf((n - s) / n)
+    assert z > 0.1
+    assert alie_z(n, corrupt) == pytest.approx(z, rel=1e-9)
+    rng = np.random.default_rng(n)
+    x, seen = rng.normal(size=D), rng.normal(size=(3, D))
+    values = np.vstack([x, seen])
+    got = Corruption(frozenset(range(corrupt)), "alie", None, n=n).alter(
+        torch.tensor(x), 0, 2, list(torch.tensor(seen))
+    )
+    np.testing.assert_allclose(got.numpy(), values.mean(0) - z * values.std(0), rtol=1e-9, atol=1e-12)

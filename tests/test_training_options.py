@@ -20,7 +20,7 @@ from dpsgd.comm import run_local
 from dpsgd.config import parse
 from dpsgd.schedule import Schedule
 from dpsgd.sim import Fleet
-from dpsgd.stepping import StepOptions
+from dpsgd.stepping import StepOptions, Stepper
 
 torch.set_num_threads(1)
 OPTIONS = {"precision": "bf16", "clip_grad_norm": 1.0, "accumulate": 2}
@@ -209,3 +209,49 @@ def test_the_event_simulator_refuses_options_it_does_not_take_and_records_its_ra
     validate(hydra_config("backend=fleet", "algorithm=adpsgd"))
     with pytest.raises(ConfigError, match="schedule, precision: the event simulator"):
         validate(hydra_config("backend=fleet", "algorithm=adpsgd", "precision=bf16", "schedule=cosine"))
+
+
+def test_fp16_clipping_acts_on_unscaled_gradients_as_torchs_amp_recipe():
+    """precision=fp16 with clip_grad_norm on a plain torch model, against torch's documented AMP recipe
+    (scaler.scale(loss).backward(); scaler.unscale_(opt); clip_grad_norm_; scaler.step(opt); scaler.update()):
+    the same parameters after each step. Clipping the scaled gradients (before unscale_) would shrink every
+    clipped update by the scale, 65,536."""
+    clip, steps = 0.05, 4
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = copy.deepcopy(ref)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 6, generator=generator), torch.randn(16, 3, generator=generator)) for _ in range(steps)]
+
+    def loss_of(net, x, y):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = net(x)
+        assert out.dtype == torch.float16  # fp16 autocast runs on CPU: the scaler has something to do
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    options = StepOptions(precision="fp16", clip_grad_norm=clip)
+    stepper = Stepper(options, torch.optim.SGD(model.parameters(), lr=0.1), Schedule(None, steps), "cpu")
+    assert stepper.scaler is not None and stepper.scaler.get_scale() == scaler.get_scale() == 65536.0
+    for step, (x, y) in enumerate(batches, 1):
+        before = [p.detach().clone() for p in ref.parameters()]
+        ref_opt.zero_grad()
+        scaler.scale(loss_of(ref, x, y)).backward()
+        scaler.unscale_(ref_opt)
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        scaler.step(ref_opt)
+        scaler.update()
+        assert norm > 4 * clip  # the clipping acts at every step
+        moved = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(ref.parameters(), before)]).norm()
+        assert moved == pytest.approx(0.1 * clip, rel=1e-3)  # lr times the clipped norm: a real step
+
+        stepper.begin(step)
+        stepper.optimizer.zero_grad()
+        with options.autocast("cpu"):
+            out = model(x)
+        stepper.backward(torch.nn.functional.mse_loss(out.float(), y))
+        stepper.step()
+        for name, (a, b) in enumerate(zip(model.parameters(), ref.parameters())):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, s=step, n=name: f"step {s}, tensor {n}: {m}")
+    assert stepper.skipped == 0 and stepper.scaler.get_scale() == scaler.get_scale()
