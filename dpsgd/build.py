@@ -49,12 +49,13 @@ def check_options(what: str, fn: Callable, options: Mapping, *, set_here: tuple[
     import inspect
 
     parameters = dict(inspect.signature(fn).parameters)
-    # a class whose constructor hands `**options` to its parent's (QGM to DPSGD's): the parents' keywords too
+    # a class whose constructor hands `**options` to its parent's (every optimizer's `**common`, QGM's to DPSGD's):
+    # the parents' keywords too, listed first (the common ones, then the algorithm's own)
     for parent in inspect.getmro(fn)[1:] if inspect.isclass(fn) else ():
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             break
-        parameters = {k: p for k, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-        parameters |= {k: p for k, p in inspect.signature(parent).parameters.items() if k not in parameters}
+        own = {k: p for k, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        parameters = {**inspect.signature(parent).parameters, **own}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     accepted = [k for k, p in parameters.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY]

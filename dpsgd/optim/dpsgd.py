@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator, Handle
+from dpsgd.comm import Handle
 from topologies import Topology
 
 from .base import DistributedOptimizer, snapshot
@@ -39,19 +39,14 @@ class DPSGD(DistributedOptimizer):
         base: torch.optim.Optimizer,
         *,
         topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         order: str = "cta",
         qgm: bool = False,
         qgm_beta: float = 0.9,
         qgm_mu: float | None = None,
         overlap: bool = False,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+        super().__init__(base, topology=topology, **common)
         self.require_topology("doubly", why=" (the average model must move only by the average increment)")
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
@@ -83,9 +78,7 @@ class DPSGD(DistributedOptimizer):
             x_k = snapshot(self.params())
             self._in_flight = (x_k, self.comm.start_mix(x_k, self.topology, self.step_count))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         if self.qgm:
             x_before = snapshot(params)
@@ -106,7 +99,6 @@ class DPSGD(DistributedOptimizer):
         if self.qgm:
             self._qgm_update(params, x_before)
         self.step_count += 1
-        return loss
 
     def _qgm_gradient(self, params) -> None:
         """p.grad <- g + beta m_hat: the heavy-ball direction with the quasi-global buffer."""

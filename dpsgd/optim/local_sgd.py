@@ -8,7 +8,6 @@ import functools
 import torch
 
 from dpsgd.comm import Communicator
-from topologies import Topology
 
 from .base import DistributedOptimizer
 from .outer import DILOCO, OuterOptimizer, factory, saved_outer
@@ -66,11 +65,6 @@ class LocalSGD(DistributedOptimizer):
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         period: int = 4,
         warmup_steps: int = 0,
         outer=None,
@@ -78,11 +72,10 @@ class LocalSGD(DistributedOptimizer):
         inner_state: str = "keep",
         group_size: int | None = None,
         global_period: int | None = None,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
-        name = type(self).__name__
+        super().__init__(base, **common)
+        name, comm = type(self).__name__, self.comm
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
         if inner_state not in INNER_STATES:
@@ -104,7 +97,6 @@ class LocalSGD(DistributedOptimizer):
                 raise ValueError(f"LocalSGD global_period {global_period} must be a multiple of period {self.period}")
         self.scale_by_base_lr = bool(scale_by_base_lr)
         self.inner_state, self.group_size, self.global_period = inner_state, group_size, global_period
-        self._same_start = broadcast_initial  # every peer starts from rank 0's parameters
         self._anchored = False  # the anchor is taken when the local phase begins
         # the model at the last global averaging (and the outer optimizer moving it), kept when needed
         needed = self._make is not None or comm.exact is not comm
@@ -119,9 +111,7 @@ class LocalSGD(DistributedOptimizer):
         return None if self._outer is None else self._outer.optimizer
 
     # --- the step -------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         t = self.step_count + 1
         if t <= self.warmup_steps:
             grads = [p.grad for p in self.params() if p.grad is not None]
@@ -139,7 +129,6 @@ class LocalSGD(DistributedOptimizer):
             elif s % self.period == 0:
                 self._average(group=self.global_period is not None)
         self.step_count = t
-        return loss
 
     def _take_anchor(self) -> None:
         """The peers' mean model, the first anchor: without a message when they started from rank 0's
@@ -148,7 +137,7 @@ class LocalSGD(DistributedOptimizer):
         params = self.params()
         if len(self._outer.anchors) != len(params):  # a parameter group was added since the construction
             self._outer = self._new_outer()
-        self._outer.set_anchors(params if self._same_start else self.comm.exact.allreduce_mean(params))
+        self._outer.set_anchors(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
         self._anchored = True
 
     def _state_tensors(self) -> list[torch.Tensor]:

@@ -7,7 +7,6 @@ import functools
 import numpy as np
 import torch
 
-from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -55,15 +54,14 @@ class NoLoCo(DistributedOptimizer):
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
         period: int = 50,
         group_size: int = 2,
         outer=NOLOCO,
         gamma: float | None = None,
+        **common,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(base, **common)
+        comm = self.comm
         for name, value in (("period", period), ("group_size", group_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"NoLoCo {name} must be an integer >= 1, got {value!r}")
@@ -85,9 +83,7 @@ class NoLoCo(DistributedOptimizer):
         self.outer_optimizer = self._outer.optimizer
         self._anchored = False
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         if not self._anchored:  # each peer's own anchor: its model at the start
             self._outer.set_anchors(params)
@@ -96,7 +92,6 @@ class NoLoCo(DistributedOptimizer):
         self.step_count += 1
         if self.step_count % self.period == 0:
             self._outer_step(params)
-        return loss
 
     def _outer_step(self, params: list[torch.Tensor]) -> None:
         anchors = self._outer.anchors

@@ -6,9 +6,6 @@ import functools
 
 import torch
 
-from dpsgd.comm import Communicator
-from topologies import Topology
-
 from .base import DistributedOptimizer
 from .chunked import ChunkedTopK, gathered_mean, refuse_compression
 from .outer import OuterOptimizer, factory, saved_outer
@@ -39,9 +36,6 @@ class SparseLoCo(DistributedOptimizer):
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
         period: int = 15,
         decay: float = 0.95,
         topk: int = 64,
@@ -49,9 +43,10 @@ class SparseLoCo(DistributedOptimizer):
         bits: int | None = 2,
         sigmas: float = 6.0,
         outer=SPARSELOCO,
+        **common,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
-        refuse_compression(comm, "SparseLoCo")
+        super().__init__(base, **common)
+        refuse_compression(self.comm, "SparseLoCo")
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"SparseLoCo period must be an integer >= 1, got {period!r}")
         if not 0 <= decay <= 1:
@@ -60,7 +55,7 @@ class SparseLoCo(DistributedOptimizer):
         if make is None:
             raise ValueError("SparseLoCo needs an outer optimizer (its default: SGD with lr 1); got outer=None")
         self.period, self.decay = period, float(decay)
-        lead = len(comm.peer_shape)
+        lead = len(self.comm.peer_shape)
         self.code = ChunkedTopK(
             [p.shape[lead:] for p in self.params()], chunk, topk, dct=False, bits=bits, sigmas=sigmas
         )
@@ -68,14 +63,12 @@ class SparseLoCo(DistributedOptimizer):
         groups = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
         self._outer = OuterOptimizer(make, groups, "SparseLoCo")
         self.outer_optimizer = self._outer.optimizer
-        self._same_start, self._anchored = broadcast_initial, False
+        self._anchored = False
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         if not self._anchored:  # the peers' common model
-            self._outer.set_anchors(params if self._same_start else self.comm.exact.allreduce_mean(params))
+            self._outer.set_anchors(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
             self._anchored = True
         self.base.step()
         self.step_count += 1
@@ -88,7 +81,6 @@ class SparseLoCo(DistributedOptimizer):
             self._outer.step(list[torch.Tensor | None](gathered_mean(self.comm, self.code, message)))
             for p, anchor in zip(params, self._outer.anchors):
                 p.copy_(anchor)
-        return loss
 
     def algorithm_state(self):
         return {

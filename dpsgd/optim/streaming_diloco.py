@@ -6,9 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dpsgd.comm import Communicator
-from topologies import Topology
-
 from .base import DistributedOptimizer
 from .outer import DILOCO, OuterOptimizer, factory, saved_outer
 
@@ -42,24 +39,18 @@ class StreamingDiLoCo(DistributedOptimizer):
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         period: int = 12,
         fragments: int = 3,
         delay: int = 1,
         alpha: float = 0.5,
         outer=DILOCO,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+        super().__init__(base, **common)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"StreamingDiLoCo {name} must be an integer >= {low}, got {value!r}")
-        flat = comm.flatten(self.params())
+        flat = self.comm.flatten(self.params())
         numel = flat.shape[-1]  # one peer's (a fleet's tensors lead with a peer axis)
         if fragments > numel:
             raise ValueError(f"StreamingDiLoCo fragments={fragments} but the model has {numel} parameters")
@@ -81,7 +72,6 @@ class StreamingDiLoCo(DistributedOptimizer):
         self.period, self.n_fragments, self.delay, self.alpha = period, fragments, delay, float(alpha)
         cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
         self.ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]  # fragment -> [start, end) entries
-        self._same_start = broadcast_initial
         self._anchored = False  # the anchor is the peers' mean model at the first step
         # the anchor, one tensor per fragment of the parameters flattened in order, and the optimizer moving it
         anchors = [flat[..., self.fragment(p)].clone() for p in range(fragments)]
@@ -105,12 +95,10 @@ class StreamingDiLoCo(DistributedOptimizer):
         """The fragment whose sync completes after inner step t, if any (none before its first start)."""
         return self.starting(t - self.delay) if t - self.delay >= 1 else None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         if not self._anchored:  # the peers' mean model: their common start with broadcast_initial
-            start = self.comm.flatten(params if self._same_start else self.comm.exact.allreduce_mean(params))
+            start = self.comm.flatten(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
             self._outer.set_anchors(start[..., self.fragment(p)] for p in range(self.n_fragments))
             self._anchored = True
         self.base.step()
@@ -124,7 +112,6 @@ class StreamingDiLoCo(DistributedOptimizer):
         if done is not None:
             self._outer_step(done, self._arrived(done)[0])
         self.step_count = t
-        return loss
 
     def _arrived(self, p: int) -> list[torch.Tensor]:
         pending = self._in_flight.pop(p)
