@@ -97,14 +97,13 @@ class LocalSGD(DistributedOptimizer):
                 raise ValueError(f"LocalSGD global_period {global_period} must be a multiple of period {self.period}")
         self.scale_by_base_lr = bool(scale_by_base_lr)
         self.inner_state, self.group_size, self.global_period = inner_state, group_size, global_period
-        self._anchored = False  # the anchor is taken when the local phase begins
-        # the model at the last global averaging (and the outer optimizer moving it), kept when needed
+        # the model at the last global averaging (and the outer optimizer moving it), kept when needed; the anchor
+        # is taken when the local phase begins
         needed = self._make is not None or comm.exact is not comm
         self._outer = self._new_outer() if needed else None
 
     def _new_outer(self) -> OuterOptimizer:
-        groups = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
-        return OuterOptimizer(self._make, groups, type(self).__name__)
+        return OuterOptimizer.over(self._make, self.param_groups, type(self).__name__)
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
@@ -120,7 +119,7 @@ class LocalSGD(DistributedOptimizer):
                     g.copy_(avg)
             self.base.step()
         else:
-            if self._outer is not None and not self._anchored:
+            if self._outer is not None and not self._outer.anchored:
                 self._take_anchor()
             self.base.step()
             s = t - self.warmup_steps
@@ -138,7 +137,6 @@ class LocalSGD(DistributedOptimizer):
         if len(self._outer.anchors) != len(params):  # a parameter group was added since the construction
             self._outer = self._new_outer()
         self._outer.set_anchors(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
-        self._anchored = True
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The base state averaged by inner_state='average', in parameter order (same on every peer)."""
@@ -202,18 +200,15 @@ class LocalSGD(DistributedOptimizer):
     def algorithm_state(self):
         return {
             **super().algorithm_state(),
-            "outer": None if self._outer is None or not self._anchored else self._outer.state_dict(),
+            "outer": None if self._outer is None else self._outer.state_dict(),
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         saved = saved_outer(state, type(self).__name__)
-        self._anchored = saved is not None
-        if saved is not None:
-            if self._outer is None:
-                raise ValueError(
-                    f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer"
-                )
+        if saved is not None and self._outer is None:
+            raise ValueError(f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer")
+        if self._outer is not None:
             self._outer.load_state_dict(saved)
 
     def __repr__(self) -> str:

@@ -78,16 +78,13 @@ class NoLoCo(DistributedOptimizer):
         self.period, self.group_size, self.gamma = period, size, gamma
         n = comm.size
         self.pairing = Topology("noloco_groups", functools.partial(group_matrix, n, size), options={"group_size": size})
-        anchors = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
-        self._outer = OuterOptimizer(make, anchors, "NoLoCo")
+        self._outer = OuterOptimizer.over(make, self.param_groups, "NoLoCo")
         self.outer_optimizer = self._outer.optimizer
-        self._anchored = False
 
     def update(self) -> None:
         params = self.params()
-        if not self._anchored:  # each peer's own anchor: its model at the start
+        if not self._outer.anchored:  # each peer's own anchor: its model at the start
             self._outer.set_anchors(params)
-            self._anchored = True
         self.base.step()
         self.step_count += 1
         if self.step_count % self.period == 0:
@@ -110,14 +107,11 @@ class NoLoCo(DistributedOptimizer):
             p.copy_(a)
 
     def algorithm_state(self):
-        return {**super().algorithm_state(), "outer": self._outer.state_dict() if self._anchored else None}
+        return {**super().algorithm_state(), "outer": self._outer.state_dict()}
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        saved = saved_outer(state, "NoLoCo")
-        self._anchored = saved is not None
-        if saved is not None:
-            self._outer.load_state_dict(saved)
+        self._outer.load_state_dict(saved_outer(state, "NoLoCo"))
 
     def __repr__(self) -> str:
         outer = repr(self.outer_optimizer).replace("\n", " ")

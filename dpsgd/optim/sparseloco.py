@@ -60,16 +60,13 @@ class SparseLoCo(DistributedOptimizer):
             [p.shape[lead:] for p in self.params()], chunk, topk, dct=False, bits=bits, sigmas=sigmas
         )
         self.errors = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params()]
-        groups = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
-        self._outer = OuterOptimizer(make, groups, "SparseLoCo")
+        self._outer = OuterOptimizer.over(make, self.param_groups, "SparseLoCo")
         self.outer_optimizer = self._outer.optimizer
-        self._anchored = False
 
     def update(self) -> None:
         params = self.params()
-        if not self._anchored:  # the peers' common model
+        if not self._outer.anchored:  # the peers' common model
             self._outer.set_anchors(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
-            self._anchored = True
         self.base.step()
         self.step_count += 1
         if self.step_count % self.period == 0:
@@ -85,16 +82,13 @@ class SparseLoCo(DistributedOptimizer):
     def algorithm_state(self):
         return {
             **super().algorithm_state(),
-            "outer": self._outer.state_dict() if self._anchored else None,
+            "outer": self._outer.state_dict(),
             "errors": [e.clone() for e in self.errors],
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        saved = saved_outer(state, "SparseLoCo")
-        self._anchored = saved is not None
-        if saved is not None:
-            self._outer.load_state_dict(saved)
+        self._outer.load_state_dict(saved_outer(state, "SparseLoCo"))
         self.errors = self.own_tensors(state["errors"]) or self.errors
 
     def __repr__(self) -> str:

@@ -72,8 +72,8 @@ class StreamingDiLoCo(DistributedOptimizer):
         self.period, self.n_fragments, self.delay, self.alpha = period, fragments, delay, float(alpha)
         cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
         self.ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]  # fragment -> [start, end) entries
-        self._anchored = False  # the anchor is the peers' mean model at the first step
-        # the anchor, one tensor per fragment of the parameters flattened in order, and the optimizer moving it
+        # the anchor, one tensor per fragment of the parameters flattened in order, and the optimizer moving it; the
+        # anchor is the peers' mean model at the first step
         anchors = [flat[..., self.fragment(p)].clone() for p in range(fragments)]
         self._outer = OuterOptimizer(make, [anchors], "StreamingDiLoCo")
         self.outer_optimizer = self._outer.optimizer
@@ -97,10 +97,9 @@ class StreamingDiLoCo(DistributedOptimizer):
 
     def update(self) -> None:
         params = self.params()
-        if not self._anchored:  # the peers' mean model: their common start with broadcast_initial
+        if not self._outer.anchored:  # the peers' mean model: their common start with broadcast_initial
             start = self.comm.flatten(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
             self._outer.set_anchors(start[..., self.fragment(p)] for p in range(self.n_fragments))
-            self._anchored = True
         self.base.step()
         t = self.step_count + 1
         started = self.starting(t)
@@ -143,17 +142,14 @@ class StreamingDiLoCo(DistributedOptimizer):
         self._in_flight = {p: self._arrived(p) for p in list(self._in_flight)}
         return {
             **super().algorithm_state(),
-            "outer": self._outer.state_dict() if self._anchored else None,
+            "outer": self._outer.state_dict(),
             "arrived": {p: [t.clone() for t in v] for p, v in self._in_flight.items()},  # type: ignore[attr-defined]
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         p = self.params()[0]
-        saved = saved_outer(state, "StreamingDiLoCo")
-        self._anchored = saved is not None
-        if saved is not None:
-            self._outer.load_state_dict(saved)
+        self._outer.load_state_dict(saved_outer(state, "StreamingDiLoCo"))
         arrived = (state.get("arrived") or {}).items()
         self._in_flight = {int(k): [t.detach().to(p.device, p.dtype).clone() for t in v] for k, v in arrived}
 
