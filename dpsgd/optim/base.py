@@ -20,6 +20,18 @@ STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside
 BUFFER_MODES = ("broadcast", "average", "local")  # what `buffers=` does with the module's buffers after each step
 
 
+def _of_base(name: str, writable: bool = True) -> Any:
+    """A property that reads (and writes) the attribute `name` of the wrapped optimizer, `self.base`."""
+
+    def read(self):
+        return getattr(self.base, name)
+
+    def write(self, value) -> None:
+        setattr(self.base, name, value)
+
+    return property(read, write if writable else None, doc=f"The base optimizer's `{name}`.")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """The contract every distributed optimizer keeps: it wraps a local torch optimizer and behaves like one.
 
@@ -139,25 +151,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The algorithm's rule, on the gradients in `.grad`: a subclass writes it (see the class)."""
         raise NotImplementedError(f"{type(self).__name__} must define update(self), its rule")
 
-    @property
-    def state(self):  # type: ignore[override]
-        return self.base.state
-
-    @property
-    def param_groups(self):
-        return self.base.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups) -> None:
-        self.base.param_groups = groups
-
-    @property
-    def defaults(self):
-        return self.base.defaults
-
-    @defaults.setter
-    def defaults(self, defaults) -> None:
-        self.base.defaults = defaults
+    # the base's own, read and written there (see __init__)
+    state = _of_base("state", writable=False)
+    param_groups = _of_base("param_groups")
+    defaults = _of_base("defaults")
 
     def _module_state(self) -> list[torch.Tensor]:
         """The module's tensors beyond the stepped parameters: frozen (or otherwise unstepped) ones and buffers."""
