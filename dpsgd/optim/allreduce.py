@@ -24,6 +24,9 @@ class AllReduce(DistributedOptimizer):
 
     uses_topology = False
     elastic = True
+    label = "all-reduce"
+    knobs = {}
+    cost_form = "allreduce"
 
     def __init__(self, base: torch.optim.Optimizer, *, overlap: bool = False, bucket_mb: float = 25.0, **common):
         super().__init__(base, **common)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -69,6 +70,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
       buffers' exchange would be lost);
     - its own state in `algorithm_state()` / `load_algorithm_state()`, per-parameter state extended to a
       group added later in `param_group_added()`.
+
+    What the experiments read of an algorithm is declared on its class (the fallbacks stand for a class that
+    declares nothing): `label`, its name in captions and legends as papers write it (None: its config name);
+    `knobs`, its own settings searched beside the learning rate when it is tuned, {config key: grid} (a
+    dotted key reaches into an option, e.g. "outer.lr"; empty: the learning rate alone); `cost_form`, how
+    the map's cost model (experiments.cost_model) prices its steps: "allreduce" (an all-reduce of the
+    gradients every step), "periodic" (local steps and an all-reduce of the model every `period` steps, its
+    constructor's default), "gossip" (one model to each neighbour of W(k) every step), "async" (AD-PSGD's
+    pairwise averagings), or None (none of these: not on the map).
     """
 
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
@@ -77,6 +87,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     elastic: ClassVar[bool] = False
     overlap: bool = False  # True: the training loop calls start_communication() before the forward pass
     _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler hands step() its scale and found_inf
+    # what the experiments read (see above)
+    label: ClassVar[str | None] = None
+    knobs: ClassVar[Mapping[str, Sequence]] = {}
+    cost_form: ClassVar[str | None] = None
 
     def __init__(
         self,

@@ -37,6 +37,9 @@ class Choco(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "Choco-SGD"
+    knobs = {"gamma": (0.1, 0.25, 0.5, 1.0)}
+    cost_form = None  # its messages are encoded differences, not the models the map's gossip form sends
 
     def __init__(
         self,

@@ -39,6 +39,9 @@ class D2(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "D²"
+    knobs = {}
+    cost_form = None  # the map's gossip runs on the one-peer exponential graph too, whose W is not symmetric
 
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, lazy_mixing: bool | str = False, **common):
         super().__init__(base, topology=topology, **common)

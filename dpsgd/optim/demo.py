@@ -24,6 +24,9 @@ class DeMo(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "DeMo"
+    knobs = {}
+    cost_form = None  # an all-gather of sparse DCT coefficients every step: none of the map's forms
 
     def __init__(self, base: torch.optim.Optimizer, *, decay: float = 0.999, topk: int = 32, chunk: int = 64, **common):
         super().__init__(base, **common)

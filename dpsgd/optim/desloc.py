@@ -30,6 +30,9 @@ class DESLOC(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "DES-LOC"
+    knobs = {}
+    cost_form = None  # the parameters and each moment on periods of their own: not the periodic form's one period
 
     def __init__(
         self,

@@ -33,6 +33,9 @@ class DPSGD(DistributedOptimizer):
 
     topology: Topology  # required: gossip needs its mixing matrices
     elastic = True  # an added peer starts from the survivors' average, its momentum zero
+    label = "D-PSGD"
+    knobs = {}
+    cost_form = "gossip"
 
     def __init__(
         self,
@@ -151,6 +154,9 @@ class QGM(DPSGD):
     """
 
     elastic = False  # its momentum buffer is each peer's own estimate of the global direction: no rule for a new peer
+    label = "QG-DSGDm"
+    knobs = {}
+    cost_form = "gossip"
 
     def __init__(
         self, base: torch.optim.Optimizer, *, order: str = "atc", beta: float = 0.9, mu: float | None = None, **options

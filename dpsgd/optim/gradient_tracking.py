@@ -28,6 +28,9 @@ class GradientTracking(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "gradient tracking"
+    knobs = {}
+    cost_form = None  # two vectors to each neighbour a step: twice the messages of the map's gossip form
 
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, **common):
         super().__init__(base, topology=topology, **common)

@@ -60,6 +60,9 @@ class LocalSGD(DistributedOptimizer):
 
     elastic = True  # the anchor and outer state are the same on every peer: an added peer takes rank 0's
     uses_topology = False  # averaging is exact (all-reduce)
+    label = "local SGD"
+    knobs = {"period": (2, 4, 8, 16)}
+    cost_form = "periodic"
 
     def __init__(
         self,
@@ -224,12 +227,20 @@ class SlowMo(LocalSGD):
     """SlowMo (Wang et al. 2020) over local SGD: outer SGD with slow momentum beta = 0.5 and slow lr alpha = 1
     (fairscale's SlowMoDistributedDataParallel defaults), scaled by the base lr as in the paper."""
 
+    label = "SlowMo"
+    knobs = {"outer.lr": (0.5, 1.0, 1.5, 2.0)}
+    cost_form = "periodic"
+
     __init__ = functools.partialmethod(LocalSGD.__init__, outer=SLOWMO, scale_by_base_lr=True)
 
 
 class DiLoCo(LocalSGD):
     """DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 and lr 0.7 on the outer
     gradient x_anchor - x_avg, every 8 steps; the paper's inner optimizer is AdamW (pass it as `base`)."""
+
+    label = "DiLoCo"
+    knobs = {"outer.lr": (0.3, 0.5, 0.7, 1.0)}
+    cost_form = "periodic"
 
     __init__ = functools.partialmethod(LocalSGD.__init__, period=8, outer=DILOCO)
 
@@ -239,6 +250,10 @@ class BMUF(LocalSGD):
     1; momentum = the block momentum, by default the paper's 1 - 1/n for n peers; a config's
     `outer.momentum: null` means the same), scaled by the base lr, which at a constant base lr is BMUF's
     block momentum exactly (see `LocalSGD`; scale_by_base_lr=False gives it under any lr schedule)."""
+
+    label = "BMUF"
+    knobs = {"outer.lr": (0.5, 1.0, 1.5, 2.0)}
+    cost_form = "periodic"
 
     def __init__(
         self,

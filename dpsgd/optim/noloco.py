@@ -49,6 +49,9 @@ class NoLoCo(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "NoLoCo"
+    knobs = {}
+    cost_form = None  # exchanges within small groups, no all-reduce: none of the map's forms
 
     def __init__(
         self,

@@ -28,6 +28,9 @@ class SGP(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "SGP"
+    knobs = {}
+    cost_form = "gossip"  # x and w in one message: the model (and one number) to each neighbour a step
 
     def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, **common):
         super().__init__(base, topology=topology, **common)

@@ -31,6 +31,9 @@ class SparseLoCo(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "SparseLoCo"
+    knobs = {}
+    cost_form = None  # an all-gather of sparse 2-bit messages every period steps: none of the map's forms
 
     def __init__(
         self,

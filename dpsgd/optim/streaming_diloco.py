@@ -34,6 +34,9 @@ class StreamingDiLoCo(DistributedOptimizer):
     """
 
     uses_topology = False  # fragments are averaged exactly (all-reduce)
+    label = "Streaming DiLoCo"
+    knobs = {}
+    cost_form = None  # one fragment's all-reduce every period / fragments steps, overlapped: not the periodic form
 
     def __init__(
         self,

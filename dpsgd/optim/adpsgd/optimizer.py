@@ -40,6 +40,9 @@ class ADPSGD(DistributedOptimizer):
     asynchronous = True
     summary_key = "adpsgd"  # summary.json's block of `summary()`
     HISTOGRAM_BINS = 16  # staleness 0..15 in summary.json, the last bin holding 15 and more
+    label = "AD-PSGD"
+    knobs = {}
+    cost_form = "async"
 
     def __init__(
         self,
