@@ -11,7 +11,51 @@ import time
 import pytest
 
 from experiments import map as gossip_map
-from experiments.cost_model import Network, clock_after
+from experiments.cost_model import Algorithm, Network, clock_after
+
+
+def test_the_default_comparison_is_the_six_runs_it_always_was():
+    """From the algorithms' declarations: the same labels, overrides and cost forms (the soak's quick map too)."""
+    assert (
+        gossip_map.ALGORITHMS
+        == gossip_map.chosen(None)
+        == (
+            Algorithm("allreduce", ("algorithm=allreduce",), "allreduce"),
+            Algorithm("dpsgd ring", ("algorithm=dpsgd", "topology=ring"), "gossip", topology="ring"),
+            Algorithm(
+                "dpsgd one-peer",
+                ("algorithm=dpsgd", "topology=one_peer_exponential"),
+                "gossip",
+                topology="one_peer_exponential",
+            ),
+            Algorithm("adpsgd", ("algorithm=adpsgd", "topology=ring"), "async"),
+            Algorithm("local_sgd H=4", ("algorithm=local_sgd", "algorithm.period=4"), "periodic", period=4),
+            Algorithm("diloco H=8", ("algorithm=diloco", "algorithm.period=8"), "periodic", period=8),
+        )
+    )
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_every_run_the_map_can_make_passes_the_apps_checks(n):
+    """An algorithm the map accepts (its class declares a cost form) runs where the map puts it: the app's
+    pre-start check (the optimizer built on its topology, with its config) passes for every variant."""
+    from omegaconf import OmegaConf
+
+    from experiments.validate import validate
+
+    for algorithm in gossip_map.variants(gossip_map.eligible()):
+        cfg = OmegaConf.to_container(gossip_map.compose([*algorithm.overrides, "backend=fleet", f"peers={n}"]))
+        validate(cfg)
+
+
+def test_an_algorithm_the_map_cannot_price_is_refused_in_one_line_before_anything_else(tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        gossip_map.main(["default", "--quick", "--algorithms", "dpsgd,demo", "--out", str(tmp_path / "out")])
+    message = str(refused.value)
+    assert message.startswith("error: --algorithms demo: the map prices only an algorithm whose class declares")
+    assert "\n" not in message and message.endswith("eligible: " + ", ".join(gossip_map.eligible()))
+    assert {"dpsgd", "sgp", "bmuf", "adpsgd"} <= set(gossip_map.eligible()) and "demo" not in gossip_map.eligible()
+    assert not (tmp_path / "out").exists()
 
 
 def test_decide_names_the_winner_its_margin_and_whether_the_intervals_part():
