@@ -250,14 +250,7 @@ def build_peer(comm, run: RunConfig) -> Peer:
     model = build_model(run.model, split, run.seed, run.data.name).to(device)
     topology = build_topology(run.topology, comm.size)
     optimizer = build_optimizer(run, model.parameters(), topology, comm, module=model)
-    synchronous = not getattr(optimizer, "asynchronous", False)  # peers in lockstep can agree on a skip
-    stepper = Stepper(
-        step_options(run),
-        optimizer,
-        schedule(run, parts.total_steps),
-        device,
-        agree=(lambda flag: comm.any_peer(flag, device)) if synchronous else None,
-    )
+    stepper = Stepper(step_options(run), optimizer, schedule(run, parts.total_steps), device)
     batches = parts.batches(comm.rank, device)
     loss_fn = metrics.loss_function(split.y_train)
     injector = faults.FaultInjector.from_config(run.faults, comm, run.seed)

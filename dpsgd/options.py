@@ -26,13 +26,14 @@ def import_target(target: str, what: str):
 
 
 def accepted(fn: Callable) -> dict[str, inspect.Parameter]:
-    """The keyword parameters `fn` takes, its parents' too where a class's constructor hands `**options` on."""
+    """The keyword parameters `fn` takes: where a class's constructor hands `**options` on to its parent's (every
+    optimizer's `**common`, QGM's to DPSGD's), the parents' too, listed first (the common ones, then its own)."""
     parameters = dict(inspect.signature(fn).parameters)
     for parent in inspect.getmro(fn)[1:] if inspect.isclass(fn) else ():
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             break
-        parameters = {k: p for k, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-        parameters |= {k: p for k, p in inspect.signature(parent).parameters.items() if k not in parameters}
+        own = {k: p for k, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        parameters = {**inspect.signature(parent).parameters, **own}
     return {k: p for k, p in parameters.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 

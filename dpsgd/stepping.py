@@ -5,9 +5,10 @@ compute around them, then `clip_grad_norm` (each peer's own gradient clipped to 
 step. Real peers and the fleet both step through `TrainStep`, so the options mean the same on every backend.
 
 fp16 skips a step whose scaled gradients overflowed, as torch.amp.GradScaler does, but on every peer
-together: the peers first agree whether any of them overflowed (a one-number mean, not counted as the
-algorithm's traffic), and a peer that did not is made to skip too. No peer waits in an exchange that another
-skipped, and no inf reaches a neighbour. On the fleet the one scaler sees every peer's gradients at once.
+together: the peers first agree whether any of them overflowed (the optimizer's `agree_overflow`: one one-number
+all-reduce a step, not counted as the algorithm's traffic, which its own check under `GradScaler.step` reuses),
+and a peer that did not is made to skip too, its scaler backing off as the others'. No peer waits in an exchange
+that another skipped, and no inf reaches a neighbour. On the fleet the one scaler sees every peer's gradients.
 """
 
 from __future__ import annotations
@@ -68,12 +69,11 @@ class StepOptions:
 
 class Stepper:
     """One peer's (or the fleet's) step under StepOptions: `backward(loss)` per micro-batch, then `step()`.
-    `agree`: on real peers, a function that returns whether any peer's flag is set (None: the fleet, whose
-    one scaler sees all peers); `peer_axis`: the gradients carry a leading peer axis (the fleet)."""
+    `peer_axis`: the gradients carry a leading peer axis (the fleet)."""
 
-    def __init__(self, options: StepOptions, optimizer, schedule: Schedule, device, agree=None, peer_axis=False):
+    def __init__(self, options: StepOptions, optimizer, schedule: Schedule, device, peer_axis=False):
         self.options, self.optimizer, self.schedule = options, optimizer, schedule
-        self.agree, self.peer_axis = agree, peer_axis
+        self.peer_axis = peer_axis
         self.scaler = options.scaler(device)
         self.base_lrs = [float(g["lr"]) for g in self.groups]  # the config's rates: the schedule scales these
         self.skipped = 0  # fp16 steps skipped by every peer (an overflow on one of them)
@@ -110,7 +110,8 @@ class Stepper:
         if self.scaler is not None:
             grads = self.grads()
             overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
-            if self.agree is not None and self.agree(overflow) and not overflow and grads:
+            agree = getattr(opt, "agree_overflow", None)  # a plain torch optimizer has no peers to agree with
+            if (agree(overflow) if agree is not None else overflow) and not overflow and grads:
                 grads[0].view(-1)[0] = float("inf")  # another peer overflowed: the scaler skips here too
             self.scaler.unscale_(opt)
         if self.options.clip_grad_norm is not None:

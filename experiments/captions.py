@@ -1,8 +1,8 @@
 """What a report says in words: what was run, what ± means, which clock a time is on, and legends.
 
 Everything here is read from the files a run writes (its config.yaml and summary.json) and from what the
-library declares (an algorithm's `uses_topology` and `asynchronous`, a backend's `real_peers`), never from
-comparisons with a particular name: a new algorithm or backend gets sensible words without an edit here.
+library declares (an algorithm's `label`, `uses_topology` and `asynchronous`, a backend's `real_peers`), never
+from comparisons with a particular name: a new algorithm or backend gets sensible words without an edit here.
 """
 
 from __future__ import annotations
@@ -11,22 +11,6 @@ import textwrap
 
 from experiments import intervals
 
-# Names as papers write them; any other algorithm appears under its config name.
-ALGORITHM_WORDS = {
-    "allreduce": "all-reduce",
-    "dpsgd": "D-PSGD",
-    "local_sgd": "local SGD",
-    "slowmo": "SlowMo",
-    "diloco": "DiLoCo",
-    "streaming_diloco": "Streaming DiLoCo",
-    "bmuf": "BMUF",
-    "sgp": "SGP",
-    "choco": "Choco-SGD",
-    "d2": "D²",
-    "gradient_tracking": "gradient tracking",
-    "qgm": "QG-DSGDm",
-    "adpsgd": "AD-PSGD",
-}
 # How a swept key's value reads in a legend ("{}" is the value); other keys read "LAST_PART VALUE".
 KEY_WORDS = {
     "peers": "{} peers",
@@ -58,9 +42,14 @@ def setting(run: dict, key: str):
 
 def algorithm_class(run: dict):
     """The run's optimizer class (dpsgd.optim.ALGORITHMS), or None for one the library does not know."""
+    return registered(setting(run, "algorithm.name"))
+
+
+def registered(name):
+    """The optimizer class registered as `name` (dpsgd.optim.ALGORITHMS), or None."""
     from dpsgd.optim import ALGORITHMS
 
-    return ALGORITHMS.get(str(setting(run, "algorithm.name")))
+    return ALGORITHMS.get(str(name))
 
 
 def uses_topology(run: dict) -> bool:
@@ -79,7 +68,8 @@ def ignored(run: dict, keys: list[str]) -> list[str]:
 
 
 def algorithm_words(name) -> str:
-    return ALGORITHM_WORDS.get(str(name), str(name))
+    """The algorithm as papers write it: its class's declared `label` ('D-PSGD'), else its config name."""
+    return getattr(registered(name), "label", None) or str(name)
 
 
 def words(key: str, value) -> str:

@@ -13,6 +13,7 @@ straggler: one peer slower). What the emulator's clock does, step by step, witho
   an averaging) behind its next gradient, max(c_i, 2 m) a step; a global step (every peer's updates / n) at the rate
   n / sum_i 1 / max(c_i, 2 m).
 
+Which of these forms prices an algorithm is the algorithm's own declaration (its class's `cost_form`, one of KINDS).
 `tests/test_map.py` checks these against the emulator's clock of real (threaded) peers.
 """
 
@@ -25,6 +26,8 @@ import numpy as np
 
 import topologies
 from dpsgd.comm.netem import Hosts, Link
+
+KINDS = ("allreduce", "periodic", "gossip", "async")  # the forms above
 
 
 @dataclass(frozen=True)
@@ -140,4 +143,4 @@ def clock_after(algorithm: Algorithm, steps: int, n: int, nbytes: float, compute
             ready = clock + c + sent
             clock = np.maximum(ready, ready[recv[k]].max(axis=1))
         return float(clock.max())
-    raise ValueError(f"unknown algorithm kind {algorithm.kind!r}; expected allreduce, periodic, gossip or async")
+    raise ValueError(f"unknown algorithm kind {algorithm.kind!r}; expected one of {', '.join(KINDS)}")

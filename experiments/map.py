@@ -1,7 +1,8 @@
 """Where does gossip win? `python -m experiments.map WORKLOAD [--quick]` draws the answer for one workload.
 
-WORKLOAD is `default` (the default config) or the name of an `experiment=` preset. For each algorithm (all-reduce,
-D-PSGD on a ring and on the one-peer exponential graph, AD-PSGD, LocalSGD, DiLoCo):
+WORKLOAD is `default` (the default config) or the name of an `experiment=` preset. For each algorithm (by default
+all-reduce, D-PSGD on a ring and on the one-peer exponential graph, AD-PSGD, LocalSGD, DiLoCo; `--algorithms A,B,...`
+names any algorithm whose class declares how the cost model prices it, its `cost_form`):
 1. the steps to a target (a test accuracy to reach, or a test perplexity or loss to get under), over seeds, measured
    on the fleet (`backend=fleet`) at each peer count;
 2. the time those steps take in each cell of a grid (bandwidth x latency x peers per host x a straggler's slowdown),
@@ -18,6 +19,7 @@ folder is read, not rerun (delete the folder to start again).
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import math
@@ -29,24 +31,79 @@ from pathlib import Path
 
 import numpy as np
 
+from dpsgd.optim import ALGORITHMS as REGISTERED
 from experiments import intervals
-from experiments.cost_model import STRAGGLER, Algorithm, Network, clock_after
+from experiments.cost_model import KINDS, STRAGGLER, Algorithm, Network, clock_after
 from experiments.sweeps import finished, run_sweep
+from experiments.validate import compose
 
 ROOT = Path(__file__).resolve().parent.parent
-ALGORITHMS = (
-    Algorithm("allreduce", ("algorithm=allreduce",), "allreduce"),
-    Algorithm("dpsgd ring", ("algorithm=dpsgd", "topology=ring"), "gossip", topology="ring"),
-    Algorithm(
-        "dpsgd one-peer",
-        ("algorithm=dpsgd", "topology=one_peer_exponential"),
-        "gossip",
-        topology="one_peer_exponential",
-    ),
-    Algorithm("adpsgd", ("algorithm=adpsgd", "topology=ring"), "async"),
-    Algorithm("local_sgd H=4", ("algorithm=local_sgd", "algorithm.period=4"), "periodic", period=4),
-    Algorithm("diloco H=8", ("algorithm=diloco", "algorithm.period=8"), "periodic", period=8),
-)
+DEFAULT_ALGORITHMS = ("allreduce", "dpsgd", "adpsgd", "local_sgd", "diloco")  # the map's comparison unless told
+GOSSIP_TOPOLOGIES = {"ring": "ring", "one_peer_exponential": "one-peer"}  # where gossip runs: graph, label word
+ASYNC_TOPOLOGY = "ring"  # the pairs of an asynchronous algorithm (bipartite for an even number of peers)
+
+
+def period(cls) -> int | None:
+    """The default `period` of an optimizer class's constructor (or of the parent it hands its keywords to)."""
+    for klass in inspect.getmro(cls):
+        try:
+            parameter = inspect.signature(klass).parameters.get("period")
+        except (TypeError, ValueError):  # a class without a signature of its own (object)
+            return None
+        if parameter is not None:
+            return parameter.default if isinstance(parameter.default, int) else None
+    return None
+
+
+def cost_form(cls) -> str | None:
+    """How the cost model prices the class's steps (its declared `cost_form`), or None where it cannot: none
+    declared (a user's class), an unknown form, or a periodic one without a default `period`."""
+    form = getattr(cls, "cost_form", None)
+    if form not in KINDS or (form == "periodic" and period(cls) is None):
+        return None
+    return form
+
+
+def eligible() -> list[str]:
+    """The names of dpsgd.optim.ALGORITHMS the map can price."""
+    return [name for name, cls in REGISTERED.items() if cost_form(cls) is not None]
+
+
+def variants(names) -> tuple[Algorithm, ...]:
+    """The map's runs of the algorithms `names` (eligible ones), from what their classes declare: a gossip algorithm
+    on each of GOSSIP_TOPOLOGIES, a periodic one at its default period, an asynchronous one on ASYNC_TOPOLOGY."""
+    out: list[Algorithm] = []
+    for name in names:
+        cls, run = REGISTERED[name], f"algorithm={name}"
+        form, h = cost_form(cls), period(cls)
+        if form == "gossip":
+            for graph, word in GOSSIP_TOPOLOGIES.items():
+                out.append(Algorithm(f"{name} {word}", (run, f"topology={graph}"), form, topology=graph))
+        elif form == "periodic" and h is not None:
+            out.append(Algorithm(f"{name} H={h}", (run, f"algorithm.period={h}"), form, period=h))
+        elif form == "async":
+            out.append(Algorithm(name, (run, f"topology={ASYNC_TOPOLOGY}"), form))
+        elif form == "allreduce":
+            out.append(Algorithm(name, (run,), form))
+        else:
+            raise ValueError(f"the map cannot price algorithm {name!r}; eligible: {', '.join(eligible())}")
+    return tuple(out)
+
+
+def chosen(text: str | None) -> tuple[Algorithm, ...]:
+    """`--algorithms` (comma-separated names) as the map's runs, or the default comparison; a name the map cannot
+    price ends in one line naming those it can."""
+    names = text.split(",") if text else list(DEFAULT_ALGORITHMS)
+    can = eligible()
+    if refused := [name for name in names if name not in can]:
+        raise SystemExit(
+            f"error: --algorithms {','.join(refused)}: the map prices only an algorithm whose class declares a "
+            f"cost_form ({', '.join(KINDS)}); eligible: {', '.join(can)}"
+        )
+    return variants(names)
+
+
+ALGORITHMS = variants(DEFAULT_ALGORITHMS)
 # the target per workload: a value of a record's metric each algorithm can reach in the workload's budget
 TARGETS = {
     "default": ("test_accuracy", 0.93),
@@ -85,14 +142,6 @@ def workload_overrides(workload: str) -> list[str]:
     return [f"experiment={workload}"]
 
 
-def compose(overrides: list[str], hydra_config: bool = False):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose("config", overrides=overrides, return_hydra_config=hydra_config)
-
-
 def pinned(workload: list[str]) -> list[str]:
     """A preset's own sweep, but for what the map sweeps, pinned to its first value (e.g. mnist_cnn_peers's
     data.alpha to 0.1, the non-iid shares)."""
@@ -114,10 +163,12 @@ def measure_compute(cfg: dict, repeats: int = 30) -> tuple[float, int, int]:
     import torch
 
     from dpsgd import build, metrics
+    from dpsgd.config import parse
 
     torch.set_num_threads(1)
-    split = build.load_data(cfg)
-    model = build.build_model(cfg, split)
+    run = parse(cfg)
+    split = build.load_data(run.data, run.seed, run.peers)
+    model = build.build_model(run.model, split, run.seed, run.data.name)
     loss_fn = metrics.loss_function(split.y_train)
     x, y = split.x_train[: int(cfg["batch_size"])], split.y_train[: int(cfg["batch_size"])]
     times = []
@@ -164,7 +215,7 @@ def target_override(args) -> list[str]:
 def fleet_steps(args, base: list[str], cfg: dict, train_size: int, out: Path) -> dict:
     """{label: {n: [steps to target per seed, None where not reached]}} (and samples), from fleet sweeps."""
     found: dict[str, dict] = {}
-    for algorithm, n in itertools.product(ALGORITHMS, args.peers):
+    for algorithm, n in itertools.product(args.algorithms, args.peers):
         sweep = out / "fleet" / f"{algorithm.label.replace(' ', '_').replace('=', '')}_n{n}"
         seeds = ",".join(str(s) for s in range(args.seeds))
         if not finished(sweep, args.seeds):
@@ -228,14 +279,16 @@ def decide(times: dict[str, list[float]]) -> dict:
     return {"winner": winner, "runner_up": runner, "margin": margin, "apart": apart, "mean_s": means}
 
 
-def cells(steps: dict, axes: dict, peers: list[int], nbytes: float, compute_s: float) -> list[dict]:
+def cells(
+    steps: dict, axes: dict, peers: list[int], nbytes: float, compute_s: float, algorithms=ALGORITHMS
+) -> list[dict]:
     out = []
     for n in peers:
         for bw, lat, ppr, slow in itertools.product(*axes.values()):
             net = Network(lat, bw, ppr, slow)
             times = {
                 a.label: times_to_target(a, steps[a.label][str(n)]["steps"], n, nbytes, compute_s, net)
-                for a in ALGORITHMS
+                for a in algorithms
             }
             d = decide(times)
             out.append({
@@ -298,14 +351,14 @@ def real_run(
 def checks(args, base: list[str], cfg: dict, steps: dict, found: list[dict], train_size: int, out: Path) -> list[dict]:
     n = args.check_peers
     rows = []
-    by_label = {a.label: a for a in ALGORITHMS}
+    by_label = {a.label: a for a in args.algorithms}
     for i, cell in enumerate(check_cells(found, n, args.check_cells, args.check_max_bandwidth, args.check_min_latency)):
         net = Network(cell["latency_s"], cell["bandwidth_bytes_per_s"], cell["peers_per_host"], cell["slowdown"])
         # the two fastest at the check's compute (or --check-algorithms); AD-PSGD's real peers record rank 0's own
         # model only (no common step), which the fleet's records of the average model do not predict: not checked
         predicted_s = {
             a.label: clock_after(a, steps[a.label][str(n)]["steps"][0], n, args.model_bytes, args.check_compute_s, net)
-            for a in ALGORITHMS
+            for a in args.algorithms
             if a.kind != "async" and steps[a.label][str(n)]["steps"][0] is not None
         }
         for label in args.check_algorithms or sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
@@ -369,14 +422,14 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
     # line speed, which for a small model is most of a periodic all-reduce (LocalSGD, DiLoCo): not checked here
     predicted_s = {
         a.label: clock_after(a, steps[a.label][str(n)]["steps"][0], n, args.model_bytes, compute, net)
-        for a in ALGORITHMS
+        for a in args.algorithms
         if a.kind in ("allreduce", "gossip") and steps[a.label][str(n)]["steps"][0] is not None
     }
     rows = []
     tcp = testhosts.tcp_option(args.test_host_tcp)
     with testhosts.TestHosts(2, rate=args.test_hosts, tcp=tcp) as hosts:
         for label in sorted(predicted_s, key=lambda k: predicted_s[k])[:2]:
-            algorithm = next(a for a in ALGORITHMS if a.label == label)
+            algorithm = next(a for a in args.algorithms if a.label == label)
             predicted_steps = steps[label][str(n)]["steps"][0]
             per_epoch = max(1, train_size // (n * int(cfg["batch_size"])))
             run_dir = out / "checks" / f"testhosts_{label.replace(' ', '_').replace('=', '')}"
@@ -448,7 +501,7 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:g} ms" if s >= 1e-3 else f"{s * 1e6:g} us"
 
 
-def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
+def plot(found: list[dict], axes: dict, peers: list[int], path: Path, algorithms=ALGORITHMS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -456,7 +509,7 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
     from matplotlib.patches import Patch
 
     combos = list(itertools.product(axes["peers_per_host"], axes["slowdown"]))
-    colours = {a.label: plt.get_cmap("tab10")(i) for i, a in enumerate(ALGORITHMS)}
+    colours = {a.label: plt.get_cmap("tab10")(i) for i, a in enumerate(algorithms)}
     bws, lats = axes["bandwidth_bytes_per_s"], axes["latency_s"]
     fig, grid_axes = plt.subplots(
         len(combos), len(peers), figsize=(max(6.4, 3.2 * len(peers)), 2.9 * len(combos)), squeeze=False
@@ -477,9 +530,9 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path) -> None:
         ax.set_yticks(range(len(lats)), [_seconds(s) for s in lats], fontsize=7)
         ax.set_title(f"{n} peers, {ppr}/host, slow x{slow:g}", fontsize=8)
     fig.legend(
-        handles=[Patch(color=colours[a.label], label=a.label) for a in ALGORITHMS],
+        handles=[Patch(color=colours[a.label], label=a.label) for a in algorithms],
         loc="lower center",
-        ncol=len(ALGORITHMS) if len(peers) > 2 else 3,  # a narrow map: the legend on two lines
+        ncol=len(algorithms) if len(peers) > 2 else 3,  # a narrow map: the legend on two lines
         fontsize=7,
     )
     fig.suptitle(  # two lines: a map of one or two peer counts is narrow
@@ -540,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", help="default, or an experiment= preset's name")
     p.add_argument("--quick", action="store_true", help="a coarse grid, one seed, 4 and 8 peers")
+    p.add_argument(
+        "--algorithms",
+        metavar="A,B,...",
+        help=f"the algorithms compared (default {','.join(DEFAULT_ALGORITHMS)}); any of {', '.join(eligible())}",
+    )
     p.add_argument("--peers", type=int, nargs="+", help="peer counts (default 4 8 16 32; quick: 4 8)")
     p.add_argument("--seeds", type=int, help="seeds per algorithm and peer count (default 3; quick: 1)")
     p.add_argument("--target", type=float, help=f"the value of --metric to reach (default per workload: {TARGETS})")
@@ -586,13 +644,14 @@ def main(argv: list[str] | None = None) -> int:
     args.peers = args.peers or ([4, 8] if args.quick else [4, 8, 16, 32])
     args.seeds = args.seeds or (1 if args.quick else 3)
     workload = workload_overrides(args.workload)  # an unknown workload first: no folder, no other complaint
+    args.algorithms = chosen(args.algorithms)
     metric, target = TARGETS.get(args.workload, (None, None))
     args.metric = args.metric or metric or "test_accuracy"
     if args.target is None:
         if target is None or args.metric != metric:
             raise SystemExit(f"error: no default target for {args.workload!r}, {args.metric}; give --target (e.g. 0.9)")
         args.target = target
-    checkable = [a.label for a in ALGORITHMS if a.kind != "async"]
+    checkable = [a.label for a in args.algorithms if a.kind != "async"]
     if unknown := set(args.check_algorithms or []) - set(checkable):
         raise SystemExit(f"error: --check-algorithms {sorted(unknown)}: expected labels among {checkable}")
     if args.check_cells and args.check_peers not in args.peers:
@@ -608,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workload}: model {args.model_bytes / MB:.3g} MB, compute {compute_s * 1e3:.3g} ms a step")
     steps = fleet_steps(args, base, cfg, train_size, out)
     axes = grid(args.quick)
-    found = cells(steps, axes, args.peers, args.model_bytes, compute_s)
+    found = cells(steps, axes, args.peers, args.model_bytes, compute_s, args.algorithms)
     rows = checks(args, base, cfg, steps, found, train_size, out) if args.check_cells else []
     if args.test_hosts:
         rows += test_host_checks(args, base, cfg, steps, train_size, out)
@@ -620,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - started,
     }  # fmt: skip
     (out / "map.json").write_text(json.dumps(result, indent=1))
-    plot(found, axes, args.peers, out / "map.png")
+    plot(found, axes, args.peers, out / "map.png", args.algorithms)
     (out / "map.md").write_text(markdown(result))
     print(markdown(result))
     print(f"map: {out / 'map.json'}, {out / 'map.png'}, {out / 'map.md'} ({result['elapsed_s']:.0f} s)")

@@ -22,7 +22,7 @@ import re
 
 from dpsgd.config import keys as schema_keys
 from dpsgd.config import one_line, parse, suggest
-from experiments.validate import CONF_DIR, GROUPS, ConfigError, group_options, search_path
+from experiments.validate import GROUPS, ConfigError, compose, group_options, search_path
 
 MAX_COMPOSED = 8  # combinations of swept group choices composed to learn the keys
 HYDRA_FLAGS = ("-m", "--multirun")
@@ -81,11 +81,9 @@ def _keys(tree, prefix: str = "") -> set[str]:
 
 def _compose(overrides: list[str]) -> dict:
     """The config composed from conf/ (and the search path the overrides add) as a plain dict, unresolved."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=overrides), resolve=False)  # type: ignore[return-value]
+    return OmegaConf.to_container(compose(overrides), resolve=False)  # type: ignore[return-value]
 
 
 def _missing_key(exc: Exception) -> str | None:
@@ -234,7 +232,6 @@ def _nothing_reads(line: str, keyed: list) -> str:
 def sweep_jobs(argv: list[str]) -> list[tuple[list[str], dict]] | None:
     """Each job of a `-m` sweep as Hydra's basic sweeper will run it: (its overrides, its resolved config); None
     where the sweep is not the basic sweeper's to list (another sweeper, an interval, Hydra's own flags)."""
-    from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
@@ -245,19 +242,16 @@ def sweep_jobs(argv: list[str]) -> list[tuple[list[str], dict]] | None:
     searched = _search_path_override(args, dirs)
     given = [a for a in args if not a.lstrip("+~").startswith("hydra.")]
     parser = OverridesParser.create()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        fixed = [a for a, o in zip(given, parser.parse_overrides(given)) if not o.is_sweep_override()]
-        base = compose("config", overrides=[*searched, *fixed], return_hydra_config=True)
-        # the sweep a preset defines (hydra.sweeper.params) comes first; the command line's overrides win
-        params = base.hydra.sweeper.get("params")
-        preset = OmegaConf.to_container(params, resolve=False) if params else {}
-        swept = [f"{k}={v}" for k, v in preset.items()] + given
-        try:
-            batches = BasicSweeper.split_arguments(parser.parse_overrides(swept), None)
-        except Exception:  # noqa: BLE001 - an interval or a sampler's distribution: not a list of jobs
-            return None
-        return [
-            (job, OmegaConf.to_container(compose("config", overrides=[*searched, *job]), resolve=True))
-            for batch in batches
-            for job in batch
-        ]
+    fixed = [a for a, o in zip(given, parser.parse_overrides(given)) if not o.is_sweep_override()]
+    base = compose([*searched, *fixed], hydra_config=True)
+    # the sweep a preset defines (hydra.sweeper.params) comes first; the command line's overrides win
+    params = base.hydra.sweeper.get("params")
+    preset = OmegaConf.to_container(params, resolve=False) if params else {}
+    swept = [f"{k}={v}" for k, v in preset.items()] + given
+    try:
+        batches = BasicSweeper.split_arguments(parser.parse_overrides(swept), None)
+    except Exception:  # noqa: BLE001 - an interval or a sampler's distribution: not a list of jobs
+        return None
+    return [
+        (job, OmegaConf.to_container(compose([*searched, *job]), resolve=True)) for batch in batches for job in batch
+    ]

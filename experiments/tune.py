@@ -1,11 +1,12 @@
 """Fair tuning: `python -m experiments.tune [--algorithms A,B,...] [options] [overrides]`.
 
 A comparison can be won by tuning alone, so every algorithm gets the same search before it is compared:
-1. search: per algorithm, its learning rate on a log grid around the rate its config holds (and its own main
-   knob where it has one, KNOBS), each setting trained on the training split less a held-out validation split
-   (`data.validation_fraction`, evaluated in the test split's place, so the test split is never read);
-   through Hydra's Optuna sweeper (hydra-optuna-sweeper, grid or TPE sampler) where it is installed, else
-   Hydra's basic sweeper over the same grid; `--schedules constant,cosine` searches the learning-rate schedule too;
+1. search: per algorithm, its learning rate on a log grid around the rate its config holds (and the knobs its
+   class declares, `knobs`: e.g. LocalSGD's period, DiLoCo's outer lr, Choco's gamma), each setting trained on
+   the training split less a held-out validation split (`data.validation_fraction`, evaluated in the test
+   split's place, so the test split is never read); through Hydra's Optuna sweeper (hydra-optuna-sweeper, grid or
+   TPE sampler) where it is installed, else Hydra's basic sweeper over the same grid; `--schedules
+   constant,cosine` searches the learning-rate schedule too;
 2. select: the setting with the best validation accuracy (ties: the lower validation loss);
 3. final: the chosen setting on the whole training split over `--seeds` seeds, evaluated on the test split,
    whose seed (`data.split_seed`) is the search's: the validation split lies inside its training split.
@@ -30,14 +31,6 @@ from experiments.overrides import check as check_overrides
 from experiments.sweeps import finished, run_sweep
 from experiments.validate import ConfigError, group_options
 
-# the algorithm's own main setting, searched beside the learning rate (the issue's "period, gamma, outer lr")
-KNOBS = {
-    "local_sgd": ("period", [2, 4, 8, 16]),
-    "bmuf": ("outer.lr", [0.5, 1.0, 1.5, 2.0]),
-    "slowmo": ("outer.lr", [0.5, 1.0, 1.5, 2.0]),
-    "diloco": ("outer.lr", [0.3, 0.5, 0.7, 1.0]),
-    "choco": ("gamma", [0.1, 0.25, 0.5, 1.0]),
-}
 LR_FACTORS = [0.1, 0.3, 1.0, 3.0, 10.0]  # times the config's lr: a log grid of two decades around it
 
 
@@ -51,24 +44,29 @@ def optuna_available() -> bool:
 
 def default_lr(algorithm: str, overrides: list[str]) -> float:
     """The learning rate the algorithm's config (with the user's overrides) holds: the grid's centre."""
-    from hydra import compose, initialize_config_dir
+    from experiments.validate import compose
 
-    from experiments.validate import CONF_DIR
+    return float(compose([*overrides, f"algorithm={algorithm}"]).optimizer.lr)
 
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, f"algorithm={algorithm}"])
-    return float(cfg.optimizer.lr)
+
+def knobs(algorithm: str) -> dict[str, list]:
+    """The algorithm's own settings searched beside its learning rate, {config key under algorithm.: grid}: what
+    its class declares (`knobs`, dpsgd.optim.ALGORITHMS); none for a class that declares none (the lr alone)."""
+    from dpsgd.optim import ALGORITHMS
+
+    return {name: list(grid) for name, grid in getattr(ALGORITHMS.get(algorithm), "knobs", {}).items()}
 
 
 def search_space(
     algorithm: str, lrs: list[float], knob_values: list | None, schedules: list[str] | None = None
 ) -> dict[str, list]:
-    """The settings searched: the learning rate, the algorithm's own knob, and with `schedules` the learning-rate
-    schedule (conf/schedule/: the rate is then the schedule's peak)."""
+    """The settings searched: the learning rate, the algorithm's own knobs (`knob_values` in place of the grid of
+    an algorithm's one knob), and with `schedules` the learning-rate schedule (conf/schedule/: the rate is then the
+    schedule's peak)."""
     space: dict[str, list] = {"optimizer.lr": lrs}
-    if algorithm in KNOBS:
-        name, values = KNOBS[algorithm]
-        space[f"algorithm.{name}"] = knob_values or values
+    own = knobs(algorithm)
+    for name, values in own.items():
+        space[f"algorithm.{name}"] = knob_values if knob_values and len(own) == 1 else values
     if schedules:
         space["schedule"] = list(schedules)
     return space
@@ -140,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--algorithms", default="allreduce,dpsgd,local_sgd", help="comma-separated (conf/algorithm/)")
     parser.add_argument("--lr-factors", default=",".join(f"{f:g}" for f in LR_FACTORS), help="x the config's lr")
-    parser.add_argument("--knob-values", default=None, help="replace KNOBS' grid of the algorithm's own setting")
+    parser.add_argument(
+        "--knob-values", default=None, help="replace the grid of the algorithm's own knob (its class's `knobs`)"
+    )
     parser.add_argument(
         "--schedules", default=None, help="comma-separated (conf/schedule/): searched too (default: the config's)"
     )
@@ -162,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     if sampler != "basic" and not optuna_available():
         parser.error(f"--sampler {sampler} needs hydra-optuna-sweeper: pip install 'dpsgd[tune]' (or --sampler basic)")
     _check_names(parser, args)
+    if args.knob_values:
+        several = [f"{a} ({', '.join(k)})" for a in args.algorithms.split(",") if len(k := knobs(a)) > 1]
+        if several:
+            parser.error(
+                f"--knob-values replaces the grid of an algorithm's one knob, but {'; '.join(several)} has several: "
+                "tune it without --knob-values"
+            )
     try:  # the app's one-line check of every override (unknown keys, unreadable values), before any run starts
         overrides = check_overrides(overrides)
     except ConfigError as exc:

@@ -25,6 +25,16 @@ GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))
 __all__ = ["CONF_DIR", "GROUPS", "ConfigError", "check_group_overrides", "check_same_run", "validate"]
 
 
+def compose(overrides: list[str], hydra_config: bool = False):
+    """The app's config (conf/, onto the typed schema) composed with `overrides` as Hydra's compose API gives it
+    (a DictConfig; with `hydra_config`, Hydra's own node too: its sweeper's params)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=hydra_config)
+
+
 def group_options(group: str, extra: list[Path] | None = None) -> list[str]:
     """The options of config group `group`: the app's, and those of the config folders in `extra`."""
     return sorted({p.stem for d in [CONF_DIR, *(extra or [])] for p in (d / group).glob("*.yaml")})

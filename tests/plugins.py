@@ -1,7 +1,6 @@
 """A user's own classes, named by `_target_`: a model (test_build.py), an algorithm (test_contract.py) and an
 asynchronous algorithm (test_async_plugin.py)."""
 
-import torch
 from torch import nn
 
 from dpsgd.optim import ADPSGD, DistributedOptimizer
@@ -27,8 +26,7 @@ class AlternatingGossip(DistributedOptimizer):
         self.period, self.pull = period, pull
         self.anchor = None
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def update(self):
         params = self.params()
         self.base.step()
         if (self.step_count + 1) % self.period == 0:

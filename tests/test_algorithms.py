@@ -316,7 +316,7 @@ def test_refusals_are_one_line_and_say_why():
     assert not np.allclose(RowStochastic.W.sum(axis=0), 1)
     msg = refusal(lambda: SGP(base(), topology=RowStochastic(), **fake_comm()))
     assert "column stochastic" in msg and "row_stochastic" in msg
-    msg = refusal(lambda: D2(base(), topology=topologies.make("ring", N), **fake_comm()))
+    msg = refusal(lambda: D2(base(), topology=topologies.make("ring", N), **fake_comm(), lazy_mixing=False))
     assert "lambda_min" in msg and "-1/3" in msg
     assert "symmetric" in refusal(
         lambda: D2(base(), topology=topologies.make("one_peer_exponential", N), **fake_comm())

@@ -2,8 +2,8 @@
 ALGORITHMS[NAME] takes has the constructor's default (inspect.signature, following **options to the parent class),
 an `outer: {_target_: ...}` builds the same outer optimizer as the constructor's default factory and names only
 that optimizer's own keywords, and conf/schedule/*.yaml has dpsgd.schedule's defaults (and torch's MultiStepLR and
-CosineAnnealingLR defaults where they mean the same). The base optimizer's keys (optimizer, lr, momentum,
-weight_decay, nesterov) are no constructor options and are left out."""
+CosineAnnealingLR defaults where they mean the same). An algorithm's yaml holds no base-optimizer key (those are the
+optimizer= group's, conf/optimizer/), and each optimizer yaml's keys are its torch class's keywords."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from dpsgd.build import BASE_KEYS, factories, import_target
+from dpsgd.optim import BASE_OPTIMIZERS
+from dpsgd.options import factories, import_target
 from dpsgd.comm import codecs, run_local
 from dpsgd.optim import ALGORITHMS
 from dpsgd.schedule import Schedule
@@ -46,19 +47,17 @@ def constructor_defaults(cls) -> dict:
 # missing one, saying what to give), or is the default of the codec the option is handed to
 REQUIRED = {("choco", "compressor"), ("choco", "ratio")}  # "Choco needs a compressor"; top_k: "ratio ... got None"
 HANDED_ON = {("choco", "levels"): (codecs.QSGD, "levels")}
-MISMATCHES = {  # real differences between a yaml and its constructor, reported (not hidden)
-    ("d2", "lazy_mixing"): "D2(lazy_mixing=False) refuses a W with lambda_min <= -1/3 (an even ring's), while "
-    "conf/algorithm/d2.yaml says auto (mixes with (I + W)/2 where needed): a library user and the app differ",
-    ("adpsgd", "budget"): "ADPSGD(budget='steps') by default, while conf/algorithm/adpsgd.yaml says samples",
+NOT_OPTIONS = ("name", "defaults")  # the option's name, and the defaults list that picks its base optimizer
+# where the app chooses otherwise than a library user's loop, on purpose (the test asserts the difference stands)
+APP_CHOICES = {
+    ("adpsgd", "budget"): (
+        "samples",
+        "steps",
+        "the app budgets AD-PSGD by samples (all peers' together, the synchronous run's), so that a slow peer "
+        "takes fewer steps; a library user's own loop counts its steps",
+    ),
 }
-PAIRS = [
-    pytest.param(name, key, marks=pytest.mark.xfail(strict=True, reason=MISMATCHES[name, key]))
-    if (name, key) in MISMATCHES
-    else pytest.param(name, key)
-    for name in ALGORITHMS
-    for key in conf("algorithm", name)
-    if key not in BASE_KEYS
-]
+PAIRS = [pytest.param(name, key) for name in ALGORITHMS for key in conf("algorithm", name) if key not in NOT_OPTIONS]
 
 
 @pytest.mark.parametrize("name, key", PAIRS, ids=[f"{p.values[0]}.{p.values[1]}" for p in PAIRS])
@@ -66,7 +65,10 @@ def test_every_algorithm_key_of_the_yaml_is_the_constructors_default(name, key):
     value, defaults = conf("algorithm", name)[key], constructor_defaults(ALGORITHMS[name])
     assert key in defaults, f"conf/algorithm/{name}.yaml: {key} is not an option of {ALGORITHMS[name].__name__}"
     default = defaults[key]
-    if (name, key) in REQUIRED:
+    if (name, key) in APP_CHOICES:
+        app, library, why = APP_CHOICES[name, key]
+        assert (value, default) == (app, library), why
+    elif (name, key) in REQUIRED:
         assert default is None and value is not None, f"{name}.{key}: required, so the yaml must name one"
     elif (name, key) in HANDED_ON:
         cls, option = HANDED_ON[name, key]
@@ -101,23 +103,29 @@ def _outer_optimizers(comm, name: str, key: str, value: dict):
 
 
 def test_every_yaml_key_is_checked_above_or_a_base_key():
-    """Not vacuous: each algorithm's yaml has keys of both kinds where it has options; the pairs cover them."""
+    """Not vacuous: every algorithm with options of its own is checked, and no yaml holds a base-optimizer key."""
     names = {p.values[0] for p in PAIRS}
     assert names == set(ALGORITHMS) - {"sgp", "gradient_tracking"}  # these two take no option of their own
     for name in ("sgp", "gradient_tracking"):
-        assert set(conf("algorithm", name)) <= set(BASE_KEYS)
+        assert set(conf("algorithm", name)) == {"name"}
+    for name in ALGORITHMS:
+        assert not {"optimizer", "lr", "momentum", "weight_decay", "nesterov"} & set(conf("algorithm", name)), name
+
+
+@pytest.mark.parametrize("choice", sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml")))
+def test_every_optimizer_yaml_is_its_torch_classs_keywords(choice):
+    """conf/optimizer/*.yaml: a base optimizer of BASE_OPTIMIZERS with keywords its torch class takes, each a valid
+    value (the class builds with them)."""
+    section = conf("optimizer", choice)
+    cls = BASE_OPTIMIZERS[section.pop("name")]
+    assert set(section) <= set(inspect.signature(cls).parameters), (choice, set(section))
+    cls([torch.nn.Parameter(torch.zeros(2))], **section)
 
 
 # --- schedules ---------------------------------------------------------------------------------------------------
 ATTRIBUTE = {"warmup_steps": "warmup", "milestones": "milestones", "gamma": "gamma", "final": "final"}
-SCHEDULE_MISMATCHES = {
-    ("step", "milestones"): "Schedule({'name': 'step'}) has no milestones (a constant rate), while "
-    "conf/schedule/step.yaml says [0.5, 0.75]",
-}
 SCHEDULE_PAIRS = [
-    pytest.param(kind, key, marks=pytest.mark.xfail(strict=True, reason=SCHEDULE_MISMATCHES[kind, key]))
-    if (kind, key) in SCHEDULE_MISMATCHES
-    else pytest.param(kind, key)
+    pytest.param(kind, key)
     for kind in ("constant", "step", "cosine")
     for key in conf("schedule", kind)
     if key != "name"
@@ -127,8 +135,10 @@ SCHEDULE_PAIRS = [
 @pytest.mark.parametrize("kind, key", SCHEDULE_PAIRS, ids=[f"{p.values[0]}.{p.values[1]}" for p in SCHEDULE_PAIRS])
 def test_every_schedule_key_of_the_yaml_is_the_schedules_default(kind, key):
     value = conf("schedule", kind)[key]
-    default = getattr(Schedule({"name": kind}, 100), ATTRIBUTE[key])
-    configured = getattr(Schedule(conf("schedule", kind), 100), ATTRIBUTE[key])
+    default = getattr(Schedule(kind, 100), ATTRIBUTE[key])
+    configured = getattr(
+        Schedule.of(kind, {k: v for k, v in conf("schedule", kind).items() if k != "name"}, 100), ATTRIBUTE[key]
+    )
     assert configured == (sorted(value) if key == "milestones" else value)  # the yaml as the schedule reads it
     assert default == configured, f"conf/schedule/{kind}.yaml: {key}: {value!r}, the schedule's default: {default!r}"
 
@@ -137,6 +147,6 @@ def test_the_schedules_defaults_are_torchs_where_they_mean_the_same():
     """gamma: MultiStepLR's (and StepLR's) 0.1; final: CosineAnnealingLR's eta_min 0 (a fraction of the rate)."""
     multistep = inspect.signature(torch.optim.lr_scheduler.MultiStepLR).parameters
     cosine = inspect.signature(torch.optim.lr_scheduler.CosineAnnealingLR).parameters
-    assert conf("schedule", "step")["gamma"] == Schedule({"name": "step"}, 100).gamma == multistep["gamma"].default
-    assert conf("schedule", "cosine")["final"] == Schedule({"name": "cosine"}, 100).final == cosine["eta_min"].default
+    assert conf("schedule", "step")["gamma"] == Schedule("step", 100).gamma == multistep["gamma"].default
+    assert conf("schedule", "cosine")["final"] == Schedule("cosine", 100).final == cosine["eta_min"].default
     assert math.isclose(torch.optim.lr_scheduler.StepLR.__init__.__defaults__[0], 0.1)  # StepLR(gamma=0.1)

@@ -174,7 +174,7 @@ def test_mark_names_the_first_peer_to_diverge_not_a_later_one():
     def peer(comm):
         model = torch.nn.Linear(3, 1)
         run = SimpleNamespace(peer=SimpleNamespace(model=model, optimizer=SimpleNamespace(comm=comm)), comm=comm)
-        guard = divergence.Guard(run, {"on_divergence": "mark"})
+        guard = divergence.Guard(run, "mark")
         for step in range(1, 8):
             loss = 0.5
             if comm.rank in diverges and step >= diverges[comm.rank]:

@@ -12,7 +12,51 @@ import numpy as np
 import pytest
 
 from experiments import map as gossip_map
-from experiments.cost_model import Network, clock_after
+from experiments.cost_model import Algorithm, Network, clock_after
+
+
+def test_the_default_comparison_is_the_six_runs_it_always_was():
+    """From the algorithms' declarations: the same labels, overrides and cost forms (the soak's quick map too)."""
+    assert (
+        gossip_map.ALGORITHMS
+        == gossip_map.chosen(None)
+        == (
+            Algorithm("allreduce", ("algorithm=allreduce",), "allreduce"),
+            Algorithm("dpsgd ring", ("algorithm=dpsgd", "topology=ring"), "gossip", topology="ring"),
+            Algorithm(
+                "dpsgd one-peer",
+                ("algorithm=dpsgd", "topology=one_peer_exponential"),
+                "gossip",
+                topology="one_peer_exponential",
+            ),
+            Algorithm("adpsgd", ("algorithm=adpsgd", "topology=ring"), "async"),
+            Algorithm("local_sgd H=4", ("algorithm=local_sgd", "algorithm.period=4"), "periodic", period=4),
+            Algorithm("diloco H=8", ("algorithm=diloco", "algorithm.period=8"), "periodic", period=8),
+        )
+    )
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_every_run_the_map_can_make_passes_the_apps_checks(n):
+    """An algorithm the map accepts (its class declares a cost form) runs where the map puts it: the app's
+    pre-start check (the optimizer built on its topology, with its config) passes for every variant."""
+    from omegaconf import OmegaConf
+
+    from experiments.validate import validate
+
+    for algorithm in gossip_map.variants(gossip_map.eligible()):
+        cfg = OmegaConf.to_container(gossip_map.compose([*algorithm.overrides, "backend=fleet", f"peers={n}"]))
+        validate(cfg)
+
+
+def test_an_algorithm_the_map_cannot_price_is_refused_in_one_line_before_anything_else(tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        gossip_map.main(["default", "--quick", "--algorithms", "dpsgd,demo", "--out", str(tmp_path / "out")])
+    message = str(refused.value)
+    assert message.startswith("error: --algorithms demo: the map prices only an algorithm whose class declares")
+    assert "\n" not in message and message.endswith("eligible: " + ", ".join(gossip_map.eligible()))
+    assert {"dpsgd", "sgp", "bmuf", "adpsgd"} <= set(gossip_map.eligible()) and "demo" not in gossip_map.eligible()
+    assert not (tmp_path / "out").exists()
 
 
 def test_decide_names_the_winner_its_margin_and_whether_the_intervals_part():
@@ -163,15 +207,17 @@ def test_epochs_for_gives_the_fewest_epochs_whose_steps_reach_min_steps():
     from runs import experiment, load
 
     from dpsgd import build
+    from dpsgd.config import parse
 
     cfg = experiment(load("algorithm", "dpsgd"))
-    train_size = len(build.load_data(cfg).x_train)
+    run = parse(cfg)
+    train_size = len(build.load_data(run.data, run.seed, run.peers).x_train)
 
     def reference(n: int, min_steps: int, floor: int) -> int:
-        return next(e for e in range(floor, 10_000) if build.plan({**cfg, "epochs": e}, n).total_steps >= min_steps)
+        return next(e for e in range(floor, 10_000) if build.plan(run.replace(epochs=e), n).total_steps >= min_steps)
 
     for n in (4, 8):
-        per_epoch = build.plan({**cfg, "epochs": 1}, n).total_steps
+        per_epoch = build.plan(run.replace(epochs=1), n).total_steps
         assert per_epoch > 5
         for min_steps in (
             1,

@@ -65,7 +65,7 @@ def history(comm, delay: int, alpha: float, lead: tuple[int, ...] = ()) -> tuple
     params, anchors = [], []
     for _ in range(16):
         params.append([float(w.detach().reshape(-1)[0]) for w in weights])
-        anchors.append([float(a.reshape(-1)[0]) for a in opt._outer.anchors] if opt._anchored else [1.0, 1.0])
+        anchors.append([float(a.reshape(-1)[0]) for a in opt._outer.anchors] if opt._outer.anchored else [1.0, 1.0])
         for w in weights:
             w.grad = torch.full_like(w, 2.0)
         opt.step()

@@ -5,6 +5,7 @@ ends with the uninterrupted numbers, an fp16 overflow on one peer skipped by all
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -232,7 +233,7 @@ def test_fp16_clipping_acts_on_unscaled_gradients_as_torchs_amp_recipe():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     options = StepOptions(precision="fp16", clip_grad_norm=clip)
-    stepper = Stepper(options, torch.optim.SGD(model.parameters(), lr=0.1), Schedule(None, steps), "cpu")
+    stepper = Stepper(options, torch.optim.SGD(model.parameters(), lr=0.1), Schedule("constant", steps), "cpu")
     assert stepper.scaler is not None and stepper.scaler.get_scale() == scaler.get_scale() == 65536.0
     for step, (x, y) in enumerate(batches, 1):
         before = [p.detach().clone() for p in ref.parameters()]

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from dpsgd import data
 from dpsgd.build import load_data
 from dpsgd.config import parse
+from dpsgd.optim import ALGORITHMS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,16 +90,31 @@ def test_tune_selects_on_validation_then_runs_seeds(tmp_path):
     assert f"lr {best['lr']:g}, period {best['period']}" in tuned_md and "| 2 |" in tuned_md
 
 
-@pytest.mark.parametrize("algorithm", ["local_sgd", "bmuf", "slowmo", "diloco", "choco"])
+@pytest.mark.parametrize("algorithm", [name for name, cls in ALGORITHMS.items() if cls.knobs])
 def test_each_knob_names_a_setting_of_its_algorithms_config(algorithm):
-    """The searched knob is a key the algorithm's config holds (a renamed option would search nothing: Hydra
-    refuses an override of a key that is not there)."""
+    """A searched knob (what the algorithm's class declares) is a key the algorithm's config holds (a renamed
+    option would search nothing: Hydra refuses an override of a key that is not there)."""
     from experiments import tune
 
-    name, values = tune.KNOBS[algorithm]
     cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "algorithm" / f"{algorithm}.yaml"))
-    assert isinstance(tune._get({"algorithm": cfg}, f"algorithm.{name}"), (int, float)), (algorithm, name)
-    assert len(values) > 1
+    for name, values in tune.knobs(algorithm).items():
+        assert isinstance(tune._get({"algorithm": cfg}, f"algorithm.{name}"), (int, float)), (algorithm, name)
+        assert len(values) > 1
+
+
+def test_knob_values_refuse_an_algorithm_with_several_knobs_in_one_line(monkeypatch, tmp_path, capsys):
+    from dpsgd.optim import LocalSGD
+    from experiments import tune
+
+    class TwoKnobs(LocalSGD):
+        label, knobs, cost_form = "two knobs", {"period": (2, 4), "warmup_steps": (0, 8)}, None
+
+    monkeypatch.setitem(ALGORITHMS, "local_sgd", TwoKnobs)
+    with pytest.raises(SystemExit):
+        tune.main(["--algorithms", "local_sgd", "--knob-values", "2,8", "--out", str(tmp_path / "tune")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("but local_sgd (period, warmup_steps) has several: tune it without --knob-values"), err
+    assert not (tmp_path / "tune").exists()
 
 
 def test_schedule_is_a_searched_setting():

@@ -24,8 +24,7 @@ class EveryK(DistributedOptimizer):
         super().__init__(base, topology=topology, comm=comm, **options)
         self.k = k
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def update(self):
         self.base.step()
         self.step_count += 1
         if self.step_count % self.k == 0:

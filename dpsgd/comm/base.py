@@ -10,7 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -545,12 +545,23 @@ class _All(Pending):
             part.progress()
 
 
+@runtime_checkable
+class PerPeerCounts(Protocol):
+    """A fleet's byte counters, one per peer (dpsgd.sim.fleet)."""
+
+    def count_per_peer(self, sent, received) -> None: ...
+
+
 class Wrapped(Communicator):
     """A communicator worn over another (`inner`): a codec's (dpsgd.comm.codecs) or a robust rule's
     (dpsgd.comm.robust), which change means and mixes. It takes the inner's identity, counters and network, and
     passes through the rest: the transport's primitives, point-to-point operations (they carry what their
     caller encoded, and the inner counts them), the barrier, broadcasts and flattening (a fleet's: with the
-    peer axis)."""
+    peer axis).
+
+    What both wrappers do alike is here: a wrapper writes its means (`start_allreduce_mean`; a sum is n times
+    the mean) and one mix by per-peer weights, `_start_weighted_mix(tensors, weights, kind)` (weights(i): peer
+    i's `Neighbors`), which serves a mix by W(k), a neighbour average and a group mean."""
 
     def __init__(self, comm: Communicator):
         super().__init__(comm.rank, comm.size, comm.timeout_s)
@@ -558,6 +569,48 @@ class Wrapped(Communicator):
         self.stats, self.network, self.staging = comm.stats, comm.network, comm.staging
         self.peer_shape, self.backend, self.in_process = comm.peer_shape, comm.backend, comm.in_process
         self._counting = False  # the inner communicator's operations count the traffic
+        self.calls = 0  # the wrapper's operations so far: the key of what it draws (a codec's, a corrupt peer's)
+
+    def _call(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    def _done(self, op: str, result) -> Handle:
+        """A handle of an operation the wrapper finishes itself: `result` a value, or a function giving it."""
+        return Handle(self, op, _Done(), result if callable(result) else lambda: result, [])
+
+    def _count_fleet(self, sent: torch.Tensor, received: torch.Tensor, started: float) -> None:
+        """A fleet's bytes per peer and the time spent, counted where the inner fleet's operations would."""
+        if isinstance(self.inner, PerPeerCounts):
+            self.inner.count_per_peer(sent, received)
+        if self.inner._counting:
+            self.inner.stats.comm_time_s += time.perf_counter() - started
+
+    def _start_weighted_mix(
+        self, tensors: Sequence[torch.Tensor], weights: Callable[[int], Neighbors], kind: str = "mix"
+    ) -> Handle:
+        """sum_j weights(i).recv[j] x_j + weights(i).self_weight x_i for this peer i (a fleet: every peer), as
+        the wrapper sends and combines; `kind` names the operation (mix, group, mean)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _start_weighted_mix")
+
+    def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
+        return self._start_weighted_mix(tensors, lambda i: weights)
+
+    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
+        return self._start_weighted_mix(tensors, lambda i: mixing_neighbors(topology, i, step, lazy))
+
+    def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
+        if group_size == 1:
+            return list(tensors)
+        return self._start_weighted_mix(tensors, lambda i: group_neighbors(i, group_size), "group").wait()
+
+    def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
+        mean = self.start_allreduce_mean(tensors)
+        return self._done("allreduce_sum", lambda: [t * self.size for t in mean.wait()])
+
+    def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
+        mean = self.start_allreduce_mean([buf])
+        return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         return self.inner._start_exchange(buf, send_to, recv_from, tag)

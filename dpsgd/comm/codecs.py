@@ -12,14 +12,13 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Handle, Wrapped, _Done, group_neighbors, mixing_neighbors, unflatten
+from .base import Communicator, Handle, Wrapped, unflatten
 
 Key = tuple[int, ...]  # (sender rank, then what tells its messages apart: a step, a call, a round)
 
@@ -434,13 +433,6 @@ def wrap(comm: Communicator, compression: str | dict | Codec | PowerSGD | None) 
 
 
 # --- the wrapper ----------------------------------------------------------------------------------
-@runtime_checkable
-class PerPeerCounts(Protocol):
-    """A fleet's byte counters, one per peer (dpsgd.sim.fleet)."""
-
-    def count_per_peer(self, sent, received) -> None: ...
-
-
 class Compressed(Wrapped):
     """`comm` whose means and mixes travel encoded by `codec` (see the module); all else is `comm`'s."""
 
@@ -451,16 +443,11 @@ class Compressed(Wrapped):
             raise ValueError(f"this communicator is compressed already ({comm.codec!r}); wrap the exact one")
         super().__init__(comm)
         self.codec, self.error_feedback = codec, bool(error_feedback)
-        self.streams: dict[str, dict] = {}  # per stream of means: its error memories
-        self.calls = 0  # compressed operations so far: part of every random codec's key
+        self.streams: dict[str, dict] = {}  # per stream of means: its error memories (`calls`: random codecs' keys)
 
     @property
     def exact(self) -> Communicator:
         return self.inner
-
-    def _call(self) -> int:
-        self.calls += 1
-        return self.calls
 
     def elementwise(self, what: str) -> Codec:
         if isinstance(self.codec, PowerSGD):
@@ -469,15 +456,6 @@ class Compressed(Wrapped):
                 "use compression=int8, fp16, bf16, top_k, random_k, sign or qsgd, or an algorithm that averages"
             )
         return self.codec
-
-    def _done(self, op: str, result) -> Handle:
-        return Handle(self, op, _Done(), result if callable(result) else lambda: result, [])
-
-    def _count_fleet(self, sent: torch.Tensor, received: torch.Tensor, started: float) -> None:
-        if isinstance(self.inner, PerPeerCounts):
-            self.inner.count_per_peer(sent, received)
-        if self.inner._counting:
-            self.inner.stats.comm_time_s += time.perf_counter() - started
 
     # --- means --------------------------------------------------------------------------------
     def start_allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> Handle:
@@ -488,14 +466,6 @@ class Compressed(Wrapped):
         if self.size == 1:
             return self._done("allreduce_mean", list(tensors))
         return self._mean(tensors, memory)
-
-    def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
-        mean = self.start_allreduce_mean(tensors)
-        return self._done("allreduce_sum", lambda: [t * self.size for t in mean.wait()])
-
-    def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
-        mean = self.start_allreduce_mean([buf])
-        return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
 
     def _keep(self, memory: dict, name: str, error: torch.Tensor) -> None:
         if self.error_feedback:
@@ -583,7 +553,9 @@ class Compressed(Wrapped):
         self._count_fleet(sent, received, started)
         return lambda: (q, mixed)
 
-    def _start_mix(self, tensors: Sequence[torch.Tensor], weights: Callable[[int], Neighbors]) -> Handle:
+    def _start_weighted_mix(
+        self, tensors: Sequence[torch.Tensor], weights: Callable[[int], Neighbors], kind: str = "mix"
+    ) -> Handle:
         """x_i + sum_j w_ij (q_j - q_i), self weight included (see the module)."""
         x = self.flatten(tensors)
         finish = self._start_encoded_mix(x, weights, self._call(), "a mix")
@@ -593,17 +565,6 @@ class Compressed(Wrapped):
             return self.unflatten(x - q + mixed, tensors)
 
         return self._done("neighbor_average", result)
-
-    def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
-        return self._start_mix(tensors, lambda i: weights)
-
-    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
-        return self._start_mix(tensors, lambda i: mixing_neighbors(topology, i, step, lazy))
-
-    def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
-        if group_size == 1:
-            return list(tensors)
-        return self._start_mix(tensors, lambda i: group_neighbors(i, group_size)).wait()
 
     def gossip(self, x: torch.Tensor, topology: Topology, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Choco's exchange: send Q(x) to this peer's out-neighbours of W(step); return (Q(x), sum_j W[i,j]

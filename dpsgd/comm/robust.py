@@ -29,8 +29,8 @@ import torch
 
 from topologies import Neighbors, Topology
 
-from .base import Communicator, Handle, Wrapped, _Done, group_neighbors, mixing_neighbors
-from .codecs import Compressed, PerPeerCounts
+from .base import Communicator, Handle, Wrapped
+from .codecs import Compressed
 from .corrupt import Corruption
 
 RULES = ("none", "clipped_gossip", "centered_clip", "trimmed_mean")
@@ -151,8 +151,7 @@ class Robust(Wrapped):
 
     def __init__(self, comm: Communicator, rule: Rule, corruption: Corruption | None = None):
         super().__init__(comm)
-        self.rule, self.corruption = rule, corruption
-        self.calls = 0  # exchanges so far: the key of a corrupt peer's noise
+        self.rule, self.corruption = rule, corruption  # `calls`: the key of a corrupt peer's noise
         self.nonfinite_from: tuple[int, int] | None = None  # (sender, receiver) of the first non-finite message
         self._seen: dict[tuple[str, int], list[torch.Tensor]] = {}  # what each peer received last, per kind (alie)
         # a mean gathers every vector when a rule compares them, or when alie must see the honest ones
@@ -175,25 +174,14 @@ class Robust(Wrapped):
                     self.nonfinite_from = (s, receiver)
                     break
 
-    def _done(self, op: str, finish) -> Handle:
-        return Handle(self, op, _Done(), finish, [])
-
-    def _call(self) -> int:
-        self.calls += 1
-        return self.calls
-
-    def _count_fleet(self, sent: torch.Tensor, received: torch.Tensor, started: float) -> None:
-        if isinstance(self.inner, PerPeerCounts):
-            self.inner.count_per_peer(sent, received)
-        if self.inner._counting:
-            self.inner.stats.comm_time_s += time.perf_counter() - started
-
     # --- mixes ------------------------------------------------------------------------------------------
-    def _mix(self, tensors: Sequence[torch.Tensor], weights: Callable[[int], Neighbors], kind: str = "mix") -> Handle:
+    def _start_weighted_mix(
+        self, tensors: Sequence[torch.Tensor], weights: Callable[[int], Neighbors], kind: str = "mix"
+    ) -> Handle:
         x, call = self.inner.flatten(tensors), self._call()
         if self.peer_shape:
             result = self._fleet_mix(x, tensors, weights, call, kind)  # every peer's, done now
-            return self._done("neighbor_average", lambda: result)
+            return self._done("neighbor_average", result)
         nb = weights(self.rank)
         recv_from = sorted(nb.recv)
         handle = self.inner.start_neighbor_exchange(self._message(x, self.rank, call, kind), sorted(nb.send), recv_from)
@@ -222,17 +210,6 @@ class Robust(Wrapped):
         self._count_fleet(sent_bytes, received_bytes, started)
         return self.inner.unflatten(out, tensors)
 
-    def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
-        return self._mix(tensors, lambda i: weights)
-
-    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
-        return self._mix(tensors, lambda i: mixing_neighbors(topology, i, step, lazy))
-
-    def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
-        if group_size == 1:
-            return list(tensors)
-        return self._mix(tensors, lambda i: group_neighbors(i, group_size), "group").wait()
-
     # --- means ------------------------------------------------------------------------------------------
     def start_allreduce_mean(self, tensors: Sequence[torch.Tensor], stream: str = "") -> Handle:
         n = self.size
@@ -249,15 +226,7 @@ class Robust(Wrapped):
             others = {j: 1.0 / n for j in range(n) if j != i}
             return Neighbors(others, dict(others), 1.0 / n)
 
-        return self._mix(tensors, weights, "mean")
-
-    def start_allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> Handle:
-        mean = self.start_allreduce_mean(tensors)
-        return self._done("allreduce_sum", lambda: [t * self.size for t in mean.wait()])
-
-    def start_allreduce_sum_(self, buf: torch.Tensor) -> Handle:
-        mean = self.start_allreduce_mean([buf])
-        return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
+        return self._start_weighted_mix(tensors, weights, "mean")
 
     def __repr__(self) -> str:
         return f"Robust({self.inner!r}, {self.rule!r}, {self.corruption!r})"

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator
-from topologies import Topology
-
 from .base import DistributedOptimizer
 from .buckets import GradientBuckets
 
@@ -27,22 +24,13 @@ class AllReduce(DistributedOptimizer):
 
     uses_topology = False
     elastic = True
+    label = "all-reduce"
+    knobs = {}
+    cost_form = "allreduce"
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
-        overlap: bool = False,
-        bucket_mb: float = 25.0,
-    ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+    def __init__(self, base: torch.optim.Optimizer, *, overlap: bool = False, bucket_mb: float = 25.0, **common):
+        super().__init__(base, **common)
+        comm = self.comm
         exact = comm.exact is comm
         if overlap and not exact:
             raise ValueError(
@@ -66,9 +54,7 @@ class AllReduce(DistributedOptimizer):
                 "unscaled and checked them (and each peer's scale is its own): use overlap=false with a GradScaler"
             )
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         if self.buckets is not None:
             self.buckets.average()
         else:
@@ -78,4 +64,3 @@ class AllReduce(DistributedOptimizer):
                     g.copy_(avg)
         self.base.step()
         self.step_count += 1
-        return loss

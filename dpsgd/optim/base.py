@@ -5,9 +5,9 @@ statement of it runs on real peers and, on tensors with a leading peer axis, on 
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -21,34 +21,64 @@ STATE_KEY = "dpsgd"  # where state_dict() keeps the algorithm's own state beside
 BUFFER_MODES = ("broadcast", "average", "local")  # what `buffers=` does with the module's buffers after each step
 
 
+def _of_base(name: str, writable: bool = True) -> Any:
+    """A property that reads (and writes) the attribute `name` of the wrapped optimizer, `self.base`."""
+
+    def read(self):
+        return getattr(self.base, name)
+
+    def write(self, value) -> None:
+        setattr(self.base, name, value)
+
+    return property(read, write if writable else None, doc=f"The base optimizer's `{name}`.")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """The contract every distributed optimizer keeps: it wraps a local torch optimizer and behaves like one.
 
-    Constructed as `Algorithm(base, topology=..., comm=..., broadcast_initial=True, module=None,
-    buffers="broadcast", **options)`: `base` is any `torch.optim.Optimizer` (its `param_groups` and `state`
-    are this optimizer's own, also after `load_state_dict` and `add_param_group`, so LR schedulers and
-    gradient clipping act on what really steps); `topology` (`topologies.Topology`, n = `comm.size`) where
-    the rule mixes; `comm` any `dpsgd.comm.Communicator`; `broadcast_initial=True` gives every peer rank 0's
-    parameters at construction, as DDP does. `module` (the model, optional) makes its whole state come from
-    rank 0 too (buffers, and parameters the base does not step, such as frozen layers), and `buffers` says
-    what happens to its buffers after each step (see `BUFFER_MODES`): "broadcast" (rank 0's, as DDP's
+    Constructed as `Algorithm(base, *, <its options>, topology=..., comm=..., broadcast_initial=True,
+    module=None, buffers=None)`: `base` is any `torch.optim.Optimizer` (its `param_groups` and `state` are this
+    optimizer's own, also after `load_state_dict` and `add_param_group`, so LR schedulers and gradient clipping
+    act on what really steps); `topology` (`topologies.Topology`, n = `comm.size`) where the rule mixes; `comm`
+    any `dpsgd.comm.Communicator`; `broadcast_initial=True` gives every peer rank 0's parameters at
+    construction, as DDP does. `module` (the model, optional) makes its whole state come from rank 0 too
+    (buffers, and parameters the base does not step, such as frozen layers), and `buffers` says what happens
+    to its buffers after each step (see `BUFFER_MODES`): "broadcast" (rank 0's, as DDP's
     `broadcast_buffers`; the default), "average" (floating buffers averaged with the model's own exchange:
     mixed with W(k) by doubly stochastic gossip, else an exact mean, when the algorithm communicates) or
     "local" (each peer its own; the default of asynchronous optimizers, which have no global step). Both
     exchanges are counted in `comm.stats`.
 
-    `step()` fires torch's step hooks and keeps `torch.amp.GradScaler`'s contract
-    (`_step_supports_amp_scaling`): it unscales the gradients, and when any peer's have an inf or nan (one
-    one-element all-reduce, not counted in `comm.stats`) every peer skips the step together, as DDP's ranks
-    do, so no inf reaches a neighbour and the peers stay on one step; an asynchronous optimizer skips its
-    own step alone (its exchanges go on). `state_dict()` holds the base's state and the algorithm's own
+    `step(closure=None)` is this class's, for every algorithm, in this order: torch's step pre-hooks; under
+    `torch.amp.GradScaler` (`_step_supports_amp_scaling`: the scaler hands it `grad_scale` and `found_inf`)
+    the gradients unscaled and the skip agreed with the peers (`agree_overflow`: one one-element all-reduce,
+    not counted in `comm.stats`; every peer skips together, as DDP's ranks do, so no inf reaches a neighbour
+    and the peers stay on one step; an asynchronous optimizer skips alone); the closure, if any; the
+    algorithm's rule, `update()`, under `torch.no_grad()`; the module's buffers exchanged (`buffers=`);
+    torch's step post-hooks. `state_dict()` holds the base's state and the algorithm's own
     (`algorithm_state()`), so a run resumes bit for bit.
 
-    A subclass implements `step()` with `self.base.step()` and the communicator's operations
-    (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...) (the base
-    wraps it in the contract above), checks its topology needs in its constructor (`require_topology("doubly"
-    | "column")`), passes `**common` (`broadcast_initial`, `module`, `buffers`) on to this constructor,
-    and extends `algorithm_state()` / `load_algorithm_state()` with its own state.
+    A subclass is its constructor and its rule:
+
+    - `__init__(self, base, *, <its own options>, **common)` calling `super().__init__(base, **common)`
+      (`common`: `topology`, `comm`, `broadcast_initial`, `module`, `buffers`; a rule that needs the topology
+      may name it, `topology: Topology`, and hand it on), then checking its topology needs
+      (`self.require_topology("doubly" | "column")`) and refusing a bad option in one line;
+    - `update(self)`: the rule on the gradients in `.grad`, with `self.base.step()` and the communicator's
+      operations (`self.comm.allreduce_mean`, `self.comm.mix(tensors, self.topology, self.step_count)`, ...),
+      advancing `self.step_count`. It never defines `step()` (refused at construction: the skip and the
+      buffers' exchange would be lost);
+    - its own state in `algorithm_state()` / `load_algorithm_state()`, per-parameter state extended to a
+      group added later in `param_group_added()`.
+
+    What the experiments read of an algorithm is declared on its class (the fallbacks stand for a class that
+    declares nothing): `label`, its name in captions and legends as papers write it (None: its config name);
+    `knobs`, its own settings searched beside the learning rate when it is tuned, {config key: grid} (a
+    dotted key reaches into an option, e.g. "outer.lr"; empty: the learning rate alone); `cost_form`, how
+    the map's cost model (experiments.cost_model) prices its steps: "allreduce" (an all-reduce of the
+    gradients every step), "periodic" (local steps and an all-reduce of the model every `period` steps, its
+    constructor's default), "gossip" (one model to each neighbour of W(k) every step), "async" (AD-PSGD's
+    pairwise averagings), or None (none of these: not on the map).
     """
 
     asynchronous: ClassVar[bool] = False  # True: no global step (see AsynchronousOptimizer)
@@ -57,16 +87,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     elastic: ClassVar[bool] = False
     overlap: bool = False  # True: the training loop calls start_communication() before the forward pass
     _step_supports_amp_scaling: ClassVar[bool] = True  # GradScaler hands step() its scale and found_inf
-    _stepping = False  # inside a step(): a subclass's call of super().step() is not wrapped twice
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        step = cls.__dict__.get("step")
-        if step is not None and not getattr(step, "_whole_step", False):
-            cls.step = _whole_step(step)  # type: ignore[method-assign]
-        init = cls.__dict__.get("__init__")
-        if inspect.isfunction(init) and not _names_common(init):
-            cls.__init__ = _taking_common(init)  # type: ignore[method-assign]
+    # what the experiments read (see above)
+    label: ClassVar[str | None] = None
+    knobs: ClassVar[Mapping[str, Sequence]] = {}
+    cost_form: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -79,6 +103,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buffers: str | None = None,
     ):
         name = type(self).__name__
+        if inspect.unwrap(type(self).step) is not inspect.unwrap(DistributedOptimizer.step):
+            raise TypeError(
+                f"{name} defines step(); write its rule as update(self) instead: DistributedOptimizer.step() "
+                "calls it between GradScaler's agreed skip and the module's buffer exchange"
+            )
         if not isinstance(base, torch.optim.Optimizer):
             raise TypeError(
                 f"{name} wraps a local torch optimizer, e.g. {name}(torch.optim.SGD(model.parameters(), "
@@ -91,8 +120,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{name}: the topology has {topology.n} peers but the communicator has {comm.size}; "
                 f"build it with topologies.make(name, comm.size)"
             )
-        if module is None and buffers is None:  # a subclass constructor that does not name them (_taking_common)
-            module, buffers = self.__dict__.pop("_common", (None, None))
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"{name} module= takes the model (a torch.nn.Module), got {type(module).__name__}")
         if buffers is None:
@@ -109,7 +136,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # optimizer that really steps.
         self.base, self.comm, self.topology = base, comm, topology
         self.module, self.buffers = module, buffers
+        self.broadcast_initial = bool(broadcast_initial)  # every peer started from rank 0's parameters
         self.step_count = 0  # global steps taken: selects the topology's matrix at each step
+        self._agreed: bool | None = None  # this step's answer of agree_overflow, until the step ends
         for hooks in ("step", "state_dict", "load_state_dict"):  # the registries torch's Optimizer.__init__ makes
             setattr(self, f"_optimizer_{hooks}_pre_hooks", OrderedDict())
             setattr(self, f"_optimizer_{hooks}_post_hooks", OrderedDict())
@@ -117,25 +146,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if broadcast_initial:
             comm.broadcast_(self.params() + self._module_state(), root=0)
 
-    @property
-    def state(self):  # type: ignore[override]
-        return self.base.state
+    # --- the step: the same around every algorithm's rule ---------------------------------
+    def step(self, closure=None):
+        """One step (see the class): GradScaler's agreed skip, the closure, `update()`, the buffers' exchange.
+        Returns the closure's loss (None without one, or when the step is skipped)."""
+        try:
+            if self._scaler_skips():
+                return None
+            loss = self._closure_loss(closure)
+            with torch.no_grad():
+                self.update()
+            self._exchange_buffers()
+            return loss
+        finally:
+            self._agreed = None  # the next step agrees anew
 
-    @property
-    def param_groups(self):
-        return self.base.param_groups
+    def update(self) -> None:
+        """The algorithm's rule, on the gradients in `.grad`: a subclass writes it (see the class)."""
+        raise NotImplementedError(f"{type(self).__name__} must define update(self), its rule")
 
-    @param_groups.setter
-    def param_groups(self, groups) -> None:
-        self.base.param_groups = groups
-
-    @property
-    def defaults(self):
-        return self.base.defaults
-
-    @defaults.setter
-    def defaults(self, defaults) -> None:
-        self.base.defaults = defaults
+    # the base's own, read and written there (see __init__)
+    state = _of_base("state", writable=False)
+    param_groups = _of_base("param_groups")
+    defaults = _of_base("defaults")
 
     def _module_state(self) -> list[torch.Tensor]:
         """The module's tensors beyond the stepped parameters: frozen (or otherwise unstepped) ones and buffers."""
@@ -149,12 +182,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 out.append(t)
         return out
 
-    # --- what every step() does around the algorithm's rule -------------------------------
+    def agree_overflow(self, found: bool) -> bool:
+        """Whether any peer's gradients overflowed in this step (`found`: this peer's own), the step's one
+        agreement of a GradScaler skip: one one-element all-reduce (`comm.any_peer`) on the communicator under
+        its wrappers, not counted in `comm.stats`. None on a fleet (`comm.peer_shape`: its one scaler sees every
+        peer's rows already), for an asynchronous optimizer (it skips its own step alone) or for one peer: there
+        it is `found`. The first answer stands until the step ends (`step()` returns or skips), so the training
+        loop may agree before `scaler.unscale_` and the optimizer's own check under `GradScaler.step` sends
+        nothing more."""
+        if self._agreed is None:
+            if self.asynchronous or self.comm.size == 1 or self.comm.peer_shape:
+                self._agreed = bool(found)
+            else:  # a control message: the fleet, with the same numbers, sends none
+                params = self.params()
+                device = params[0].device if params else None
+                self._agreed = _plain(self.comm).any_peer(bool(found), device)
+        return self._agreed
+
     def _scaler_skips(self) -> bool:
         """Under `GradScaler.step` (which sets `found_inf` and `grad_scale` for the call): unscale the gradients
-        and say whether this step is skipped. Synchronous peers agree (one all-reduce of the flag): a peer
-        stepping alone would leave the others waiting in their exchange, and a peer sending an inf would
-        spoil its neighbours."""
+        and say whether this step is skipped, as agreed with the peers (`agree_overflow`): a peer stepping alone
+        would leave the others waiting in their exchange, and a peer sending an inf would spoil its neighbours."""
         found_inf = self.__dict__.get("found_inf")
         if found_inf is None:
             return False
@@ -166,12 +214,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for p in self.params():
                     if p.grad is not None:
                         p.grad.mul_(inv.to(p.grad.device))
-        overflow = bool(found_inf.item() > 0)
-        if not self.asynchronous and self.comm.size > 1 and not self.comm.peer_shape:
-            # a fleet has one scaler over every peer's rows: its flag is already every peer's. A control
-            # message, not counted as the algorithm's traffic (the fleet, with the same numbers, sends none)
-            return self.comm.any_peer(overflow, found_inf.device)
-        return overflow
+        return self.agree_overflow(bool(found_inf.item() > 0))
 
     def check_grad_scaler(self) -> None:
         """Raise, saying what to change, if this optimizer cannot be stepped by a GradScaler as configured."""
@@ -366,7 +409,7 @@ class AsynchronousOptimizer(Protocol):
         seconds: float | None = None,
         samples_per_step: int | None = None,
     ) -> None: ...
-    def step(self, closure=None) -> Any: ...  # its own rule: the simulator calls it too
+    def step(self, closure=None) -> Any: ...  # the simulator calls it too (DistributedOptimizer's, around update())
     def start(self, threads: bool = True) -> None: ...
     def should_stop(self) -> bool: ...
     def finish(self) -> None: ...
@@ -394,51 +437,6 @@ def _plain(comm: Communicator) -> Communicator:
     while getattr(comm, "inner", None) is not None:
         comm = comm.inner  # type: ignore[attr-defined]
     return comm
-
-
-def _names_common(init) -> bool:
-    """Whether a constructor takes `module=` itself or hands unnamed keywords on (`**common`)."""
-    parameters = inspect.signature(init).parameters.values()
-    return any(p.name == "module" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def _taking_common(init):
-    """A subclass constructor that names neither `module=` nor `**kwargs`, made to take `module=` and
-    `buffers=` all the same: they wait on the instance for DistributedOptimizer.__init__."""
-
-    @functools.wraps(init)
-    def __init__(self, *args, module=None, buffers=None, **kwargs):
-        if module is not None or buffers is not None:
-            self._common = (module, buffers)
-        init(self, *args, **kwargs)
-
-    # help() and inspect.signature show the two keywords it takes, as every optimizer's
-    signature = inspect.signature(init)
-    common = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in ("module", "buffers")]
-    __init__.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *common])  # type: ignore[attr-defined]
-    return __init__
-
-
-def _whole_step(step):
-    """A subclass's `step()` inside what every step does: a GradScaler's skip (agreed with the peers) before
-    it, the module's buffers exchanged after it."""
-
-    @functools.wraps(step)
-    def whole_step(self, *args, **kwargs):
-        if self._stepping:
-            return step(self, *args, **kwargs)
-        self._stepping = True
-        try:
-            if self._scaler_skips():
-                return None
-            out = step(self, *args, **kwargs)
-            self._exchange_buffers()
-            return out
-        finally:
-            self._stepping = False
-
-    whole_step._whole_step = True  # type: ignore[attr-defined]
-    return whole_step
 
 
 @torch.no_grad()

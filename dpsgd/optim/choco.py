@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator, codecs
+from dpsgd.comm import codecs
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -37,27 +37,26 @@ class Choco(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "Choco-SGD"
+    knobs = {"gamma": (0.1, 0.25, 0.5, 1.0)}
+    cost_form = None  # its messages are encoded differences, not the models the map's gossip form sends
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
         topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         compressor: str | codecs.Codec | None = None,
         gamma: float = 0.5,
         ratio: float | None = None,
         levels: int | None = None,
         rescale: bool = True,
         seed: int = 0,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+        super().__init__(base, topology=topology, **common)
         self.require_topology()
+        comm = self.comm
         codec: codecs.Codec | codecs.PowerSGD | str | None = compressor
         if isinstance(comm, codecs.Compressed):  # compression= names the codec
             if compressor is not None:
@@ -91,9 +90,7 @@ class Choco(DistributedOptimizer):
         self.x_hat: torch.Tensor | None = None  # public copy of this peer's model (flat)
         self.s: torch.Tensor | None = None  # sum_j W[i,j] x_hat_j (flat)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         self.base.step()  # p = x^{t+1/2}
         x = self.comm.flatten(params)
@@ -108,7 +105,6 @@ class Choco(DistributedOptimizer):
         for p, value in zip(params, self.comm.unflatten(x, params)):
             p.copy_(value)
         self.step_count += 1
-        return loss
 
     def algorithm_state(self):
         return {

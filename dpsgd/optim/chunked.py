@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from dpsgd.comm import Communicator
-from dpsgd.comm.codecs import Compressed, PerPeerCounts, pack_bits, unpack_bits
+from dpsgd.comm.base import PerPeerCounts
+from dpsgd.comm.codecs import Compressed, pack_bits, unpack_bits
 
 
 def block_size(n: int, target: int) -> int:

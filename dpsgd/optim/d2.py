@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -40,21 +39,12 @@ class D2(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "D²"
+    knobs = {}
+    cost_form = None  # the map's gossip runs on the one-peer exponential graph too, whose W is not symmetric
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
-        lazy_mixing: bool | str = False,
-    ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, lazy_mixing: bool | str = "auto", **common):
+        super().__init__(base, topology=topology, **common)
         self.require_topology("doubly")
         if not (lazy_mixing is True or lazy_mixing is False or lazy_mixing == "auto"):
             raise ValueError(f"D2 lazy_mixing must be one of {LAZY_CHOICES}, got {lazy_mixing!r}")
@@ -91,9 +81,7 @@ class D2(DistributedOptimizer):
             self._lazy[key] = lazy
         return lazy
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         x_k = [p.detach().clone() for p in params]
         if self.previous is None:
@@ -107,7 +95,6 @@ class D2(DistributedOptimizer):
         for p, m in zip(params, mixed):
             p.copy_(m)
         self.step_count += 1
-        return loss
 
     def param_group_added(self, params: list[torch.Tensor]) -> None:
         if self.previous is not None:  # x^{-1} + d^{-1} = x^0, as for the first parameters

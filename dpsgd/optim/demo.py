@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator
-from topologies import Topology
-
 from .base import DistributedOptimizer
 from .chunked import ChunkedTopK, gathered_mean, refuse_compression
 
@@ -27,30 +24,31 @@ class DeMo(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "DeMo"
+    knobs = {}
+    cost_form = None  # an all-gather of sparse DCT coefficients every step: none of the map's forms
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        decay: float = 0.999,
-        topk: int = 32,
-        chunk: int = 64,
-    ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
-        refuse_compression(comm, "DeMo")
+    def __init__(self, base: torch.optim.Optimizer, *, decay: float = 0.999, topk: int = 32, chunk: int = 64, **common):
+        super().__init__(base, **common)
+        refuse_compression(self.comm, "DeMo")
         if not 0 <= decay < 1:
             raise ValueError(f"DeMo decay (of the local momentum) must be in [0, 1), got {decay}")
-        self.decay = float(decay)
-        lead = len(comm.peer_shape)
-        self.code = ChunkedTopK([p.shape[lead:] for p in self.params()], chunk, topk, dct=True, bits=None, sigmas=0)
+        self.decay, self._chunk, self._topk = float(decay), chunk, topk
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """The DCT blocks and the zero momenta of every parameter (at construction, and for a group added before the
+        first step)."""
+        lead = len(self.comm.peer_shape)
+        shapes = [p.shape[lead:] for p in self.params()]
+        self.code = ChunkedTopK(shapes, self._chunk, self._topk, dct=True, bits=None, sigmas=0)
         self.momenta = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params()]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        super().param_group_added(params)  # refused after the first step
+        self._lay_out()
+
+    def update(self) -> None:
         params = self.params()
         lrs = [float(group["lr"]) for group in self.param_groups for _ in group["params"]]
         for p, m, lr in zip(params, self.momenta, lrs):
@@ -64,7 +62,6 @@ class DeMo(DistributedOptimizer):
             p.grad = torch.sign(q)
         self.base.step()
         self.step_count += 1
-        return loss
 
     def algorithm_state(self):
         return {**super().algorithm_state(), "momenta": [m.clone() for m in self.momenta]}

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator
-from topologies import Topology
-
 from .base import DistributedOptimizer
 
 # the base optimizer's state each period averages: Adam's moments (SGD's momentum buffer as the first)
@@ -33,19 +30,20 @@ class DESLOC(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "DES-LOC"
+    knobs = {}
+    cost_form = None  # the parameters and each moment on periods of their own: not the periodic form's one period
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
         param_period: int = 8,
         momentum_period: int = 24,
         variance_period: int = 48,
+        **common,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(base, **common)
         periods = {"param_period": param_period, "momentum_period": momentum_period, "variance_period": variance_period}
         for name, value in periods.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,9 +62,7 @@ class DESLOC(DistributedOptimizer):
             out += [(found[0], state.get("exp_avg_sq"))] if found else []
         return out
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         self.base.step()
         t = self.step_count = self.step_count + 1
         if t % self.param_period == 0:
@@ -81,7 +77,6 @@ class DESLOC(DistributedOptimizer):
         for u, v in firsts:  # the guard above, on the second moment as it now is (averaged if it was due)
             if v is not None:
                 u.masked_fill_(v == 0, 0.0)
-        return loss
 
     def __repr__(self) -> str:
         return (

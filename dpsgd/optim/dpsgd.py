@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator, Handle
+from dpsgd.comm import Handle
 from topologies import Topology
 
 from .base import DistributedOptimizer, snapshot
@@ -33,25 +33,23 @@ class DPSGD(DistributedOptimizer):
 
     topology: Topology  # required: gossip needs its mixing matrices
     elastic = True  # an added peer starts from the survivors' average, its momentum zero
+    label = "D-PSGD"
+    knobs = {}
+    cost_form = "gossip"
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
         topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         order: str = "cta",
         qgm: bool = False,
         qgm_beta: float = 0.9,
         qgm_mu: float | None = None,
         overlap: bool = False,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+        super().__init__(base, topology=topology, **common)
         self.require_topology("doubly", why=" (the average model must move only by the average increment)")
         if order not in ORDERS:
             raise ValueError(f"DPSGD order must be one of {ORDERS}, got {order!r}")
@@ -83,9 +81,7 @@ class DPSGD(DistributedOptimizer):
             x_k = snapshot(self.params())
             self._in_flight = (x_k, self.comm.start_mix(x_k, self.topology, self.step_count))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         if self.qgm:
             x_before = snapshot(params)
@@ -106,7 +102,6 @@ class DPSGD(DistributedOptimizer):
         if self.qgm:
             self._qgm_update(params, x_before)
         self.step_count += 1
-        return loss
 
     def _qgm_gradient(self, params) -> None:
         """p.grad <- g + beta m_hat: the heavy-ball direction with the quasi-global buffer."""
@@ -159,6 +154,9 @@ class QGM(DPSGD):
     """
 
     elastic = False  # its momentum buffer is each peer's own estimate of the global direction: no rule for a new peer
+    label = "QG-DSGDm"
+    knobs = {}
+    cost_form = "gossip"
 
     def __init__(
         self, base: torch.optim.Optimizer, *, order: str = "atc", beta: float = 0.9, mu: float | None = None, **options

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -29,26 +28,16 @@ class GradientTracking(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "gradient tracking"
+    knobs = {}
+    cost_form = None  # two vectors to each neighbour a step: twice the messages of the map's gossip form
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
-    ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, **common):
+        super().__init__(base, topology=topology, **common)
         self.require_topology("doubly", why=" (W must keep the average of the trackers equal to the average gradient)")
         self.correction: list[torch.Tensor] | None = None  # c_i = W y^{k-1} - g^{k-1} (0 before step 0)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
         self.check_mixing(self.step_count)
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
@@ -65,7 +54,6 @@ class GradientTracking(DistributedOptimizer):
         for c, wy, g in zip(self.correction, mixed[n:], grads):
             torch.sub(wy, g, out=c)
         self.step_count += 1
-        return loss
 
     def param_group_added(self, params: list[torch.Tensor]) -> None:
         if self.correction is not None:  # a new parameter's tracker starts at its gradient, as at step 0

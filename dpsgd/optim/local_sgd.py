@@ -8,7 +8,6 @@ import functools
 import torch
 
 from dpsgd.comm import Communicator
-from topologies import Topology
 
 from .base import DistributedOptimizer
 from .outer import DILOCO, OuterOptimizer, factory, saved_outer
@@ -61,16 +60,14 @@ class LocalSGD(DistributedOptimizer):
 
     elastic = True  # the anchor and outer state are the same on every peer: an added peer takes rank 0's
     uses_topology = False  # averaging is exact (all-reduce)
+    label = "local SGD"
+    knobs = {"period": (2, 4, 8, 16)}
+    cost_form = "periodic"
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         period: int = 4,
         warmup_steps: int = 0,
         outer=None,
@@ -78,11 +75,10 @@ class LocalSGD(DistributedOptimizer):
         inner_state: str = "keep",
         group_size: int | None = None,
         global_period: int | None = None,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
-        name = type(self).__name__
+        super().__init__(base, **common)
+        name, comm = type(self).__name__, self.comm
         self.period = _positive_int("period", period)
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
         if inner_state not in INNER_STATES:
@@ -104,24 +100,20 @@ class LocalSGD(DistributedOptimizer):
                 raise ValueError(f"LocalSGD global_period {global_period} must be a multiple of period {self.period}")
         self.scale_by_base_lr = bool(scale_by_base_lr)
         self.inner_state, self.group_size, self.global_period = inner_state, group_size, global_period
-        self._same_start = broadcast_initial  # every peer starts from rank 0's parameters
-        self._anchored = False  # the anchor is taken when the local phase begins
-        # the model at the last global averaging (and the outer optimizer moving it), kept when needed
+        # the model at the last global averaging (and the outer optimizer moving it), kept when needed; the anchor
+        # is taken when the local phase begins
         needed = self._make is not None or comm.exact is not comm
         self._outer = self._new_outer() if needed else None
 
     def _new_outer(self) -> OuterOptimizer:
-        groups = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
-        return OuterOptimizer(self._make, groups, type(self).__name__)
+        return OuterOptimizer.over(self._make, self.param_groups, type(self).__name__)
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
         return None if self._outer is None else self._outer.optimizer
 
     # --- the step -------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         t = self.step_count + 1
         if t <= self.warmup_steps:
             grads = [p.grad for p in self.params() if p.grad is not None]
@@ -130,7 +122,7 @@ class LocalSGD(DistributedOptimizer):
                     g.copy_(avg)
             self.base.step()
         else:
-            if self._outer is not None and not self._anchored:
+            if self._outer is not None and not self._outer.anchored:
                 self._take_anchor()
             self.base.step()
             s = t - self.warmup_steps
@@ -139,7 +131,6 @@ class LocalSGD(DistributedOptimizer):
             elif s % self.period == 0:
                 self._average(group=self.global_period is not None)
         self.step_count = t
-        return loss
 
     def _take_anchor(self) -> None:
         """The peers' mean model, the first anchor: without a message when they started from rank 0's
@@ -148,8 +139,7 @@ class LocalSGD(DistributedOptimizer):
         params = self.params()
         if len(self._outer.anchors) != len(params):  # a parameter group was added since the construction
             self._outer = self._new_outer()
-        self._outer.set_anchors(params if self._same_start else self.comm.exact.allreduce_mean(params))
-        self._anchored = True
+        self._outer.set_anchors(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The base state averaged by inner_state='average', in parameter order (same on every peer)."""
@@ -213,18 +203,15 @@ class LocalSGD(DistributedOptimizer):
     def algorithm_state(self):
         return {
             **super().algorithm_state(),
-            "outer": None if self._outer is None or not self._anchored else self._outer.state_dict(),
+            "outer": None if self._outer is None else self._outer.state_dict(),
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         saved = saved_outer(state, type(self).__name__)
-        self._anchored = saved is not None
-        if saved is not None:
-            if self._outer is None:
-                raise ValueError(
-                    f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer"
-                )
+        if saved is not None and self._outer is None:
+            raise ValueError(f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer")
+        if self._outer is not None:
             self._outer.load_state_dict(saved)
 
     def __repr__(self) -> str:
@@ -240,12 +227,20 @@ class SlowMo(LocalSGD):
     """SlowMo (Wang et al. 2020) over local SGD: outer SGD with slow momentum beta = 0.5 and slow lr alpha = 1
     (fairscale's SlowMoDistributedDataParallel defaults), scaled by the base lr as in the paper."""
 
+    label = "SlowMo"
+    knobs = {"outer.lr": (0.5, 1.0, 1.5, 2.0)}
+    cost_form = "periodic"
+
     __init__ = functools.partialmethod(LocalSGD.__init__, outer=SLOWMO, scale_by_base_lr=True)
 
 
 class DiLoCo(LocalSGD):
     """DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum 0.9 and lr 0.7 on the outer
     gradient x_anchor - x_avg, every 8 steps; the paper's inner optimizer is AdamW (pass it as `base`)."""
+
+    label = "DiLoCo"
+    knobs = {"outer.lr": (0.3, 0.5, 0.7, 1.0)}
+    cost_form = "periodic"
 
     __init__ = functools.partialmethod(LocalSGD.__init__, period=8, outer=DILOCO)
 
@@ -255,6 +250,10 @@ class BMUF(LocalSGD):
     1; momentum = the block momentum, by default the paper's 1 - 1/n for n peers; a config's
     `outer.momentum: null` means the same), scaled by the base lr, which at a constant base lr is BMUF's
     block momentum exactly (see `LocalSGD`; scale_by_base_lr=False gives it under any lr schedule)."""
+
+    label = "BMUF"
+    knobs = {"outer.lr": (0.5, 1.0, 1.5, 2.0)}
+    cost_form = "periodic"
 
     def __init__(
         self,

@@ -7,7 +7,6 @@ import functools
 import numpy as np
 import torch
 
-from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -50,20 +49,22 @@ class NoLoCo(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "NoLoCo"
+    knobs = {}
+    cost_form = None  # exchanges within small groups, no all-reduce: none of the map's forms
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
         period: int = 50,
         group_size: int = 2,
         outer=NOLOCO,
         gamma: float | None = None,
+        **common,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
+        super().__init__(base, **common)
+        comm = self.comm
         for name, value in (("period", period), ("group_size", group_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"NoLoCo {name} must be an integer >= 1, got {value!r}")
@@ -80,23 +81,23 @@ class NoLoCo(DistributedOptimizer):
         self.period, self.group_size, self.gamma = period, size, gamma
         n = comm.size
         self.pairing = Topology("noloco_groups", functools.partial(group_matrix, n, size), options={"group_size": size})
-        anchors = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
-        self._outer = OuterOptimizer(make, anchors, "NoLoCo")
+        self._make = make
+        self._outer = OuterOptimizer.over(make, self.param_groups, "NoLoCo")
         self.outer_optimizer = self._outer.optimizer
-        self._anchored = False
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        super().param_group_added(params)  # refused after the first step
+        self._outer = OuterOptimizer.over(self._make, self.param_groups, "NoLoCo")  # over every group, the new too
+        self.outer_optimizer = self._outer.optimizer
+
+    def update(self) -> None:
         params = self.params()
-        if not self._anchored:  # each peer's own anchor: its model at the start
+        if not self._outer.anchored:  # each peer's own anchor: its model at the start
             self._outer.set_anchors(params)
-            self._anchored = True
         self.base.step()
         self.step_count += 1
         if self.step_count % self.period == 0:
             self._outer_step(params)
-        return loss
 
     def _outer_step(self, params: list[torch.Tensor]) -> None:
         anchors = self._outer.anchors
@@ -115,14 +116,11 @@ class NoLoCo(DistributedOptimizer):
             p.copy_(a)
 
     def algorithm_state(self):
-        return {**super().algorithm_state(), "outer": self._outer.state_dict() if self._anchored else None}
+        return {**super().algorithm_state(), "outer": self._outer.state_dict()}
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        saved = saved_outer(state, "NoLoCo")
-        self._anchored = saved is not None
-        if saved is not None:
-            self._outer.load_state_dict(saved)
+        self._outer.load_state_dict(saved_outer(state, "NoLoCo"))
 
     def __repr__(self) -> str:
         outer = repr(self.outer_optimizer).replace("\n", " ")

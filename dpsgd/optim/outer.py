@@ -38,18 +38,27 @@ def saved_outer(state: dict, who: str) -> dict | None:
 
 
 class OuterOptimizer:
-    """Anchor tensors in groups and the torch optimizer that moves them (None: anchors only)."""
+    """Anchor tensors in groups and the torch optimizer that moves them (None: anchors only). `anchored`: the
+    anchors were set (an algorithm takes them at its first step, or when its local phase begins); before that its
+    state_dict() is None."""
 
     def __init__(self, make: Callable[..., torch.optim.Optimizer] | None, groups: list[list[torch.Tensor]], who: str):
         self.anchors = [a for group in groups for a in group]
+        self.anchored = False
         try:  # torch's own checks: a negative lr, an unknown keyword, ...
             self.optimizer = None if make is None else make([{"params": group} for group in groups])
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{who} cannot build its outer optimizer: {exc}") from None
 
+    @classmethod
+    def over(cls, make, param_groups: list[dict], who: str) -> OuterOptimizer:
+        """One anchor per parameter of `param_groups` (a copy of it until the anchors are set), in their groups."""
+        return cls(make, [[p.detach().clone() for p in group["params"]] for group in param_groups], who)
+
     def set_anchors(self, values) -> None:
         for anchor, value in zip(self.anchors, values):
             anchor.copy_(value)
+        self.anchored = True
 
     def step(self, grads: list[torch.Tensor | None], base_lrs: list[float] | None = None) -> None:
         """One outer step with grads[k] the gradient of anchor k (None: it does not move, as Streaming DiLoCo's
@@ -72,12 +81,18 @@ class OuterOptimizer:
             for anchor in self.anchors:
                 anchor.grad = None
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict | None:
+        if not self.anchored:
+            return None
         # copies: a state dict saved now must not move with the optimizer's later steps
         optimizer = None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict())
         return {"anchors": [a.clone() for a in self.anchors], "optimizer": optimizer}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore what state_dict() returned (None: the anchors are not taken yet)."""
+        self.anchored = False
+        if state is None:
+            return
         # a state of another model fails torch's own checks (the outer optimizer's groups, the base's)
         self.set_anchors(state["anchors"])
         if self.optimizer is not None:

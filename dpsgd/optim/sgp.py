@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from dpsgd.comm import Communicator
 from topologies import Topology
 
 from .base import DistributedOptimizer
@@ -29,27 +28,17 @@ class SGP(DistributedOptimizer):
     """
 
     topology: Topology  # required: gossip needs its mixing matrices
+    label = "SGP"
+    knobs = {}
+    cost_form = "gossip"  # x and w in one message: the model (and one number) to each neighbour a step
 
-    def __init__(
-        self,
-        base: torch.optim.Optimizer,
-        *,
-        topology: Topology,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
-    ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+    def __init__(self, base: torch.optim.Optimizer, *, topology: Topology, **common):
+        super().__init__(base, topology=topology, **common)
         self.require_topology("column", why=" (push-sum conserves mass only if each peer shares out all of its value)")
         self.x: list[torch.Tensor] | None = None  # push-sum numerators, shaped like the parameters
         self.w: torch.Tensor | None = None  # push-sum weight: one value per peer, of the parameters' dtype
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params, peers = self.params(), self.comm.peer_shape
         if self.x is None or self.w is None:
             self.x = [p.detach().clone() for p in params]
@@ -67,7 +56,6 @@ class SGP(DistributedOptimizer):
         for p, x in zip(params, xs):
             torch.div(x, w.view(*peers, *[1] * (x.dim() - len(peers))), out=p)  # z^{k+1}
         self.step_count += 1
-        return loss
 
     def param_group_added(self, params: list[torch.Tensor]) -> None:
         if self.x is not None and self.w is not None:  # numerators x = z w, so that x / w is the parameter

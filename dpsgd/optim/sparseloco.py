@@ -6,9 +6,6 @@ import functools
 
 import torch
 
-from dpsgd.comm import Communicator
-from topologies import Topology
-
 from .base import DistributedOptimizer
 from .chunked import ChunkedTopK, gathered_mean, refuse_compression
 from .outer import OuterOptimizer, factory, saved_outer
@@ -34,14 +31,14 @@ class SparseLoCo(DistributedOptimizer):
     """
 
     uses_topology = False
+    label = "SparseLoCo"
+    knobs = {}
+    cost_form = None  # an all-gather of sparse 2-bit messages every period steps: none of the map's forms
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
         period: int = 15,
         decay: float = 0.95,
         topk: int = 64,
@@ -49,9 +46,10 @@ class SparseLoCo(DistributedOptimizer):
         bits: int | None = 2,
         sigmas: float = 6.0,
         outer=SPARSELOCO,
+        **common,
     ):
-        super().__init__(base, topology=topology, comm=comm, broadcast_initial=broadcast_initial)
-        refuse_compression(comm, "SparseLoCo")
+        super().__init__(base, **common)
+        refuse_compression(self.comm, "SparseLoCo")
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"SparseLoCo period must be an integer >= 1, got {period!r}")
         if not 0 <= decay <= 1:
@@ -60,23 +58,28 @@ class SparseLoCo(DistributedOptimizer):
         if make is None:
             raise ValueError("SparseLoCo needs an outer optimizer (its default: SGD with lr 1); got outer=None")
         self.period, self.decay = period, float(decay)
-        lead = len(comm.peer_shape)
-        self.code = ChunkedTopK(
-            [p.shape[lead:] for p in self.params()], chunk, topk, dct=False, bits=bits, sigmas=sigmas
-        )
-        self.errors = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params()]
-        groups = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
-        self._outer = OuterOptimizer(make, groups, "SparseLoCo")
-        self.outer_optimizer = self._outer.optimizer
-        self._same_start, self._anchored = broadcast_initial, False
+        self._layout = (make, chunk, topk, bits, sigmas)
+        self._lay_out()
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def _lay_out(self) -> None:
+        """The blocks, the zero error feedback and the outer optimizer of every parameter (at construction, and for
+        a group added before the first step)."""
+        make, chunk, topk, bits, sigmas = self._layout
+        lead = len(self.comm.peer_shape)
+        shapes = [p.shape[lead:] for p in self.params()]
+        self.code = ChunkedTopK(shapes, chunk, topk, dct=False, bits=bits, sigmas=sigmas)
+        self.errors = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params()]
+        self._outer = OuterOptimizer.over(make, self.param_groups, "SparseLoCo")
+        self.outer_optimizer = self._outer.optimizer
+
+    def param_group_added(self, params: list[torch.Tensor]) -> None:
+        super().param_group_added(params)  # refused after the first step
+        self._lay_out()
+
+    def update(self) -> None:
         params = self.params()
-        if not self._anchored:  # the peers' common model
-            self._outer.set_anchors(params if self._same_start else self.comm.exact.allreduce_mean(params))
-            self._anchored = True
+        if not self._outer.anchored:  # the peers' common model
+            self._outer.set_anchors(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
         self.base.step()
         self.step_count += 1
         if self.step_count % self.period == 0:
@@ -88,21 +91,17 @@ class SparseLoCo(DistributedOptimizer):
             self._outer.step(list[torch.Tensor | None](gathered_mean(self.comm, self.code, message)))
             for p, anchor in zip(params, self._outer.anchors):
                 p.copy_(anchor)
-        return loss
 
     def algorithm_state(self):
         return {
             **super().algorithm_state(),
-            "outer": self._outer.state_dict() if self._anchored else None,
+            "outer": self._outer.state_dict(),
             "errors": [e.clone() for e in self.errors],
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
-        saved = saved_outer(state, "SparseLoCo")
-        self._anchored = saved is not None
-        if saved is not None:
-            self._outer.load_state_dict(saved)
+        self._outer.load_state_dict(saved_outer(state, "SparseLoCo"))
         self.errors = self.own_tensors(state["errors"]) or self.errors
 
     def __repr__(self) -> str:

@@ -6,9 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dpsgd.comm import Communicator
-from topologies import Topology
-
 from .base import DistributedOptimizer
 from .outer import DILOCO, OuterOptimizer, factory, saved_outer
 
@@ -37,29 +34,26 @@ class StreamingDiLoCo(DistributedOptimizer):
     """
 
     uses_topology = False  # fragments are averaged exactly (all-reduce)
+    label = "Streaming DiLoCo"
+    knobs = {}
+    cost_form = None  # one fragment's all-reduce every period / fragments steps, overlapped: not the periodic form
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         period: int = 12,
         fragments: int = 3,
         delay: int = 1,
         alpha: float = 0.5,
         outer=DILOCO,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+        super().__init__(base, **common)
         for name, value, low in (("period", period, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"StreamingDiLoCo {name} must be an integer >= {low}, got {value!r}")
-        flat = comm.flatten(self.params())
+        flat = self.comm.flatten(self.params())
         numel = flat.shape[-1]  # one peer's (a fleet's tensors lead with a peer axis)
         if fragments > numel:
             raise ValueError(f"StreamingDiLoCo fragments={fragments} but the model has {numel} parameters")
@@ -81,9 +75,8 @@ class StreamingDiLoCo(DistributedOptimizer):
         self.period, self.n_fragments, self.delay, self.alpha = period, fragments, delay, float(alpha)
         cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(numel), fragments)])
         self.ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]  # fragment -> [start, end) entries
-        self._same_start = broadcast_initial
-        self._anchored = False  # the anchor is the peers' mean model at the first step
-        # the anchor, one tensor per fragment of the parameters flattened in order, and the optimizer moving it
+        # the anchor, one tensor per fragment of the parameters flattened in order, and the optimizer moving it; the
+        # anchor is the peers' mean model at the first step
         anchors = [flat[..., self.fragment(p)].clone() for p in range(fragments)]
         self._outer = OuterOptimizer(make, [anchors], "StreamingDiLoCo")
         self.outer_optimizer = self._outer.optimizer
@@ -105,14 +98,11 @@ class StreamingDiLoCo(DistributedOptimizer):
         """The fragment whose sync completes after inner step t, if any (none before its first start)."""
         return self.starting(t - self.delay) if t - self.delay >= 1 else None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         params = self.params()
-        if not self._anchored:  # the peers' mean model: their common start with broadcast_initial
-            start = self.comm.flatten(params if self._same_start else self.comm.exact.allreduce_mean(params))
+        if not self._outer.anchored:  # the peers' mean model: their common start with broadcast_initial
+            start = self.comm.flatten(params if self.broadcast_initial else self.comm.exact.allreduce_mean(params))
             self._outer.set_anchors(start[..., self.fragment(p)] for p in range(self.n_fragments))
-            self._anchored = True
         self.base.step()
         t = self.step_count + 1
         started = self.starting(t)
@@ -124,7 +114,6 @@ class StreamingDiLoCo(DistributedOptimizer):
         if done is not None:
             self._outer_step(done, self._arrived(done)[0])
         self.step_count = t
-        return loss
 
     def _arrived(self, p: int) -> list[torch.Tensor]:
         pending = self._in_flight.pop(p)
@@ -156,17 +145,14 @@ class StreamingDiLoCo(DistributedOptimizer):
         self._in_flight = {p: self._arrived(p) for p in list(self._in_flight)}
         return {
             **super().algorithm_state(),
-            "outer": self._outer.state_dict() if self._anchored else None,
+            "outer": self._outer.state_dict(),
             "arrived": {p: [t.clone() for t in v] for p, v in self._in_flight.items()},  # type: ignore[attr-defined]
         }
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
         p = self.params()[0]
-        saved = saved_outer(state, "StreamingDiLoCo")
-        self._anchored = saved is not None
-        if saved is not None:
-            self._outer.load_state_dict(saved)
+        self._outer.load_state_dict(saved_outer(state, "StreamingDiLoCo"))
         arrived = (state.get("arrived") or {}).items()
         self._in_flight = {int(k): [t.detach().to(p.device, p.dtype).clone() for t in v] for k, v in arrived}
 

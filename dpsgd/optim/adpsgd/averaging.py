@@ -23,6 +23,20 @@ AVERAGE, DONE = 0.0, 1.0
 HEADER = 3  # code, sender, averaging id
 
 
+def receive_any(link, buf: torch.Tensor, tag: int, timeout_s: float, abort, listener: str, senders: str) -> bool:
+    """One message of `tag` from any peer into `buf`, for a communication thread's loop: True once it came, False
+    if `abort()` ended the wait; after `timeout_s` s of silence a PeerTimeoutError saying that `listener` heard
+    nothing from `senders`, and what to do."""
+    recv = link.start_recv(buf, None, tag)
+    try:
+        return poll_until(recv.test, time.monotonic() + timeout_s, abort=abort)
+    except PeerTimeoutError:
+        raise PeerTimeoutError(
+            f"{listener} heard nothing for {timeout_s:g} s from {senders}; a peer died or hangs (raise "
+            "comm.timeout_s if peers are just slow)"
+        ) from None
+
+
 def partner_rng(seed: int, rank: int) -> random.Random:
     """The generator an active peer draws its partners from."""
     return random.Random(partner_seed(seed, rank))
@@ -198,16 +212,12 @@ class Averaging:
         waiting_for = set(self.partners)
         incoming = self._host(self.message_numel)
         while waiting_for:
-            recv = link.start_recv(incoming, None, TAG_REQUEST)
-            try:
-                if not poll_until(recv.test, time.monotonic() + self.comm.timeout_s, abort=self.opt._abort.is_set):
-                    return
-            except PeerTimeoutError:
-                raise PeerTimeoutError(
-                    f"rank {rank}: AD-PSGD's communication thread heard nothing for {self.comm.timeout_s:g} s from "
-                    f"active neighbour(s) {sorted(waiting_for)}, which have not said DONE; a peer died or hangs "
-                    f"(raise comm.timeout_s if peers are just slow)"
-                ) from None
+            listener = f"rank {rank}: AD-PSGD's communication thread"
+            senders = f"active neighbour(s) {sorted(waiting_for)}, which have not said DONE"
+            if not receive_any(
+                link, incoming, TAG_REQUEST, self.comm.timeout_s, self.opt._abort.is_set, listener, senders
+            ):
+                return
             sender = int(incoming[1].item())
             if incoming[0].item() == DONE:
                 waiting_for.discard(sender)

@@ -7,12 +7,12 @@ How it works: docs/guide/internals.md#adpsgd-budget.
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
-from dpsgd.comm import PeerTimeoutError
-from dpsgd.comm.pending import Request, poll_until
+from dpsgd.comm.pending import Request
+
+from .averaging import receive_any
 
 BUDGETS = ("steps", "samples", "seconds")
 TAG_PROGRESS, TAG_ANSWER = 13, 14
@@ -108,16 +108,10 @@ class Budget:
         final: set[int] = set()
         msg = torch.zeros(3, dtype=torch.float64)
         while len(final) < n - 1:
-            recv = control.start_recv(msg, None, TAG_PROGRESS)
-            try:
-                if not poll_until(recv.test, time.monotonic() + timeout_s, abort=self.opt._abort.is_set):
-                    return
-            except PeerTimeoutError:
-                raise PeerTimeoutError(
-                    f"rank 0: AD-PSGD's coordinator heard nothing for {timeout_s:g} s from peer(s) "
-                    f"{sorted(set(reported) - final)}; a peer died or hangs (raise comm.timeout_s if peers "
-                    f"are just slow)"
-                ) from None
+            senders = f"peer(s) {sorted(set(reported) - final)}"
+            listener = "rank 0: AD-PSGD's coordinator"
+            if not receive_any(control, msg, TAG_PROGRESS, timeout_s, self.opt._abort.is_set, listener, senders):
+                return
             sender = int(msg[0].item())
             reported[sender] = max(reported[sender], msg[1].item())
             if msg[2].item() > 0:

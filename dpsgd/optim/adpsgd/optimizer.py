@@ -13,11 +13,10 @@ import time
 
 import torch
 
-from dpsgd.comm import CommError, Communicator, PeerTimeoutError
+from dpsgd.comm import CommError, PeerTimeoutError
 from dpsgd.comm.base import flatten, unflatten
 from dpsgd.comm.pending import poll_until
 from dpsgd.seeds import protocol_jitter_seed
-from topologies import Topology
 
 from ..base import DistributedOptimizer
 from .averaging import Averaging
@@ -41,25 +40,23 @@ class ADPSGD(DistributedOptimizer):
     asynchronous = True
     summary_key = "adpsgd"  # summary.json's block of `summary()`
     HISTOGRAM_BINS = 16  # staleness 0..15 in summary.json, the last bin holding 15 and more
+    label = "AD-PSGD"
+    knobs = {}
+    cost_form = "async"
 
     def __init__(
         self,
         base: torch.optim.Optimizer,
         *,
-        topology: Topology | None = None,
-        comm: Communicator,
-        broadcast_initial: bool = True,
-        module: torch.nn.Module | None = None,
-        buffers: str | None = None,
         budget: str = "steps",
         seconds: float | None = None,
         seed: int = 0,
         jitter_s: float = 0.0,
         record_events: bool = False,
+        **common,
     ):
-        super().__init__(
-            base, topology=topology, comm=comm, broadcast_initial=broadcast_initial, module=module, buffers=buffers
-        )
+        super().__init__(base, **common)
+        comm = self.comm
         if comm.size > 1:
             self.require_topology()
         self.budget = budget
@@ -147,9 +144,7 @@ class ADPSGD(DistributedOptimizer):
         assert self.started_at is not None  # start() set it
         return self.run_budget.spent(self.step_count, self.samples, self.clock() - self.started_at)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
+    def update(self) -> None:
         self.start()
         self._raise_thread_error()
         params = self.params()
@@ -184,7 +179,6 @@ class ADPSGD(DistributedOptimizer):
             )
             self.averaging.order()
         self.run_budget.report(self.samples, final=False)
-        return loss
 
     @property
     def staleness(self) -> int:
