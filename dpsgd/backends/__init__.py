@@ -11,11 +11,12 @@ from dpsgd.comm import Communicator, transport
 
 from .driver import Backend, RunFailed, error_line
 from .fleet import FleetBackend
+from .launch import free_port, peer_env
 from .local import LocalBackend
 from .mpi import MPIBackend
 from .torch_dist import TorchBackend
 
-__all__ = ["Backend", "RunFailed", "connect", "error_line", "get", "launched", "names", "spawn"]
+__all__ = ["Backend", "RunFailed", "connect", "error_line", "free_port", "get", "launched", "names", "peer_env", "spawn"]
 
 _REGISTRY: dict[str, Backend] = {b.name: b for b in (LocalBackend(), MPIBackend(), TorchBackend(), FleetBackend())}
 
