@@ -16,7 +16,18 @@ from .local import LocalBackend
 from .mpi import MPIBackend
 from .torch_dist import TorchBackend
 
-__all__ = ["Backend", "RunFailed", "connect", "error_line", "free_port", "get", "launched", "names", "peer_env", "spawn"]
+__all__ = [
+    "Backend",
+    "RunFailed",
+    "connect",
+    "error_line",
+    "free_port",
+    "get",
+    "launched",
+    "names",
+    "peer_env",
+    "spawn",
+]
 
 _REGISTRY: dict[str, Backend] = {b.name: b for b in (LocalBackend(), MPIBackend(), TorchBackend(), FleetBackend())}
 
