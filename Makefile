@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests examples
 
-.PHONY: setup run test test-fast lint typecheck docs clean soak bench reproductions gpu-wheels gpu-check chaos
+.PHONY: setup run test test-fast lint typecheck docs clean soak bench bench-quick reproductions gpu-wheels gpu-check chaos
 
 setup: $(STAMP)
 
@@ -63,6 +63,12 @@ soak: $(STAMP)
 # --list`), one after the other, each in a process of its own; results in outputs/bench/. ARGS=--quick: their quick forms
 bench: $(STAMP)
 	$(PY) -m experiments.bench --all $(ARGS)
+
+# the regression check (< 5 min on 2 cores): the figures of experiments/bench/recorded.yaml measured again side by side,
+# PASS/MISS against each target beside the recorded figure; a MISS exits 0, a broken benchmark 1. Run it before a stop
+# whenever communication, optimizer or step code changed (docs/guide/development.md). ARGS=--dry: tiny sizes, seconds
+bench-quick: $(STAMP)
+	$(PY) -m experiments.bench --regression $(ARGS)
 
 # every reproduction of docs/reproductions.md (experiments/reproductions/), one after the other, 3 seeds each;
 # results in outputs/reproductions/NAME/, plots copied to docs/reproductions/
