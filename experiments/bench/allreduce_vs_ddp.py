@@ -127,28 +127,21 @@ def worker(args) -> None:
     medians = {name: ranks.slowest_median(world, t) for name, t in times.items()}
     # the part spent in opt.step() (slowest rank, median): splits a miss into backward (with its hooks) and step
     in_step_medians = {name: ranks.slowest_median(world, t) for name, t in in_step.items()}
+    pf = {name: ranks.slowest_median(world, f) for name, f in faults.items()}
+    timed = {"reps": args.reps, "warmup": args.warmup, "step_s": medians, "in_opt_step_s": in_step_medians}
+    finish(
+        world, comms, args, nparams, floor, **timed, page_faults_per_step=pf, check=check, check_steps=args.check_steps
+    )
+
+
+def finish(world, comms, args, nparams: int, floor: dict, **result) -> None:
+    """The ranks' end (here and in local_sgd_vs_torch): the mpi communicator closed, rank 0 writes `result` with
+    the model's size and the floor of a ring all-reduce of it."""
     comms["mpi"].close()
     sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
-    ranks.finish_ranks(
-        world,
-        args.worker,
-        {
-            "peers": world.Get_size(),
-            "params": nparams,
-            "hidden": args.hidden,
-            "batch": args.batch,
-            "reps": args.reps,
-            "warmup": args.warmup,
-            "step_s": medians,
-            "in_opt_step_s": in_step_medians,
-            "floor": floor,
-            "page_faults_per_step": {name: ranks.slowest_median(world, f) for name, f in faults.items()},
-            "comm_bytes_sent_per_rank": sent,
-            "comm_floor_s": ranks.floor_s(sent, floor),
-            "check": check,
-            "check_steps": args.check_steps,
-        },
-    )
+    model = {"peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch}
+    floors = {"floor": floor, "comm_bytes_sent_per_rank": sent, "comm_floor_s": ranks.floor_s(sent, floor)}
+    ranks.finish_ranks(world, args.worker, {**model, **result, **floors})
 
 
 # --- the driver ---------------------------------------------------------------------------

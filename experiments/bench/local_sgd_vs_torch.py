@@ -25,9 +25,8 @@ loopback bandwidth measured in the same run.
 
 from __future__ import annotations
 
-from dpsgd.comm.netem import ring_allreduce_bytes
 from experiments.bench import harness, ranks
-from experiments.bench.allreduce_vs_ddp import POOL, batches, make_model  # the same task as allreduce_vs_ddp
+from experiments.bench.allreduce_vs_ddp import POOL, batches, finish, make_model  # allreduce_vs_ddp's task
 from experiments.bench.steps import flat_params, train_step
 
 LIMIT = 1.0
@@ -133,29 +132,9 @@ def worker(args) -> None:
         phase: {name: ranks.slowest_median(world, t) if t else None for name, t in times.items()}
         for phase, times in (("warmup", warm), ("local", local))
     }
-    comms["mpi"].close()
-    sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
-    ranks.finish_ranks(
-        world,
-        args.worker,
-        {
-            "peers": world.Get_size(),
-            "params": nparams,
-            "hidden": args.hidden,
-            "batch": args.batch,
-            "period": args.period,
-            "warmup_steps": args.warmup_steps,
-            "skip": args.skip,
-            "windows": args.windows,
-            "timed_warmup_steps": len(warm["torch"]),
-            "step_s": step_s,
-            "check": check,
-            "check_float64": check64,
-            "floor": floor,
-            "comm_bytes_sent_per_rank": sent,
-            "comm_floor_s": ranks.floor_s(sent, floor),
-        },
-    )
+    finish(world, comms, args, nparams, floor, period=args.period, warmup_steps=args.warmup_steps, skip=args.skip,
+           windows=args.windows, timed_warmup_steps=len(warm["torch"]), step_s=step_s, check=check,
+           check_float64=check64)  # fmt: skip
 
 
 def summarize(res: dict) -> list[harness.Target]:
