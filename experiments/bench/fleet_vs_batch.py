@@ -197,8 +197,11 @@ def memory_estimate(model: str, peers: int, batch: int, params_per_peer: int, ac
     return peers * (8 * 4 * params_per_peer + 3 * act_per_sample * batch + data)
 
 
-def measure(model: str, n: int, device: torch.device, clock: Clock, bw: float, steps: int, reps: int) -> dict:
-    """One (model, n): the fleet and its reference built, warmed up, timed alternately; phases; floor."""
+def measure(
+    model: str, n: int, device: torch.device, clock: Clock, bw: float, steps: int, reps: int, vmap: bool = True
+) -> dict:
+    """One (model, n): the fleet and its reference built, warmed up, timed alternately (with `vmap`, also the wide
+    layout's fleet under vmap); phases; floor."""
     b = BATCH[model]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -214,7 +217,7 @@ def measure(model: str, n: int, device: torch.device, clock: Clock, bw: float, s
     act = saved_bytes(copy.deepcopy(fleet.model), fleet.loss_fn, x[:b].clone(), y[:b].clone())
     wide = fleet._wide
     sides = {"fleet": fleet.train_step, "reference": ref.train_step}
-    if wide is not None:  # the same fleet under vmap too: what the wide layout gains, measured alongside
+    if wide is not None and vmap:  # the same fleet under vmap too: what the wide layout gains, measured alongside
 
         def vmapped():
             fleet._wide = None
@@ -253,7 +256,7 @@ def measure(model: str, n: int, device: torch.device, clock: Clock, bw: float, s
         "phases_s": phases,
         "vmap_fallbacks": fallbacks,
         "layout": "vmap" if wide is None else "wide",
-        "vmap_ratio": ref_s / best["fleet_vmap"] if wide is not None else None,  # the fleet under vmap instead
+        "vmap_ratio": ref_s / best["fleet_vmap"] if "fleet_vmap" in best else None,  # the fleet under vmap instead
         "params_per_peer": sum(p[0].numel() for p in fleet.params),
         "saved_activation_bytes_per_sample": act / b,
     }
@@ -354,6 +357,9 @@ def options(p) -> None:
     p.add_argument("--budget-s", type=float, help="no new measurement once this many seconds have passed")
     p.add_argument("--memory-fraction", type=float, default=0.4, help="of the memory available at the start")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
+    p.add_argument(
+        "--without-vmap", action="store_true", help="no run of the wide layout's fleet under vmap (shown only)"
+    )
 
 
 def run(args) -> harness.Result:
@@ -396,7 +402,7 @@ def run(args) -> harness.Result:
                     )
                     break
             try:
-                row = measure(model, n, device, clock, bw, steps, reps)
+                row = measure(model, n, device, clock, bw, steps, reps, vmap=not args.without_vmap)
             except torch.cuda.OutOfMemoryError:
                 print(f"{model:11s} {n:5d}: out of device memory")
                 torch.cuda.empty_cache()
