@@ -54,7 +54,7 @@ BENCHES = (
     Bench("allreduce_vs_ddp", "a training step of AllReduce (with and without overlap; torch and mpi backends) "
           "against DistributedDataParallel",
           {"peers": 4, "reps": 40, "warmup": 5, "floor_reps": 10, "seed": 0, "batch": 32, **RANKS},
-          quick=("--reps", "15", "--warmup", "3", "--check-steps", "3")),
+          quick=("--reps", "10", "--warmup", "3", "--check-steps", "3")),
     Bench("waiter_cost", "a computing rank's speed while its partner waits in the toolkit, against the partner asleep "
           "and in MPICH's blocking receive", {"peers": 4, "rounds": 10, "warmup": 3, **RANKS}, quick=()),
     Bench("local_sgd_vs_torch", "LocalSGD against torch's post-local SGD (PostLocalSGDOptimizer): time per step and "
