@@ -177,3 +177,16 @@ def test_pass_miss_against_the_target_beside_the_recorded_figure():
     text = regression.summary([miss, passes, absent], [])
     assert text.startswith("1 PASS, 1 MISS, 1 not measured, 1 worse than recorded") and "exit 0" in text
     assert "broken (exit 1): waiter_cost: ranks died" in regression.summary([], ["waiter_cost: ranks died"])
+
+
+def test_make_bench_runs_each_benchmark_of_its_set_through_the_harness(monkeypatch, capsys):
+    ran = []
+
+    def fake_run(cmd, cwd=None):
+        ran.append(cmd[3])
+        return argparse.Namespace(returncode=1 if cmd[3] == "overlap" else 0)
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    assert harness.main(["--all", "--quick"]) == 1  # a broken benchmark: exit 1, the others still ran
+    assert ran == [b.name for b in harness.BENCHES if b.in_make_bench]
+    assert capsys.readouterr().out.strip().endswith("broken: overlap")
