@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 LINT_PATHS := dpsgd topologies experiments tests examples
 
-.PHONY: setup run test test-fast lint typecheck docs clean soak bench reproductions gpu-wheels gpu-check chaos
+.PHONY: setup run test test-fast lint typecheck docs clean soak bench bench-quick reproductions gpu-wheels gpu-check chaos
 
 setup: $(STAMP)
 
@@ -59,11 +59,16 @@ clean:
 soak: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# every benchmark, one after the other (14 min on 2 idle cores); results in outputs/bench/
-BENCHMARKS := comm_overhead waiter_cost allreduce_vs_ddp local_sgd_vs_torch step_time_vs_network time_to_accuracy overlap \
-	stragglers fleet fleet_vs_batch bytes_to_accuracy
+# every benchmark of the registry's `make bench` set (experiments/bench/harness.py; `python -m experiments.bench
+# --list`), one after the other, each in a process of its own; results in outputs/bench/. ARGS=--quick: their quick forms
 bench: $(STAMP)
-	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) -m experiments.bench.$$b; done
+	$(PY) -m experiments.bench --all $(ARGS)
+
+# the regression check (about 4 min on 2 cores at load 6): the figures of experiments/bench/recorded.yaml measured again side by side,
+# PASS/MISS against each target beside the recorded figure; a MISS exits 0, a broken benchmark 1. Run it before a stop
+# whenever communication, optimizer or step code changed (docs/guide/development.md). ARGS=--dry: tiny sizes, seconds
+bench-quick: $(STAMP)
+	$(PY) -m experiments.bench --regression $(ARGS)
 
 # every reproduction of docs/reproductions.md (experiments/reproductions/), one after the other, 3 seeds each;
 # results in outputs/reproductions/NAME/, plots copied to docs/reproductions/
@@ -101,9 +106,9 @@ gpu-check:
 			[z.extract(n, '$(GPU_SITE)/mpich') for n in z.namelist() if '.data/data/lib/' in n]"; fi; \
 	if [ -n "$$site" ]; then export DPSGD_MPIEXEC=$$site/bin/mpiexec; fi; \
 	PYTHONPATH=$$site:$(CURDIR) PATH=$$site/bin:$$PATH LD_LIBRARY_PATH=$$(echo $$site/mpich/*.data/data/lib):$$LD_LIBRARY_PATH \
-		GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(PYTHON) -m experiments.bench.gpu_check
+		GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(PYTHON) -m experiments.bench gpu_check
 
 # issue 18's chaos run: 8 peers as torchrun elastic nodes, D-PSGD and LocalSGD, 3 killed at seeded random steps and
 # 2 added back, against the undisturbed run of the same seed (experiments/bench/chaos.py; docs/guide/reliability.md)
 chaos: $(STAMP)
-	$(PY) -m experiments.bench.chaos $(ARGS)
+	$(PY) -m experiments.bench chaos $(ARGS)

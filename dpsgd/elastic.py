@@ -15,7 +15,8 @@ import torch
 from dpsgd import checkpoint
 from dpsgd.config import Choice
 
-EVENT = "membership"  # the `event` of a metrics.jsonl record saying the world re-formed
+EVENT = "membership"
+"""The `event` of a metrics.jsonl record saying the world re-formed (its `old_peers`, `new_peers` and `step`)."""
 
 
 def supported(algorithm_cls) -> bool:

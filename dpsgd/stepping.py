@@ -154,11 +154,12 @@ def clip_stacked(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tenso
 
 
 class TrainStep:
-    """The whole of one step (see the module): `train_step(step)` for step 1, 2, ... returns the minibatch loss
-    (a peer's, or the fleet's (n,) losses). `losses(x, y)`: the loss of a micro-batch (the fleet: every peer's);
-    `split_dim`: the sample axis of a batch (1 on the fleet, whose batches lead with the peer axis); `before`:
-    called with the step first (the driver's report, the fault hook); `compute`: the network emulator whose
-    compute clock runs around the forward and backward passes (None: nothing emulated)."""
+    """The whole of one step (see the module): `step(k)` takes step k (1, 2, ...; `step()`: the one after the last
+    taken) and returns the minibatch loss (a peer's, or the fleet's (n,) losses). `losses(x, y)`: the loss of a
+    micro-batch (the fleet: every peer's); `split_dim`: the sample axis of a batch (1 on the fleet, whose batches
+    lead with the peer axis); `before`: called with the step first (the driver's report, the fault hook);
+    `compute`: the network emulator whose compute clock runs around the forward and backward passes (None: nothing
+    emulated)."""
 
     def __init__(
         self,
@@ -173,8 +174,11 @@ class TrainStep:
     ):
         self.stepper, self.batches, self.losses, self.device = stepper, batches, losses, device
         self.split_dim, self.before, self.compute = split_dim, tuple(before), compute
+        self.taken = 0  # the last step taken
 
-    def __call__(self, step: int) -> torch.Tensor:
+    def __call__(self, step: int | None = None) -> torch.Tensor:
+        step = self.taken + 1 if step is None else step
+        self.taken = step
         for hook in self.before:
             hook(step)
         stepper = self.stepper

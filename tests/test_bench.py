@@ -1,6 +1,6 @@
 """Smoke tests of the benchmarks in experiments/bench: tiny sizes and few repetitions on 4 real
-MPI ranks (gloo in the same processes). They check the JSON and the correctness checks the
-benchmarks make (the toolkit's results equal raw MPI / torch.distributed; AllReduce, DDP and
+MPI ranks (gloo in the same processes), through the harness. They check the JSON and the correctness checks
+the benchmarks make (the toolkit's results equal raw MPI / torch.distributed; AllReduce, DDP and
 large-batch SGD agree; LocalSGD and torch's post-local SGD agree), never timing ratios."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from experiments.bench import allreduce_vs_ddp, comm_overhead, local_sgd_vs_torch, waiter_cost
+from experiments.bench import allreduce_vs_ddp, comm_overhead, local_sgd_vs_torch, regression, waiter_cost
 
 pytestmark = pytest.mark.processes  # every benchmark spawns its ranks under mpiexec
 COMMON_KEYS = {"benchmark", "date", "machine", "command", "targets", "floor"}
@@ -25,114 +25,51 @@ def load(path, benchmark):
     return res
 
 
-def test_comm_overhead(tmp_path):
-    out = tmp_path / "comm_overhead.json"
-    assert (
-        comm_overhead.main(
-            [
-                "--sizes-mb",
-                "0.01",
-                "0.05",
-                "--reps",
-                "2",
-                "--warmup",
-                "1",
-                "--floor-reps",
-                "2",
-                "--timeout",
-                "120",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    res = load(out, "comm_overhead")
-    rows = res["rows"]
-    assert {(r["backend"], r["op"], r["mb"]) for r in rows} == {
-        (b, op, mb) for b in ("mpi", "torch") for op in comm_overhead.OPS for mb in (0.01, 0.05)
+def test_bench_quick_dry_run(tmp_path, capsys):
+    """`make bench-quick ARGS=--dry`: comm_overhead (1 and 11 MiB), allreduce_vs_ddp, waiter_cost and fleet_vs_batch
+    at tiny sizes through the harness, each result checked (the toolkit computes what raw MPI / torch.distributed
+    compute; AllReduce, DDP and large-batch SGD agree), then every figure they measured set beside its recorded one:
+    the recorded targets' names are the benchmarks' own."""
+    assert regression.main(["--dry", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    co = load(tmp_path / "comm_overhead.json", "comm_overhead")
+    assert {(r["backend"], r["op"], r["mb"]) for r in co["rows"]} == {
+        (b, op, mb) for b in ("mpi", "torch") for op in comm_overhead.OPS for mb in (1, 11)
     }
-    assert len(res["targets"]) == len(rows)
-    for r in rows:
+    assert len(co["targets"]) == len(co["rows"]) and co["problems"] == []
+    for r in co["rows"]:
         assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
-        assert r["max_abs_diff_vs_raw"] <= 1e-6, r  # the toolkit computes what the raw code computes
-        assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), (
-            r
-        )  # the cause split exists for mpi only
-
-
-def test_comm_overhead_miss_cause_splits_the_ratio():
-    row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": 2.0e-3, "ratio": 2.0}
-    cause = comm_overhead.miss_cause(row)
-    # 2.0x = MPI's non-blocking path 1.33x x the toolkit's waiting 1.5x: the product is the ratio
-    assert "non-blocking calls 1.33x" in cause and "wrapper 1.50x" in cause
-    assert cause.endswith("the toolkit's sleeping waits")
-    torch_row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": None, "ratio": 2.0}
-    assert "1.50 ms a call" in comm_overhead.miss_cause(torch_row)
-
-
-def test_allreduce_vs_ddp(tmp_path):
-    out = tmp_path / "allreduce_vs_ddp.json"
-    assert (
-        allreduce_vs_ddp.main(
-            [
-                "--hidden",
-                "16",
-                "--batch",
-                "4",
-                "--reps",
-                "2",
-                "--warmup",
-                "1",
-                "--check-steps",
-                "3",
-                "--floor-reps",
-                "2",
-                "--timeout",
-                "120",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    res = load(out, "allreduce_vs_ddp")
-    assert set(res["step_s"]) == set(allreduce_vs_ddp.VARIANTS)
-    assert {t["name"] for t in res["targets"]} == {
+        assert r["max_abs_diff_vs_raw"] <= 1e-5, r  # the toolkit computes what the raw code computes
+        assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), r
+    for t in co["targets"]:  # a miss names its cause, a pass none
+        assert (t["cause"] is None) == t["holds"], t
+    ar = load(tmp_path / "allreduce_vs_ddp.json", "allreduce_vs_ddp")
+    assert set(ar["step_s"]) == set(allreduce_vs_ddp.VARIANTS)
+    assert {t["name"] for t in ar["targets"]} == {
         f"AllReduce{kind} ({b} backend) / DDP{versus}"
         for b in ("torch", "mpi")
         for kind, versus in ((" overlap", ""), ("", " one bucket"))
     }
-    check = res["check"]
+    check = ar["check"]
     assert check["moved"] > 1e-3  # the parameters did change, so agreeing means something
     for name in allreduce_vs_ddp.VARIANTS[1:]:
         assert check[f"{name}_vs_large_batch"] <= 1e-12, check  # float64
     assert check["allreduce_torch_vs_ddp"] <= 1e-12, check
-    assert all(0 < res["in_opt_step_s"][v] < res["step_s"][v] * 1.5 for v in allreduce_vs_ddp.VARIANTS)
-
-
-def test_allreduce_vs_ddp_miss_cause_splits_the_step():
-    res = {
-        "step_s": {"allreduce_torch_overlap": 0.012, "ddp": 0.010, "no_comm": 0.006},
-        "in_opt_step_s": {"allreduce_torch_overlap": 0.004, "ddp": 0.001, "no_comm": 0.001},
-    }
-    cause = allreduce_vs_ddp.miss_cause(res, "allreduce_torch_overlap", "ddp")
-    assert cause.startswith("+2.00 ms a step")
-    assert "forward+backward 8.00 against 9.00 ms" in cause and "opt.step() 4.00 against 1.00 ms" in cause
-
-
-def test_waiter_cost(tmp_path):
-    out = tmp_path / "waiter_cost.json"
-    args = ["--matmuls", "5", "--matrix", "64", "--rounds", "2", "--warmup", "1", "--timeout", "120"]
-    assert waiter_cost.main([*args, "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["benchmark"] == "waiter_cost" and len(res["computing"]) == 2  # 4 ranks: 2 compute, 2 wait
-    assert set(res["ratios"]) == set(waiter_cost.MODES) and res["ratios"]["asleep"] == 1.0
-    assert all(t > 0 for row in res["computing"] for t in row.values())
-    assert len(res["waiting_cpu_fraction"]) == 2 and all(
-        0 <= f <= 1.5 for row in res["waiting_cpu_fraction"] for f in row.values()
-    )
-    assert "MPICH's blocking wait 50.0%" in waiter_cost.miss_cause({"toolkit": 0.1, "asleep": 0.0, "mpi_blocking": 0.5})
+    assert all(0 < ar["in_opt_step_s"][v] < ar["step_s"][v] * 1.5 for v in allreduce_vs_ddp.VARIANTS)
+    wc = json.loads((tmp_path / "waiter_cost.json").read_text())
+    assert wc["benchmark"] == "waiter_cost" and len(wc["computing"]) == 2  # 4 ranks: 2 compute, 2 wait
+    assert set(wc["ratios"]) == set(waiter_cost.MODES) and wc["ratios"]["asleep"] == 1.0
+    assert all(t > 0 for row in wc["computing"] for t in row.values())
+    assert len(wc["waiting_cpu_fraction"]) == 2
+    assert all(0 <= f <= 1.5 for row in wc["waiting_cpu_fraction"] for f in row.values())
+    fb = json.loads((tmp_path / "fleet_vs_batch.json").read_text())
+    assert [(r["model"], r["peers"]) for r in fb["rows"]] == [("mlp", 64)] and len(fb["targets"]) == 1
+    report = json.loads((tmp_path / "bench_quick.json").read_text())
+    measured = [v for v in report["verdicts"] if v["measured"] is not None]
+    # every target --dry measures has its recorded figure: 12 cells, 2 overlap ratios, the waiter, the MLP at 64
+    assert len(measured) == 16 and report["broken"] == [], report["broken"]
+    assert all(v["state"] in ("PASS", "MISS") and v["against_recorded"] for v in measured)
+    assert "PASS, " in printed and "recorded 1.44-1.83 (benchmarks.md, 2026-12-04)" in printed
 
 
 def test_local_sgd_vs_torch(tmp_path):

@@ -15,10 +15,9 @@ import pytest
 import torch
 import yaml
 
-from dpsgd.optim import BASE_OPTIMIZERS
-from dpsgd.options import factories, import_target
 from dpsgd.comm import codecs, run_local
-from dpsgd.optim import ALGORITHMS
+from dpsgd.optim import ALGORITHMS, BASE_OPTIMIZERS
+from dpsgd.options import factories, import_target
 from dpsgd.schedule import Schedule
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

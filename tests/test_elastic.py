@@ -127,6 +127,6 @@ def test_chaos_short_one_of_3_torchrun_nodes_killed_and_one_added(tmp_path, caps
     from experiments.bench import chaos
 
     args = ["--peers", "3", "--kill", "1", "--add", "1", "--algorithms", "dpsgd", "--epochs", "20"]
-    code = chaos.main([*args, "--step-delay-s", "0.02", "--out", str(tmp_path)])
+    code = chaos.main([*args, "--step-delay-s", "0.02", "--out", str(tmp_path / "chaos.json")])
     print(capsys.readouterr().out)
     assert code == 0

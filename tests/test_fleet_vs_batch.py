@@ -18,7 +18,7 @@ def test_rows_and_targets(tmp_path):
     for models, peers in ((["mlp"], ["4", "64"]), (["cnn"], ["4"])):  # a target from 64 peers; the CNN small
         out = tmp_path / f"{models[0]}.json"
         assert bench.main(["--models", *models, "--peers", *peers, *fast, "--out", str(out)]) == 0
-        rows += json.loads(out.read_text())
+        rows += json.loads(out.read_text())["rows"]
     assert [(r["model"], r["peers"]) for r in rows] == [("mlp", 4), ("mlp", 64), ("cnn", 4)]
     for r in rows:
         assert {"model", "peers", "device", "ratio", "floor_ratio"} <= set(r)

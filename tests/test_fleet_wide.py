@@ -33,13 +33,6 @@ MODELS = {
 }
 
 
-def gradients(fleet: Fleet, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Every peer's gradient of its loss on its batch in `.grad` (the fleet's step without the optimizer's)."""
-    for p in fleet.params:
-        p.grad = None
-    fleet.losses(x, y).sum().backward()
-
-
 @pytest.mark.parametrize("model", [*MODELS, "mlp"])
 def test_wide_gradients_equal_vmaps(model):
     fleet = Fleet(
@@ -51,10 +44,10 @@ def test_wide_gradients_equal_vmaps(model):
         for p in fleet.params:
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
     x, y = fleet.batches.next()
-    gradients(fleet, x, y)
+    fleet.gradients(x, y)
     wide = [p.grad.clone() for p in fleet.params]
     fleet._wide = None
-    gradients(fleet, x, y)
+    fleet.gradients(x, y)
     for name, a, b in zip(fleet.names, wide, (p.grad for p in fleet.params)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 

@@ -14,7 +14,7 @@ from .driver import Backend, RunFailed, error_line
 from .fleet import FleetBackend
 from .hosts import placement as host_placement
 from .interrupt import Interrupted, exit_on_signals, stop_on_signals
-from .launch import ERROR_FILE, peer_env
+from .launch import ERROR_FILE, free_port, peer_env
 from .local import LocalBackend
 from .mpi import MPIBackend
 from .torch_dist import TorchBackend
@@ -27,6 +27,7 @@ __all__ = [
     "connect",
     "error_line",
     "exit_on_signals",
+    "free_port",
     "get",
     "host_placement",
     "launched",

@@ -23,6 +23,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def peer_env(extra: dict | None = None) -> dict:
+    """The environment of the peers the toolkit spawns: this process's, with one OpenMP thread, MPICH on shared
+    memory only, unbuffered output and glibc keeping freed large buffers for reuse (each where not set already),
+    then `extra` (a None value removes that variable)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # n peers on few cores: OpenMP spinning costs 6x
     env.setdefault("UCX_TLS", "self,sm")  # MPICH: shared memory only, no listeners on the network
@@ -36,6 +39,7 @@ def peer_env(extra: dict | None = None) -> dict:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous or a gloo store started next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

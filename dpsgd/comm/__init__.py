@@ -6,7 +6,9 @@ from __future__ import annotations
 from . import local, mpi, torch_dist, transport  # noqa: F401 - each communicator module registers its transport
 from .base import DEFAULT_TIMEOUT_S, CommStats, Communicator, Handle
 from .local import LocalCommunicator, LocalWorld, run_local
+from .mpi import MPICommunicator
 from .pending import CommError, PeerFailedError, PeerTimeoutError
+from .torch_dist import TorchCommunicator
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -16,8 +18,10 @@ __all__ = [
     "Handle",
     "LocalCommunicator",
     "LocalWorld",
+    "MPICommunicator",
     "PeerFailedError",
     "PeerTimeoutError",
+    "TorchCommunicator",
     "init",
     "run_local",
 ]

@@ -274,6 +274,15 @@ class Fleet:
         out = peer_outputs(functional_call(wide, dict(zip(self.names, params)), inputs), channels)
         return self.loss_fn(out, y, reduction="none").reshape(len(out), -1).mean(1)
 
+    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Every peer's gradient of its loss on its batch (x, y with a leading peer axis) in `.grad`, in fp32 and
+        one micro-batch (the step's arithmetic without the optimizer's); the (n,) losses."""
+        for p in self.params:
+            p.grad = None
+        losses = self.losses(x, y)
+        losses.sum().backward()  # peer i's loss depends on its own weights only: each peer's own gradient
+        return losses.detach()
+
     def losses(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Every peer's loss on its micro-batch (x, y with a leading peer axis): the (n,) losses."""
         if self._wide is not None:

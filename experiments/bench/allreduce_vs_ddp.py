@@ -1,5 +1,5 @@
 """A training step of `dpsgd.optim.AllReduce` against torch's DistributedDataParallel.
-`python -m experiments.bench.allreduce_vs_ddp [--peers 4] [--hidden 2048 2048] [--reps 40] [--out FILE]`
+`python -m experiments.bench allreduce_vs_ddp [--peers 4] [--hidden 2048 2048] [--reps 40] [--quick]`
 
 On `--peers` real MPI processes that also form one gloo world, side by side in one run, the same
 MLP (`dpsgd.models`, `--hidden` widths) on the same batches, one SGD step (momentum 0.9) each:
@@ -20,14 +20,9 @@ DDP and one large-batch SGD on the union of the peers' batches give the same par
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-from dpsgd.comm.base import ring_allreduce_bytes
-from experiments.bench import common
+from dpsgd.comm.netem import ring_allreduce_bytes
+from experiments.bench import harness, ranks, steps
+from experiments.bench.steps import flat_params, train_step
 
 LIMIT = 1.05  # without overlap, against DDP without overlap (one bucket)
 OVERLAP_LIMIT = 1.0  # AllReduce(overlap=True) against DDP (overlapping buckets)
@@ -40,29 +35,19 @@ VARIANTS = (
     "ddp",
     "ddp_one_bucket",
 )
-INPUTS, CLASSES, POOL = 784, 10, 8
+INPUTS, POOL = 784, 8  # the MLP's inputs; batches per peer, drawn in turn
 
 
 # --- inside the ranks ---------------------------------------------------------------------
 
 
-def batches(rank: int, batch: int, seed: int, dtype, count: int = POOL):
-    """`count` (inputs, labels) batches of peer `rank`; any peer can make any peer's batches."""
-    import torch
-
-    from dpsgd.seeds import batch_seed
-
-    g = torch.Generator().manual_seed(batch_seed(seed, rank))
-    return [
-        (torch.randn(batch, INPUTS, generator=g, dtype=dtype), torch.randint(0, CLASSES, (batch,), generator=g))
-        for _ in range(count)
-    ]
+def batches(rank: int, batch: int, seed: int, dtype):
+    """POOL (inputs, labels) batches of peer `rank`; any peer can make any peer's batches."""
+    return steps.batches(rank, batch, INPUTS, seed, POOL, dtype)
 
 
 def make_model(args, dtype):
-    from dpsgd.models import build
-
-    return build("mlp", (INPUTS,), CLASSES, args.seed, hidden=args.hidden).to(dtype)
+    return steps.mlp(INPUTS, args.hidden, args.seed, dtype)
 
 
 def make_variant(name: str, args, comms: dict, dtype):
@@ -88,28 +73,9 @@ def make_variant(name: str, args, comms: dict, dtype):
     return ddp, sgd(ddp.parameters())
 
 
-def train_step(module, opt, x, y) -> float:
-    """One step; returns the seconds spent in `opt.step()` (for AllReduce the wait for the gradients' all-reduce
-    and the update; for DDP, whose all-reduce ends inside backward, the update alone)."""
-    import torch.nn.functional as F
-
-    opt.zero_grad(set_to_none=True)
-    F.cross_entropy(module(x), y).backward()
-    t0 = time.perf_counter()
-    opt.step()
-    return time.perf_counter() - t0
-
-
-def flat_params(module):
-    import torch
-
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
 def check_parameters(args, comms, world) -> dict:
     """Max |difference| of the parameters after `check_steps` steps (float64), slowest rank."""
     import torch
-    import torch.nn.functional as F
 
     rank, n = world.Get_rank(), world.Get_size()
     dtype = torch.float64
@@ -125,27 +91,25 @@ def check_parameters(args, comms, world) -> dict:
     big = make_model(args, dtype)
     opt = torch.optim.SGD(big.parameters(), lr=args.lr, momentum=0.9)
     for k in range(args.check_steps):
-        x = torch.cat([b[k % POOL][0] for b in everyone])
-        y = torch.cat([b[k % POOL][1] for b in everyone])
-        opt.zero_grad()
-        F.cross_entropy(big(x), y).backward()
-        opt.step()
+        train_step(
+            big, opt, torch.cat([b[k % POOL][0] for b in everyone]), torch.cat([b[k % POOL][1] for b in everyone])
+        )
     ref = flat_params(big)
     diffs = {f"{name}_vs_large_batch": float((p - ref).abs().max()) for name, p in got.items()}
     diffs["allreduce_torch_vs_ddp"] = float((got["allreduce_torch"] - got["ddp"]).abs().max())
     diffs["moved"] = float((ref - flat_params(make_model(args, dtype))).abs().max())  # the check is not vacuous
-    return {k: common.slowest(world, [v])[0] for k, v in diffs.items()}
+    return {k: ranks.slowest(world, [v])[0] for k, v in diffs.items()}
 
 
 def worker(args) -> None:
     import torch
 
-    world, rank, comms = common.init_comms()
+    world, rank, comms = ranks.init_comms()
     check = check_parameters(args, comms, world)
 
     variants = {name: make_variant(name, args, comms, torch.float32) for name in VARIANTS}
     nparams = sum(p.numel() for p in variants["no_comm"][0].parameters())
-    floor = common.loopback_bandwidth(world, max(4 * nparams, 2**20), reps=args.floor_reps)
+    floor = ranks.loopback_bandwidth(world, max(4 * nparams, 2**20), reps=args.floor_reps)
     data = batches(rank, args.batch, args.seed, torch.float32)
     times = {name: [] for name in VARIANTS}
     in_step = {name: [] for name in VARIANTS}
@@ -155,39 +119,29 @@ def worker(args) -> None:
         shift = i % len(VARIANTS)
         for name in VARIANTS[shift:] + VARIANTS[:shift]:
             module, opt = variants[name]
-            world.Barrier()
-            f0, t0 = common.page_faults(), time.perf_counter()
-            step_s = train_step(module, opt, x, y)
-            dt, df = time.perf_counter() - t0, common.page_faults() - f0
+            dt, df, step_s = ranks.timed(world, train_step, module, opt, x, y)
             if i >= args.warmup:
                 times[name].append(dt)
                 in_step[name].append(step_s)
                 faults[name].append(df)
-    medians = {name: common.median(common.slowest(world, t)) for name, t in times.items()}
+    medians = {name: ranks.slowest_median(world, t) for name, t in times.items()}
     # the part spent in opt.step() (slowest rank, median): splits a miss into backward (with its hooks) and step
-    in_step_medians = {name: common.median(common.slowest(world, t)) for name, t in in_step.items()}
+    in_step_medians = {name: ranks.slowest_median(world, t) for name, t in in_step.items()}
+    pf = {name: ranks.slowest_median(world, f) for name, f in faults.items()}
+    timed = {"reps": args.reps, "warmup": args.warmup, "step_s": medians, "in_opt_step_s": in_step_medians}
+    finish(
+        world, comms, args, nparams, floor, **timed, page_faults_per_step=pf, check=check, check_steps=args.check_steps
+    )
+
+
+def finish(world, comms, args, nparams: int, floor: dict, **result) -> None:
+    """The ranks' end (here and in local_sgd_vs_torch): the mpi communicator closed, rank 0 writes `result` with
+    the model's size and the floor of a ring all-reduce of it."""
     comms["mpi"].close()
     sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
-    common.finish_ranks(
-        world,
-        args.worker,
-        {
-            "peers": world.Get_size(),
-            "params": nparams,
-            "hidden": args.hidden,
-            "batch": args.batch,
-            "reps": args.reps,
-            "warmup": args.warmup,
-            "step_s": medians,
-            "in_opt_step_s": in_step_medians,
-            "floor": floor,
-            "page_faults_per_step": {name: common.median(common.slowest(world, f)) for name, f in faults.items()},
-            "comm_bytes_sent_per_rank": sent,
-            "comm_floor_s": common.floor_s(sent, floor),
-            "check": check,
-            "check_steps": args.check_steps,
-        },
-    )
+    model = {"peers": world.Get_size(), "params": nparams, "hidden": args.hidden, "batch": args.batch}
+    floors = {"floor": floor, "comm_bytes_sent_per_rank": sent, "comm_floor_s": ranks.floor_s(sent, floor)}
+    ranks.finish_ranks(world, args.worker, {**model, **result, **floors})
 
 
 # --- the driver ---------------------------------------------------------------------------
@@ -215,15 +169,16 @@ def miss_cause(res: dict, ours: str, theirs: str) -> str:
     )
 
 
-def summarize(res: dict) -> tuple[list[common.Target], dict]:
+def summarize(res: dict) -> tuple[list[harness.Target], dict]:
     s = res["step_s"]
     names = {"ddp": "DDP", "ddp_one_bucket": "DDP one bucket"}
     targets = [
-        common.Target(
+        harness.Target(
             f"AllReduce{' overlap' if ours.endswith('overlap') else ''} ({ours.split('_')[1]} backend) / "
             + names[theirs],
             s[ours] / s[theirs],
             OVERLAP_LIMIT if theirs == "ddp" else LIMIT,
+            cause=miss_cause(res, ours, theirs),
         )
         for ours, theirs in TARGET_PAIRS
     ]
@@ -240,50 +195,15 @@ def summarize(res: dict) -> tuple[list[common.Target], dict]:
     return targets, derived
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, default=4)
+def options(p) -> None:
     p.add_argument("--hidden", type=int, nargs="+", default=[2048, 2048], help="MLP hidden widths (input 784)")
-    p.add_argument("--batch", type=int, default=32, help="per peer")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--bucket-mb", type=float, default=4.0, help="AllReduce's gradient buckets (MiB)")
-    p.add_argument("--reps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--check-steps", type=int, default=5)
-    p.add_argument("--floor-reps", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    common.add_rank_options(p)
-    p.add_argument("--out", type=Path, default=common.ROOT / "outputs" / "bench" / "allreduce_vs_ddp.json")
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
+    p.add_argument("--check-steps", type=int, default=5, help="steps of the float64 parameter check")
 
-    wargs = [
-        "--hidden",
-        *map(str, args.hidden),
-        "--batch",
-        str(args.batch),
-        "--lr",
-        str(args.lr),
-        "--bucket-mb",
-        str(args.bucket_mb),
-        "--reps",
-        str(args.reps),
-        "--warmup",
-        str(args.warmup),
-        "--check-steps",
-        str(args.check_steps),
-        "--floor-reps",
-        str(args.floor_reps),
-        "--seed",
-        str(args.seed),
-    ]
-    with tempfile.TemporaryDirectory(prefix="bench_allreduce_vs_ddp_") as tmp:
-        res = common.spawn_ranks(
-            "allreduce_vs_ddp", args.peers, wargs, Path(tmp), args.timeout, args.return_freed_memory
-        )
+
+def run(args) -> harness.Result:
+    res = ranks.spawn(args)
     res["return_freed_memory"] = args.return_freed_memory
     targets, derived = summarize(res)
     res["derived"] = derived
@@ -303,7 +223,7 @@ def main(argv=None) -> int:
         "ddp_one_bucket": "DDP, one bucket (no overlap)",
     }
     pf = res["page_faults_per_step"]
-    common.print_table(
+    harness.print_table(
         ["variant", "step ms", "/ DDP", "page faults", "what"],
         [[name, s[name] * 1e3, s[name] / ddp, f"{pf[name]:.0f}", notes[name]] for name in VARIANTS],
     )
@@ -313,7 +233,7 @@ def main(argv=None) -> int:
         f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth; step floor without "
         f"overlap: no_comm + that = {(s['no_comm'] + res['comm_floor_s']) * 1e3:.1f} ms"
     )
-    print(common.floor_line(res["floor"]))
+    print(ranks.floor_line(res["floor"]))
     gain, gap = derived["ddp_overlap_gain_s"] * 1e3, derived["allreduce_gap_s"] * 1e3
     if derived["gap_explained_by_overlap"] is not None:
         explained = (
@@ -331,14 +251,11 @@ def main(argv=None) -> int:
         + ", ".join(f"{k.removesuffix('_vs_large_batch')} {v:.1e}" for k, v in c.items() if k.endswith("large_batch"))
         + f"; AllReduce vs DDP {c['allreduce_torch_vs_ddp']:.1e} (the parameters moved {c['moved']:.1e})"
     )
-    common.print_targets(targets)
-    for t, (ours, theirs) in zip(targets, TARGET_PAIRS):
-        if not t.holds:
-            print(f"  MISS {t.name}: {miss_cause(res, ours, theirs)}")
-    common.write_result(args.out, "allreduce_vs_ddp", res, targets, argv)
-    print(f"written: {args.out}")
-    return 0
+    return harness.Result(res, targets)
+
+
+main = harness.entry("allreduce_vs_ddp")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

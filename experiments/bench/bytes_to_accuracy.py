@@ -1,5 +1,5 @@
 """Bytes and emulated time to a target accuracy, per method and compression:
-`python -m experiments.bench.bytes_to_accuracy [--target 0.95]`.
+`python -m experiments.bench bytes_to_accuracy [--target 0.95]`.
 
 Runs the Hydra app on real mpi processes, side by side in one invocation, on the default workload (4
 peers, the MLP on digits, 30 epochs): all-reduce exact and with each compression (PowerSGD rank 2 is the
@@ -13,13 +13,11 @@ reaches the target, and their ratios to exact all-reduce's under the same networ
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-from experiments.bench.common import ROOT, print_table, write_result
-from experiments.bench.time_to_accuracy import digits_compute_time, run
+from experiments.bench import harness
+from experiments.bench.time_to_accuracy import digits_compute_time, ratio, to_target
 
 METHODS = (  # label, overrides
     ("allreduce", ["algorithm=allreduce"]),
@@ -36,59 +34,36 @@ METHODS = (  # label, overrides
 NETWORKS = ("ethernet_1g", "wan")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, default=4)
+def options(p) -> None:
     p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--log-every", type=int, default=11)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "bytes_to_accuracy.json")
-    args = p.parse_args(argv)
+
+
+def run(args) -> harness.Result:
     compute = digits_compute_time()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for net in NETWORKS:
             for label, overrides in METHODS:
                 network = [f"network={net}", f"network.compute_time={compute:.6g}"]
-                row = run(
-                    label.replace(" ", "_"), [*overrides, f"target_accuracy={args.target}"], network, args, Path(tmp)
-                )
-                row["algorithm"] = label
-                rows.append(row)
+                given = [*overrides, f"target_accuracy={args.target}"]
+                rows.append({**to_target(label.replace(" ", "_"), given, network, args, Path(tmp)), "algorithm": label})
                 print(f"  {label:22s} {net:12s} done", flush=True)
     for net in NETWORKS:
         base = next(r for r in rows if r["network"] == net and r["algorithm"] == "allreduce")
         for r in (r for r in rows if r["network"] == net):
-            r["mb_vs_allreduce"] = _ratio(r["mb_to_target"], base["mb_to_target"])
-            r["time_vs_allreduce"] = _ratio(r["time_to_target_s"], base["time_to_target_s"])
-    cols = [
-        "network",
-        "algorithm",
-        "mb_to_target",
-        "mb_vs_allreduce",
-        "time_to_target_s",
-        "time_vs_allreduce",
-        "steps_to_target",
-        "final_accuracy",
-        "mb_sent_per_peer",
-    ]
+            r["mb_vs_allreduce"] = ratio(r["mb_to_target"], base["mb_to_target"])
+            r["time_vs_allreduce"] = ratio(r["time_to_target_s"], base["time_to_target_s"])
     print(
         f"target test accuracy {args.target}; {args.peers} mpi peers; compute per step: {compute * 1e3:.3f} ms "
         "(measured on one core); MB per peer and emulated seconds until the target"
     )
-    print_table(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in rows], floatfmt=".4g")
-    write_result(
-        args.out, "bytes_to_accuracy", {"compute_s": compute, "target_accuracy": args.target, "rows": rows}, [], argv
-    )
-    print(f"results: {args.out}")
-    return 0
+    cols = ["network", "algorithm", "mb_to_target", "mb_vs_allreduce", "time_to_target_s", "time_vs_allreduce"]
+    harness.print_columns(rows, [*cols, "steps_to_target", "final_accuracy", "mb_sent_per_peer"])
+    return harness.Result({"compute_s": compute, "target_accuracy": args.target, "rows": rows})
 
 
-def _ratio(a, b):
-    return a / b if a is not None and b else None
-
+main = harness.entry("bytes_to_accuracy")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

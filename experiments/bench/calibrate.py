@@ -2,22 +2,22 @@
 over gloo, message sizes 1 KB .. 16 MB; one-way time = alpha + M / beta (beta from the two largest
 sizes, alpha the smallest's time) is written as a network preset (the `network` config keys, mode: model).
 
-    python -m experiments.bench.calibrate --rate 100mbit --out conf/network/testhosts_100m.yaml
+    python -m experiments.bench calibrate --rate 100mbit --preset conf/network/testhosts_100m.yaml
 
-The rank on host 1 and the rank on host 2 each run this module with `--worker`; nothing but the two
-test hosts' subnet carries the traffic.
+The rank on host 1 and the rank on host 2 each run this benchmark's worker; nothing but the two test hosts'
+subnet carries the traffic.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from experiments.bench.common import ROOT, torch_ranks_on_test_hosts
+from experiments.bench import harness, ranks
+from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import testhosts  # noqa: E402
@@ -28,7 +28,7 @@ TIMEOUT_S = 180
 PORT = 29431
 
 
-def worker(out: Path) -> None:
+def worker(args) -> None:
     """One of the two ranks: round trips of each size; rank 0 writes the one-way times."""
     from datetime import timedelta
 
@@ -36,13 +36,13 @@ def worker(out: Path) -> None:
 
     from dpsgd import netif
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", netif.interface_to(os.environ["MASTER_ADDR"]))
+    netif.set_torch_interface(os.environ["MASTER_ADDR"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     times = one_way_times(rank, 0, 1)
     dist.destroy_process_group()
     if rank == 0:
-        out.write_text(json.dumps(times))
+        (args.worker / "result.json").write_text(json.dumps(times))
 
 
 def one_way_times(rank: int, a: int, b: int) -> dict[int, float]:
@@ -85,11 +85,9 @@ def fit(times: dict[int, float]) -> tuple[float, float]:
     return times[sizes[0]], 1.0 / slope
 
 
-def measure(hosts: testhosts.TestHosts, tmp: Path) -> dict[int, float]:
-    out = tmp / "pingpong.json"
-    argv = ["-m", "experiments.bench.calibrate", "--worker", str(out)]
-    torch_ranks_on_test_hosts(hosts, argv, n=2, per_host=1, port=PORT, tmp=tmp, timeout_s=TIMEOUT_S)
-    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+def measure(hosts: testhosts.TestHosts, args) -> dict[int, float]:
+    times = ranks.on_test_hosts(hosts, args, n=2, per_host=1, port=PORT, timeout_s=TIMEOUT_S)
+    return {int(k): v for k, v in times.items()}
 
 
 def preset(name: str, alpha: float, beta: float) -> str:
@@ -100,32 +98,32 @@ def preset(name: str, alpha: float, beta: float) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p) -> None:
     p.add_argument("--rate", help="cap each host's link (tc tbf rate, e.g. 1gbit, 100mbit); default: none")
-    p.add_argument("--out", type=Path, help="write the preset here (default: print it)")
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker(args.worker)
+    p.add_argument("--preset", type=Path, help="write the network preset here (default: print it)")
+
+
+def run(args) -> harness.Result:
     why = testhosts.unavailable()
     if why:
-        sys.exit(f"calibrate: {why}")
-    import tempfile
-
-    with testhosts.TestHosts(2, rate=args.rate) as hosts, tempfile.TemporaryDirectory() as tmp:
-        times = measure(hosts, Path(tmp))
+        raise SystemExit(f"error: calibrate: {why}")
+    with testhosts.TestHosts(2, rate=args.rate) as hosts:
+        times = measure(hosts, args)
     alpha, beta = fit(times)
     for size, t in sorted(times.items()):
         print(f"{size:>9} B  {t * 1e6:10.1f} us one way   model {(alpha + size / beta) * 1e6:10.1f} us")
     print(f"alpha {alpha * 1e6:.1f} us, beta {beta * 8 / 1e6:.1f} Mbit/s ({beta:.3e} bytes/s)")
-    name = args.out.stem if args.out else f"testhosts_{args.rate or 'uncapped'}"
+    name = args.preset.stem if args.preset else f"testhosts_{args.rate or 'uncapped'}"
     text = preset(name, alpha, beta)
-    if args.out:
-        args.out.write_text(text)
+    if args.preset:
+        args.preset.write_text(text)
+        print(f"preset: {args.preset}")
     else:
         print(text)
+    return harness.Result({"rate": args.rate, "one_way_s": times, "alpha_s": alpha, "beta_bytes_per_s": beta})
 
+
+main = harness.entry("calibrate")
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -7,10 +7,10 @@ the store lives on a stable host. A peer is killed as a node dies: SIGKILL to it
 once. A peer is added by starting one more agent. For each algorithm it runs the undisturbed run, then the
 chaos run, and checks: the run finishes with no manual step, test accuracy within `--tolerance` of the
 undisturbed run, one membership record per change in metrics.jsonl, every complete checkpoint intact, and
-no process left. Prints a table (also in outputs/bench/chaos.json):
+no process left. Prints a table (also in outputs/bench/chaos/chaos.json, the runs and agents' logs beside it):
 
-    python -m experiments.bench.chaos                       # 8 peers, D-PSGD and LocalSGD, 3 killed, 2 added
-    python -m experiments.bench.chaos --peers 4 --kill 1 --add 1 --algorithms dpsgd   # the test's short version
+    python -m experiments.bench chaos            # 8 peers, D-PSGD and LocalSGD, 3 killed, 2 added
+    python -m experiments.bench chaos --quick    # 4 peers, D-PSGD, 1 killed, 1 added
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpsgd import checkpoint, elastic
-from dpsgd.backends.launch import free_port
+from dpsgd.backends import free_port
+from experiments.bench import harness
+from experiments.bench.harness import ROOT, records
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 POLL_S = 0.1
 
 
@@ -117,17 +118,6 @@ def processes_mentioning(text: str) -> list[int]:
     return [p for p in found if p != os.getpid()]
 
 
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line being written
-            out.append(json.loads(line))
-    return out
-
-
 @dataclass
 class Outcome:
     algorithm: str
@@ -191,7 +181,7 @@ def run_once(
     start = time.time()
     done: list[dict] = []
     pending = list(events)
-    deadline = start + args.timeout_s
+    deadline = start + args.timeout
     try:
         while any(a.proc.poll() is None for a in live) and time.time() < deadline:
             time.sleep(POLL_S)
@@ -252,11 +242,10 @@ def run_once(
 
 
 def total_steps(args: argparse.Namespace) -> int:
-    from dpsgd.build import load_data
+    from dpsgd.build import plan
 
-    cfg = {"data": {"name": "digits"}, "seed": args.seed}
-    samples = len(load_data(cfg).x_train)
-    return args.epochs * max(1, samples // (args.peers * 16))
+    run = harness.run_config(f"peers={args.peers}", "batch_size=16", f"epochs={args.epochs}", f"seed={args.seed}")
+    return plan(run).total_steps
 
 
 def problems(undisturbed: Outcome, chaos: Outcome, expected_changes: int, tolerance: float) -> list[str]:
@@ -304,21 +293,17 @@ def table(pairs: list[tuple[Outcome, Outcome]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=8)
-    parser.add_argument("--kill", type=int, default=3)
-    parser.add_argument("--add", type=int, default=2)
-    parser.add_argument("--algorithms", default="dpsgd,local_sgd")
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--step-delay-s", type=float, default=0.1)
-    parser.add_argument("--max-restarts", type=int, default=10)
-    parser.add_argument("--tolerance", type=float, default=0.01, help="accuracy, as a fraction (0.01: 1 point)")
-    parser.add_argument("--timeout-s", type=float, default=900)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "chaos")
-    args = parser.parse_args(argv)
-    out = args.out / time.strftime("%Y-%m-%d_%H-%M-%S")
+def options(p) -> None:
+    p.add_argument("--kill", type=int, default=3)
+    p.add_argument("--add", type=int, default=2)
+    p.add_argument("--algorithms", default="dpsgd,local_sgd")
+    p.add_argument("--step-delay-s", type=float, default=0.1)
+    p.add_argument("--max-restarts", type=int, default=10)
+    p.add_argument("--tolerance", type=float, default=0.01, help="accuracy, as a fraction (0.01: 1 point)")
+
+
+def run(args) -> harness.Result:
+    out = Path(args.out).parent / time.strftime("%Y-%m-%d_%H-%M-%S")
     rng = random.Random(args.seed)
     events = plan(args.peers, args.kill, args.add, total_steps(args), rng)
     print(f"plan (seed {args.seed}): " + ", ".join(f"{k} at step {s}" for s, k in events), flush=True)
@@ -329,18 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         pairs.append((undisturbed, chaos))
         found += problems(undisturbed, chaos, len(events), args.tolerance)
     print(table(pairs), flush=True)
-    result = {
-        "command": " ".join(["python -m experiments.bench.chaos", *(argv if argv is not None else sys.argv[1:])]),
-        "plan": events,
-        "runs": [o.__dict__ for pair in pairs for o in pair],
-        "problems": found,
-    }
-    (args.out / "chaos.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    for p in found:
-        print(f"problem: {p}", flush=True)
     print(f"runs and agent logs: {out}", flush=True)
-    return 1 if found else 0
+    return harness.Result({"plan": events, "runs": [o.__dict__ for pair in pairs for o in pair]}, problems=found)
 
+
+main = harness.entry("chaos")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,5 +1,5 @@
 """What does the toolkit's communicator cost over raw MPI / torch.distributed?
-`python -m experiments.bench.comm_overhead [--peers 4] [--sizes-mb 1 11 44] [--reps 30] [--out FILE]`
+`python -m experiments.bench comm_overhead [--peers 4] [--sizes-mb 1 11 44] [--reps 30] [--quick]`
 
 On `--peers` real MPI processes that also form one gloo world, side by side in one run, for each
 size of float32 parameters: the toolkit's `neighbor_exchange` and `neighbor_average` on a ring
@@ -16,14 +16,8 @@ the bytes one rank sends divided by the loopback bandwidth measured in the same 
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-from dpsgd.comm.base import ring_allreduce_bytes
-from experiments.bench import common
+from dpsgd.comm.netem import ring_allreduce_bytes
+from experiments.bench import harness, ranks
 
 SMALL_LIMIT, LARGE_LIMIT, LARGE_MB = 1.20, 1.05, 11  # toolkit / raw: below 11 MiB, and from 11 MiB up
 
@@ -156,10 +150,9 @@ def worker(args) -> None:
     import torch
 
     import topologies
-    from dpsgd.comm.mpi import MPICommunicator
-    from dpsgd.comm.torch_dist import TorchCommunicator
+    from dpsgd.comm import MPICommunicator, TorchCommunicator
 
-    world = common.init_ranks()
+    world = ranks.init_ranks()
     rank, n = world.Get_rank(), world.Get_size()
     # one communicator per backend and operation, so that no operation reuses buffers another one left
     communicator = {"mpi": MPICommunicator, "torch": TorchCommunicator}
@@ -168,7 +161,7 @@ def worker(args) -> None:
     nb = topologies.make("ring", n).neighbors(rank)
     left, right = (rank - 1) % n, (rank + 1) % n
     largest = max(args.sizes_mb)
-    floor = common.loopback_bandwidth(world, int(largest * 2**20), reps=args.floor_reps)
+    floor = ranks.loopback_bandwidth(world, int(largest * 2**20), reps=args.floor_reps)
 
     rows = []
     for mb in args.sizes_mb:
@@ -204,19 +197,15 @@ def worker(args) -> None:
                 for op in OPS:
                     # alternate the order, so that drift and cache state favour none
                     for impl in IMPLS[backend] if i % 2 == 0 else IMPLS[backend][::-1]:
-                        fn = impls[(backend, impl)][op]
-                        world.Barrier()
-                        f0, t0 = common.page_faults(), time.perf_counter()
-                        fn()
-                        dt, df = time.perf_counter() - t0, common.page_faults() - f0
+                        dt, df, _ = ranks.timed(world, impls[(backend, impl)][op])
                         if i >= warmup:
                             times[(backend, op, impl)].append(dt)
                             faults[(backend, op, impl)].append(df)
-        diffs = {k: common.slowest(world, [v])[0] for k, v in agree.items()}
+        diffs = {k: ranks.slowest(world, [v])[0] for k, v in agree.items()}
         for backend in BACKENDS:
             for op in OPS:
-                tk = common.slowest(world, times[(backend, op, "toolkit")])
-                raw = common.slowest(world, times[(backend, op, "raw")])
+                tk = ranks.slowest(world, times[(backend, op, "toolkit")])
+                raw = ranks.slowest(world, times[(backend, op, "raw")])
                 sent = 2 * x.nbytes if op != "allreduce_mean" else ring_allreduce_bytes(x.nbytes, n)
                 rows.append(
                     {
@@ -225,20 +214,20 @@ def worker(args) -> None:
                         "mb": mb,
                         "bytes": x.nbytes,
                         "reps": reps,
-                        "toolkit_s": common.median(tk),
-                        "raw_s": common.median(raw),
-                        "ratio": common.median(tk) / common.median(raw),
-                        "paired_ratio": common.median([a / b for a, b in zip(tk, raw)]),
+                        "toolkit_s": ranks.median(tk),
+                        "raw_s": ranks.median(raw),
+                        "ratio": ranks.median(tk) / ranks.median(raw),
+                        "paired_ratio": ranks.median([a / b for a, b in zip(tk, raw)]),
                         "raw_nonblocking_s": (
-                            common.median(common.slowest(world, times[(backend, op, "raw_nb")]))
+                            ranks.slowest_median(world, times[(backend, op, "raw_nb")])
                             if "raw_nb" in IMPLS[backend]
                             else None
                         ),
                         "bytes_sent_per_rank": sent,
-                        "floor_s": common.floor_s(sent, floor),
+                        "floor_s": ranks.floor_s(sent, floor),
                         "max_abs_diff_vs_raw": diffs[(backend, op)],
                         "page_faults": {
-                            impl: common.median(common.slowest(world, faults[(backend, op, impl)]))
+                            impl: ranks.slowest_median(world, faults[(backend, op, impl)])
                             for impl in ("toolkit", "raw")
                         },
                     }
@@ -247,7 +236,7 @@ def worker(args) -> None:
     for (backend, _), c in comms.items():
         if backend in CLOSED_HERE:
             c.close()
-    common.finish_ranks(world, args.worker, {"floor": floor, "rows": rows, "peers": n, "warmup": args.warmup})
+    ranks.finish_ranks(world, args.worker, {"floor": floor, "rows": rows, "peers": n, "warmup": args.warmup})
 
 
 # --- the driver ---------------------------------------------------------------------------
@@ -272,58 +261,27 @@ def miss_cause(row: dict) -> str:
     )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, default=4)
+def options(p) -> None:
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 11, 44], help="MiB of float32 parameters")
-    p.add_argument("--reps", type=int, default=30, help="repetitions at the largest size (smaller: more)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--floor-reps", type=int, default=10)
-    common.add_rank_options(p)
-    p.add_argument("--out", type=Path, default=common.ROOT / "outputs" / "bench" / "comm_overhead.json")
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
+
+
+def run(args) -> harness.Result:
     if args.peers < 3:
-        raise SystemExit("error: --peers must be at least 3 (a ring with two distinct neighbours)")
-
-    wargs = [
-        "--sizes-mb",
-        *map(str, args.sizes_mb),
-        "--reps",
-        str(args.reps),
-        "--warmup",
-        str(args.warmup),
-        "--floor-reps",
-        str(args.floor_reps),
-    ]
-    with tempfile.TemporaryDirectory(prefix="bench_comm_overhead_") as tmp:
-        res = common.spawn_ranks("comm_overhead", args.peers, wargs, Path(tmp), args.timeout, args.return_freed_memory)
-
+        raise SystemExit("error: comm_overhead: --peers must be at least 3 (a ring with two distinct neighbours)")
+    res = ranks.spawn(args)
     rows, floor = res["rows"], res["floor"]
     res["return_freed_memory"] = args.return_freed_memory
-    targets = [common.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], limit_for(r["mb"])) for r in rows]
+    targets = [
+        harness.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], limit_for(r["mb"]), cause=miss_cause(r))
+        for r in rows
+    ]
     print(
         f"\nToolkit against raw, {args.peers} MPI ranks (gloo in the same processes), ring neighbours, "
         f"float32; slowest rank, median ms:\n"
     )
-    common.print_table(
-        [
-            "backend",
-            "op",
-            "MiB",
-            "reps",
-            "toolkit ms",
-            "raw ms",
-            "raw nb ms",
-            "ratio",
-            "floor ms",
-            "toolkit/floor",
-            "faults tk/raw",
-            "target",
-        ],
+    columns = ["backend", "op", "MiB", "reps", "toolkit ms", "raw ms", "raw nb ms", "ratio", "floor ms"]
+    harness.print_table(
+        [*columns, "toolkit/floor", "faults tk/raw", "target"],
         [
             [
                 r["backend"],
@@ -343,23 +301,18 @@ def main(argv=None) -> int:
         ],
     )
     print(
-        f"\n{common.floor_line(floor)}; floor = bytes one rank sends (ring exchange 2M, all-reduce "
+        f"\n{ranks.floor_line(floor)}; floor = bytes one rank sends (ring exchange 2M, all-reduce "
         f"2(n-1)/n M) / that bandwidth. Targets: toolkit <= {SMALL_LIMIT:g}x raw below "
         f"{LARGE_MB} MiB, <= {LARGE_LIMIT:g}x from {LARGE_MB} MiB up. faults: page faults per call "
         f"(slowest rank, median); a fresh buffer faults once per 4 KiB page."
     )
     bad = [r for r in rows if r["max_abs_diff_vs_raw"] > 1e-5]
-    if bad:
-        print(f"WARNING: toolkit and raw results differ: {[(r['backend'], r['op'], r['mb']) for r in bad]}")
-    held = sum(t.holds for t in targets)
-    print(f"targets held: {held}/{len(targets)}")
-    for r, t in zip(rows, targets):
-        if not t.holds:
-            print(f"  MISS {t.name}: {miss_cause(r)}")
-    common.write_result(args.out, "comm_overhead", res, targets, argv)
-    print(f"written: {args.out}")
-    return 0
+    problems = [f"toolkit and raw results differ: {[(r['backend'], r['op'], r['mb']) for r in bad]}"] if bad else []
+    return harness.Result(res, targets, problems)
+
+
+main = harness.entry("comm_overhead")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

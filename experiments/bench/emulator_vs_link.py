@@ -19,28 +19,26 @@ scheduler's: this machine's other work slows only the measured side). `machine` 
 run took beyond the emulator's prediction for it (copies, TCP, reductions on these cores), calibrated as
 alpha and beta are; the prediction of a capped run is the emulator's figure plus that.
 
-    python -m experiments.bench.emulator_vs_link                  # the table of docs/results/network.md
-    python -m experiments.bench.emulator_vs_link --rates 1gbit --algorithms allreduce --steps 4 --rounds 1
+    python -m experiments.bench emulator_vs_link                  # the table of docs/results/network.md
+    python -m experiments.bench emulator_vs_link --quick          # 1gbit, allreduce, 4 steps, 1 round
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from experiments.bench.common import ROOT, print_table, torch_ranks_on_test_hosts, write_result
+from experiments.bench import harness, ranks, steps
+from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import testhosts  # noqa: E402
 
 PEERS_PER_HOST, HOSTS = 2, 2
-INPUTS, CLASSES = 64, 10
+INPUTS = 64
 # name: (algorithm, options, topology)
 ALGORITHMS = {
     "allreduce": ("allreduce", {}, "ring"),
@@ -55,17 +53,12 @@ PORT = 29441
 TIMEOUT_S = 600
 
 
-def mlp(hidden: int, seed: int = 0):
-    from dpsgd import models
-
-    return models.build("mlp", (INPUTS,), CLASSES, seed, hidden=[hidden, hidden])
+def mlp(hidden: int):
+    return steps.mlp(INPUTS, [hidden, hidden])
 
 
 def batch(rank: int, size: int):
-    import torch
-
-    g = torch.Generator().manual_seed(rank)
-    return torch.randn(size, INPUTS, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
+    return steps.batches(rank, size, INPUTS)[0]
 
 
 def make_optimizer(name: str, model, comm):
@@ -83,52 +76,6 @@ def make_optimizer(name: str, model, comm):
     return opt, bool(options.get("overlap"))
 
 
-def run_steps(opt, model, x, y, steps: int, overlap: bool, net=None) -> tuple[float, float]:
-    """`steps` training steps: (seconds until the last one returned, seconds of forward and backward in
-    them). AD-PSGD's closing handshake is not part of it. With `net` (an emulator in model mode) the first
-    figure is its clock's."""
-    import torch
-
-    asynchronous = opt.asynchronous  # no global step: its own pace within a budget
-    if asynchronous:
-        opt.set_budget(steps=steps)
-    opt.comm.barrier()
-    if net is not None:
-        net.clock.reset()
-    computing = 0.0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        if overlap:
-            opt.start_communication()
-        if net is not None:
-            net.start_compute()
-        c0 = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        computing += time.perf_counter() - c0
-        if net is not None:
-            net.finish_compute()
-        opt.step()
-    took = net.clock.elapsed() if net is not None else time.perf_counter() - t0
-    if asynchronous:
-        opt.finish()
-    return took, computing
-
-
-def compute_alone(comm, model, x, y, steps: int) -> float:
-    """Seconds per step of forward and backward, every rank at once, no communication."""
-    import torch
-
-    comm.barrier()
-    computing = 0.0
-    for _ in range(steps):
-        c0 = time.perf_counter()
-        model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        computing += time.perf_counter() - c0
-    return computing / steps
-
-
 def tx_counts() -> tuple[int, int]:
     """Bytes and packets this host's eth0 sent."""
     stats = Path("/sys/class/net/eth0/statistics")
@@ -140,7 +87,7 @@ def retransmitted() -> int:
     return testhosts.retransmitted_in(Path("/proc/net/snmp").read_text())
 
 
-def worker(out: Path, spec: dict) -> None:
+def worker(args) -> None:
     """One rank on a test host: compute alone, each algorithm, compute alone again; rank 0 writes the rows."""
     import torch
 
@@ -149,8 +96,9 @@ def worker(out: Path, spec: dict) -> None:
     from experiments.bench import calibrate
 
     torch.set_num_threads(1)
+    spec = args.spec
     comm = dpsgd.comm.init("torch", timeout_s=TIMEOUT_S / 2)
-    steps, x_y = spec["steps"], batch(comm.rank, spec["batch"])
+    n_steps, x_y = spec["steps"], batch(comm.rank, spec["batch"])
 
     def slowest(value: float) -> float:
         return float(metrics.gather_scalars(comm, [value])[:, 0].max())
@@ -169,39 +117,31 @@ def worker(out: Path, spec: dict) -> None:
     for name, rate in runs:
         cap(rate)
         model = mlp(spec["hidden"])
-        alone = slowest(compute_alone(comm, model, *x_y, steps))
+        comm.barrier()
+        alone = slowest(steps.step_time(model, *x_y, repeats=n_steps, update=False))  # every rank at once
         opt, overlap = make_optimizer(name, model, comm)
         if not opt.asynchronous:  # one step first: buffers allocated, every pair of ranks has talked
-            run_steps(opt, model, *x_y, 1, overlap)
+            steps.timed_steps(opt, model, *x_y, 1, overlap)
         comm.barrier()
         before = (*tx_counts(), retransmitted())
-        took, computing = run_steps(opt, model, *x_y, steps, overlap)
+        took, computing, _ = steps.timed_steps(opt, model, *x_y, n_steps, overlap)
         comm.barrier()
         # each host's counters: every rank of a host reads the same ones
         sent, packets, again = (b - a for a, b in zip(before, (*tx_counts(), retransmitted())))
         table = metrics.gather_scalars(comm, [took, computing, sent - HEADER_BYTES * packets, again])
         first = [h * PEERS_PER_HOST for h in range(HOSTS)]
-        rows.append({"algorithm": name, "rate": rate, "measured_s_per_step": float(table[:, 0].max()) / steps,
-                     "compute_s_per_step": float(table[:, 1].max()) / steps, "compute_alone_s_per_step": alone,
+        rows.append({"algorithm": name, "rate": rate, "measured_s_per_step": float(table[:, 0].max()) / n_steps,
+                     "compute_s_per_step": float(table[:, 1].max()) / n_steps, "compute_alone_s_per_step": alone,
                      "host_payload_bytes": [float(table[r, 2]) for r in first],
                      "host_retransmitted": [int(table[r, 3]) for r in first]})  # fmt: skip
     if comm.rank == 0:
-        out.write_text(json.dumps({"rows": rows, "one_way_s": one_way}))
+        (args.worker / "result.json").write_text(json.dumps({"rows": rows, "one_way_s": one_way}))
     comm.close()
     # results written, group down: skip the interpreter's teardown, where gloo's threads can abort the
     # process ("terminate called without an active exception"; seen once in a full suite), as the app does
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def measure(hosts: testhosts.TestHosts, spec: dict, tmp: Path) -> dict:
-    """Run the 4 ranks on the 2 hosts; rank 0's result."""
-    out = tmp / "link.json"
-    argv = ["-m", "experiments.bench.emulator_vs_link", "--worker", str(out), json.dumps(spec)]
-    n = HOSTS * PEERS_PER_HOST
-    torch_ranks_on_test_hosts(hosts, argv, n, PEERS_PER_HOST, PORT, tmp, TIMEOUT_S)
-    return json.loads(out.read_text())
 
 
 def emulate(name: str, spec: dict, network: dict) -> float:
@@ -217,20 +157,21 @@ def emulate(name: str, spec: dict, network: dict) -> float:
         net = NetworkEmulator.from_config(network, comm.rank, comm.size)
         comm.attach_network(net)  # before the optimizer: AD-PSGD's averaging takes it at construction
         opt, overlap = make_optimizer(name, model, comm)
-        took, _ = run_steps(opt, model, *batch(comm.rank, spec["batch"]), spec["steps"], overlap, net)
+        _, _, emulated = steps.timed_steps(opt, model, *batch(comm.rank, spec["batch"]), spec["steps"], overlap, net)
         comm.attach_network(None)
-        return took
+        return emulated
 
     return max(run_local(HOSTS * PEERS_PER_HOST, peer)) / spec["steps"]
 
 
-def bench(spec: dict) -> tuple[list[dict], list[dict]]:
+def bench(args) -> tuple[list[dict], list[dict]]:
     """Calibrate each rate, then run every algorithm at every rate (the caps change between runs, the
     hosts stay); emulate each with its rate's preset."""
     from experiments.bench import calibrate
 
-    with testhosts.TestHosts(HOSTS, tcp=spec["tcp"]) as hosts, tempfile.TemporaryDirectory() as tmp:
-        link = measure(hosts, spec, Path(tmp))
+    spec = args.spec
+    with testhosts.TestHosts(HOSTS, tcp=spec["tcp"]) as hosts:
+        link = ranks.on_test_hosts(hosts, args, HOSTS * PEERS_PER_HOST, PEERS_PER_HOST, PORT, TIMEOUT_S)
     calibrations = {}
     for rate in spec["rates"]:
         times = {int(size): t for size, t in link["one_way_s"][label(rate)].items()}
@@ -318,46 +259,42 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p) -> None:
     p.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"], help="tc tbf rates of the host links")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
-    p.add_argument("--steps", type=int, default=8, help="timed steps per algorithm (a multiple of 4: LocalSGD's H)")
     p.add_argument("--hidden", type=int, default=1024, help="MLP width (1024: 1.13 M parameters, 4.5 MB)")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3, help="runs of each algorithm at each rate; the fastest counts")
     p.add_argument(
         "--tcp",
         default=testhosts.TCP,
         help=f"the test hosts' TCP congestion control, e.g. bbr ('kernel': the kernel's; default {testhosts.TCP})",
     )
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "emulator_vs_link.json")
-    p.add_argument("--worker", nargs=2, metavar=("OUT", "SPEC"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(Path(args.worker[0]), json.loads(args.worker[1]))
-        return 0
+
+
+def run(args) -> harness.Result:
     why = testhosts.unavailable()
     if why:
-        sys.exit(f"emulator_vs_link: {why}")
+        raise SystemExit(f"error: emulator_vs_link: {why}")
     if args.steps % 2:
-        sys.exit(f"emulator_vs_link: --steps {args.steps} must be even (one-peer D-PSGD alternates two partners)")
+        raise SystemExit(
+            f"error: emulator_vs_link: --steps {args.steps} must be even (one-peer D-PSGD alternates two partners)"
+        )
     tcp = testhosts.tcp_option(args.tcp) or testhosts.default_tcp()
-    spec = {"steps": args.steps, "hidden": args.hidden, "batch": args.batch, "algorithms": args.algorithms,
-            "rates": [None, *args.rates], "rounds": args.rounds, "tcp": tcp}  # fmt: skip
-    calibrations, rows = bench(spec)
+    args.spec = {"steps": args.steps, "hidden": args.hidden, "batch": args.batch, "algorithms": args.algorithms,
+                 "rates": [None, *args.rates], "rounds": args.rounds, "tcp": tcp}  # fmt: skip
+    calibrations, rows = bench(args)
     cols = ["algorithm", "link", "measured_s_per_step", "emulated_s_per_step", "ratio", "within",
             "compute_alone_s_per_step", "compute_s_per_step", "host_link_mb_per_step", "host_link_s_per_step",
             "retransmitted_per_step", "machine_s_per_step", "predicted_ratio"]  # fmt: skip
-    print_table(cols, [[r[c] for c in cols] for r in rows], floatfmt=".4g")
+    harness.print_columns(rows, cols)
     print()
     print(calibration_table(calibrations))
     print()
     print(markdown(rows))
-    write_result(args.out, "emulator_vs_link", {"spec": spec, "calibration": calibrations, "rows": rows}, [], argv)
-    print(f"results: {args.out}; cores: {os.cpu_count()}")
-    return 0
+    print(f"cores: {os.cpu_count()}")
+    return harness.Result({"spec": args.spec, "calibration": calibrations, "rows": rows})
 
+
+main = harness.entry("emulator_vs_link")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""How much faster is the fleet? `python -m experiments.bench.fleet [--peers 64] [--steps 30]`
+"""How much faster is the fleet? `python -m experiments.bench fleet [--peers 64] [--steps 30]`
 
 1. 64 peers of D-PSGD (one_peer_exponential) train the small MLP on digits, once as the `local`
    backend's threads (dpsgd.training's peers: the reference) and once as the fleet (dpsgd.sim.Fleet),
@@ -20,54 +20,51 @@ torch releases the GIL), the fleet's operations use torch's intra-op threads (on
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
-import copy
-import json
 import multiprocessing
 import os
 import resource
 import time
-from pathlib import Path
 
 import torch
 
 from dpsgd.build import build_peer
 from dpsgd.comm import run_local
+from dpsgd.config import RunConfig
 from dpsgd.sim import Fleet
-from experiments.bench.common import fleet_config
+from experiments.bench import harness
 
 RATIO_TARGET, RATE_TARGET, N_TARGET = 10.0, 10.0, 8192
 
 
-def local_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
+def local_rate(cfg: RunConfig, steps: int, warmup: int = 3) -> float:
     """Steps per second of the local backend's peers (the slowest peer's clock)."""
 
     def peer(comm):
         p = build_peer(comm, cfg)
         for _ in range(warmup):
-            p.train_step()
+            p.step()
         comm.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
-            p.train_step()
+            p.step()
         comm.barrier()
         return time.perf_counter() - t0
 
-    return steps / max(run_local(cfg["peers"], peer, timeout_s=600))
+    return steps / max(run_local(cfg.peers, peer, timeout_s=600))
 
 
-def fleet_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
+def fleet_rate(cfg: RunConfig, steps: int, warmup: int = 3) -> float:
     """Steps per second of the fleet, its operations on every core (as the local backend's threads are), after
     a warm-up that covers the topology's period (its mixing matrices are made once per step of the period)."""
-    fleet = Fleet(copy.deepcopy(cfg))
+    fleet = Fleet(cfg)
     torch.set_num_threads(os.cpu_count() or 1)
     try:
         for _ in range(max(warmup, fleet.topology.period or 0)):
-            fleet.train_step()
+            fleet.step()
         t0 = time.perf_counter()
         for _ in range(steps):
-            fleet.train_step()
+            fleet.step()
         return steps / (time.perf_counter() - t0)
     finally:
         torch.set_num_threads(1)
@@ -75,7 +72,8 @@ def fleet_rate(cfg: dict, steps: int, warmup: int = 3) -> float:
 
 def scan_config(n: int, batch_size: int) -> dict:
     samples = int(n * batch_size / 0.8) + n  # the training split (80%) gives each peer a batch
-    return fleet_config(n, batch_size, "synthetic", num_samples=samples, num_features=64, num_classes=10)
+    data = {"num_samples": samples, "num_features": 64, "num_classes": 10}
+    return harness.run_config(*harness.fleet_overrides(n, batch_size, "synthetic", **data))
 
 
 def scan_point(n: int, batch_size: int, steps: int, repeats: int, threads: int) -> dict:
@@ -89,13 +87,13 @@ def scan_point(n: int, batch_size: int, steps: int, repeats: int, threads: int) 
     fleet = Fleet(scan_config(n, batch_size))
     built_s = time.perf_counter() - started
     for _ in range(max(3, fleet.topology.period or 0)):  # every mixing matrix of the period made
-        fleet.train_step()
-    opt = fleet.cfg["algorithm"]
+        fleet.step()
+    opt = fleet.config.optimizer.options
     ref = Reference(fleet, float(opt["lr"]), float(opt.get("momentum", 0.0)))
     ref.train_step()
     best = {"fleet": float("inf"), "reference": float("inf")}
     for _ in range(repeats):
-        for side, step in (("fleet", fleet.train_step), ("reference", ref.train_step)):
+        for side, step in (("fleet", fleet.step), ("reference", ref.train_step)):
             t0 = clock()
             for _ in range(steps):
                 step()
@@ -127,7 +125,7 @@ def scan_cause(point: dict, batch_size: int) -> str:
 
 def scan(sizes, batch_size: int, steps: int, repeats: int, threads: int, stop_below: bool) -> list[dict]:
     """scan_point for each size in a fresh process (glibc keeping freed buffers, as spawned peers do)."""
-    from dpsgd.backends.launch import peer_env
+    from dpsgd.backends import peer_env
 
     os.environ.update({k: v for k, v in peer_env().items() if k.startswith("MALLOC_")})
     points = []
@@ -146,65 +144,54 @@ def scan(sizes, batch_size: int, steps: int, repeats: int, threads: int, stop_be
     return points
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, default=64, help="peers of the fleet-vs-local comparison")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per peer per step")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
-    p.add_argument("--repeats", type=int, default=3, help="alternated measurements of each; the best counts")
+def options(p) -> None:
     p.add_argument("--max-peers", type=int, default=8192, help="where the scan stops")
     p.add_argument("--scan-peers", type=int, nargs="+", help="scan these sizes (all of them) instead of doubling")
     p.add_argument("--scan-threads", type=int, default=0, help="torch threads of the scan (0: every core)")
     p.add_argument("--scan-only", action="store_true", help="skip the fleet-vs-local comparison")
-    p.add_argument("--out", help="also write the results as JSON here")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
 
+
+def run(args) -> harness.Result:
+    torch.set_num_threads(1)
+    targets = []
     local = fleet = ratio = float("nan")
     if not args.scan_only:
-        cfg = fleet_config(args.peers, args.batch_size)
+        cfg = harness.run_config(*harness.fleet_overrides(args.peers, args.batch))
         local = fleet = 0.0
         for _ in range(args.repeats):  # alternated, best of each: other processes only slow a run down
             local = max(local, local_rate(cfg, args.steps))
             fleet = max(fleet, fleet_rate(cfg, 5 * args.steps))
         ratio = fleet / local
-        print(f"{args.peers} peers, D-PSGD one_peer_exponential, MLP [64] on digits, batch {args.batch_size} per peer")
+        print(f"{args.peers} peers, D-PSGD one_peer_exponential, MLP [64] on digits, batch {args.batch} per peer")
         print(f"  local backend (threads): {local:8.2f} steps/s")
         print(f"  fleet (vectorized):      {fleet:8.2f} steps/s")
-        print(
-            f"  fleet / local:           {ratio:8.1f}x   (target >= {RATIO_TARGET:g}x: "
-            f"{'PASS' if ratio >= RATIO_TARGET else 'MISS'})"
-        )
+        targets.append(harness.Target(f"fleet / local backend, {args.peers} peers", ratio, at_least=RATIO_TARGET))
 
-    print(f"fleet scan: same model, {args.batch_size} samples per peer per step (synthetic data, 64 features)")
+    print(f"fleet scan: same model, {args.batch} samples per peer per step (synthetic data, 64 features)")
     ladder = args.scan_peers or [64 * 2**k for k in range(20) if 64 * 2**k <= args.max_peers]
-    points = scan(ladder, args.batch_size, args.steps, 2, args.scan_threads, stop_below=not args.scan_peers)
+    points = scan(ladder, args.batch, args.steps, 2, args.scan_threads, stop_below=not args.scan_peers)
     fast = [p["peers"] for p in points if p["steps_per_s"] >= RATE_TARGET]
     best = max(fast) if fast else None
-    met = best is not None and best >= N_TARGET
-    line = f"largest n at >= {RATE_TARGET:g} steps/s: {best} (target {N_TARGET}): {'PASS' if met else 'MISS'}"
-    if not met:  # the cause, measured at the target's size or the first size under the rate
+    cause = None
+    if best is None or best < N_TARGET:  # the cause, measured at the target's size or the first size under the rate
         slow = [p for p in points if p["steps_per_s"] < RATE_TARGET]
         at = next((p for p in points if p["peers"] == N_TARGET), slow[0] if slow else None)
-        line += f"\n  cause: {scan_cause(at, args.batch_size)}" if at is not None else " (the target's size not run)"
-    print(line + f"  [{points[0]['clock'] if points else ''}; load {os.getloadavg()[0]:.2f}]")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "peers": args.peers,
-                    "local_steps_per_s": local,
-                    "fleet_steps_per_s": fleet,
-                    "ratio": ratio,
-                    "scan": points,
-                    "largest_n_at_10_steps_per_s": best,
-                },
-                indent=2,
-            )
-        )
-    return 0
+        cause = scan_cause(at, args.batch) if at is not None else "the target's size was not run"
+    name = f"largest fleet at >= {RATE_TARGET:g} steps/s, peers"
+    targets.append(harness.Target(name, float(best or 0), at_least=N_TARGET, unit="", cause=cause))
+    print(f"[{points[0]['clock'] if points else ''}; load {os.getloadavg()[0]:.2f}]")
+    result = {
+        "peers": args.peers,
+        "local_steps_per_s": local,
+        "fleet_steps_per_s": fleet,
+        "ratio": ratio,
+        "scan": points,
+        "largest_n_at_10_steps_per_s": best,
+    }
+    return harness.Result(result, targets)
 
+
+main = harness.entry("fleet")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""How many peers fit on one GPU? `python -m experiments.bench.fleet_gpu [--device cuda] [--max-peers 4096]`
+"""How many peers fit on one GPU? `python -m experiments.bench fleet_gpu [--device cuda] [--max-peers 4096]`
 
 The fleet (dpsgd.sim.Fleet, backend=fleet) runs n peers of D-PSGD (one_peer_exponential, momentum SGD)
 on ResNet-20 with CIFAR-shaped synthetic data (3 x 32 x 32, 10 classes; conf/data/synthetic_cifar.yaml),
@@ -11,23 +11,17 @@ step, or would pass `--budget-s` in all; the answer is the largest n at >= 1 ste
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
-import yaml
 
-from experiments.bench.common import fleet_config
-
-CONF = Path(__file__).resolve().parent.parent.parent / "conf"
+from experiments.bench import harness
 
 
 def config(peers: int, batch_size: int, device: str, samples: int) -> dict:
     """experiments.bench.fleet's config with ResNet-20 on CIFAR-shaped synthetic data, on `device`."""
-    cfg = fleet_config(peers, batch_size, "synthetic_cifar", num_samples=samples)
-    return {**cfg, "model": yaml.safe_load((CONF / "model" / "resnet20.yaml").read_text()), "device": device}
+    run = harness.fleet_overrides(peers, batch_size, "synthetic_cifar", num_samples=samples)
+    return harness.run_config(*run, "model=resnet20", f"device={device}")
 
 
 def _sync(device: str) -> None:
@@ -45,11 +39,11 @@ def measure(peers: int, batch_size: int, device: str, samples: int, steps: int, 
     fleet = Fleet(config(peers, batch_size, device, samples))
     built = time.perf_counter() - built
     for _ in range(warmup):
-        fleet.train_step()
+        fleet.step()
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        fleet.train_step()
+        fleet.step()
     _sync(device)
     per_step = (time.perf_counter() - t0) / steps
     row = {
@@ -109,25 +103,23 @@ def scan(
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=int, default=8, help="images per peer per step")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per fleet size")
     p.add_argument("--min-peers", type=int, default=64)
     p.add_argument("--max-peers", type=int, default=4096)
     p.add_argument("--step-limit-s", type=float, default=5.0)
     p.add_argument("--budget-s", type=float, default=90.0)
-    p.add_argument("--out", help="also write the results as JSON here")
-    args = p.parse_args(argv)
-    ladder = [args.min_peers * 2**k for k in range(20) if args.min_peers * 2**k <= args.max_peers]
-    print(f"fleet of ResNet-20 peers on {args.device}, {args.batch_size} CIFAR-shaped images per peer per step")
-    result = scan(args.device, ladder, args.batch_size, args.steps, args.step_limit_s, args.budget_s)
-    print(f"stopped: {result['stopped']}; largest n at >= 1 step/s: {result['largest_n_at_1_step_per_s']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    return 0
 
+
+def run(args) -> harness.Result:
+    ladder = [args.min_peers * 2**k for k in range(20) if args.min_peers * 2**k <= args.max_peers]
+    print(f"fleet of ResNet-20 peers on {args.device}, {args.batch} CIFAR-shaped images per peer per step")
+    result = scan(args.device, ladder, args.batch, args.steps, args.step_limit_s, args.budget_s)
+    print(f"stopped: {result['stopped']}; largest n at >= 1 step/s: {result['largest_n_at_1_step_per_s']}")
+    return harness.Result(result)
+
+
+main = harness.entry("fleet_gpu")
 
 if __name__ == "__main__":
     raise SystemExit(main())

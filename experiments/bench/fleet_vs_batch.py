@@ -1,4 +1,4 @@
-"""The fleet against the same arithmetic done as one model: `python -m experiments.bench.fleet_vs_batch [--quick]`
+"""The fleet against the same arithmetic done as one model: `python -m experiments.bench fleet_vs_batch [--quick]`
 
 n peers at batch b do the floating-point work of one model at batch n*b; what the fleet adds is n copies of
 the weights (batched products, vmapped convolutions, n optimizer states) and the exchange. For the MLP, the
@@ -18,30 +18,24 @@ batch b) written once and read once; the batch read once.
 On a CPU the clock is this thread's CPU time with one torch thread (other sessions' load does not count
 against either side); on a GPU wall time between synchronizations. Each (model, n) also gets one
 instrumented pass that splits both steps into batch draw, forward+backward and optimizer step (gossip
-apart), from which a miss names its cause. Rows: outputs/bench/fleet_vs_batch.json (a list).
+apart), from which a miss names its cause. Rows: `rows` of outputs/bench/fleet_vs_batch.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
-import json
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from dpsgd.sim import Fleet
-from experiments.bench.common import ROOT, fleet_config
+from experiments.bench import harness
 
-CONF = ROOT / "conf"
-OUT = Path("outputs/bench/fleet_vs_batch.json")
 MODELS = ("mlp", "cnn", "resnet20", "transformer")
 BATCH = {"mlp": 16, "cnn": 8, "resnet20": 8, "transformer": 8}  # samples per peer per step
 LADDER = [16, 64, 256, 1024, 4096]
@@ -55,12 +49,11 @@ def config(model: str, peers: int, batch: int, device: str) -> dict:
     """experiments.bench.fleet's config (D-PSGD, one_peer_exponential) with `model` on data it takes."""
     samples = int(BATCHES_PER_SHARE * peers * batch / 0.8) + peers  # the training split (80%)
     if model == "mlp":
-        cfg = fleet_config(peers, batch, "synthetic", num_samples=samples, num_features=64, num_classes=10)
-    elif model == "transformer":
-        cfg = fleet_config(peers, batch, "tiny_text", num_samples=samples)
+        run = harness.fleet_overrides(peers, batch, "synthetic", num_samples=samples, num_features=64, num_classes=10)
     else:
-        cfg = fleet_config(peers, batch, "synthetic_cifar", num_samples=samples)
-    return {**cfg, "model": yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text()), "device": device}
+        run = harness.fleet_overrides(peers, batch, "tiny_text" if model == "transformer" else "synthetic_cifar",
+                                      num_samples=samples)  # fmt: skip
+    return harness.run_config(*run, f"model={model}", f"device={device}")
 
 
 class Clock:
@@ -204,29 +197,32 @@ def memory_estimate(model: str, peers: int, batch: int, params_per_peer: int, ac
     return peers * (8 * 4 * params_per_peer + 3 * act_per_sample * batch + data)
 
 
-def measure(model: str, n: int, device: torch.device, clock: Clock, bw: float, steps: int, reps: int) -> dict:
-    """One (model, n): the fleet and its reference built, warmed up, timed alternately; phases; floor."""
+def measure(
+    model: str, n: int, device: torch.device, clock: Clock, bw: float, steps: int, reps: int, vmap: bool = True
+) -> dict:
+    """One (model, n): the fleet and its reference built, warmed up, timed alternately (with `vmap`, also the wide
+    layout's fleet under vmap); phases; floor."""
     b = BATCH[model]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fleet = Fleet(config(model, n, b, str(device)))
         for _ in range(max(1, fleet.topology.period or 0)):  # warm-up: every mixing matrix of the period made
-            fleet.train_step()  # (and vmap's warnings, e.g. a batching rule it lacks)
+            fleet.step()  # (and vmap's warnings, e.g. a batching rule it lacks)
     fallbacks = sorted({str(w.message).split("batching rule for ")[1].split(".")[0] for w in caught
                         if "batching rule for" in str(w.message)})  # fmt: skip
-    opt_cfg = fleet.cfg["algorithm"]
+    opt_cfg = fleet.config.optimizer.options
     ref = Reference(fleet, float(opt_cfg["lr"]), float(opt_cfg.get("momentum", 0.0)))
     ref.train_step()
     x, y = ref.batch()
     act = saved_bytes(copy.deepcopy(fleet.model), fleet.loss_fn, x[:b].clone(), y[:b].clone())
     wide = fleet._wide
-    sides = {"fleet": fleet.train_step, "reference": ref.train_step}
-    if wide is not None:  # the same fleet under vmap too: what the wide layout gains, measured alongside
+    sides = {"fleet": fleet.step, "reference": ref.train_step}
+    if wide is not None and vmap:  # the same fleet under vmap too: what the wide layout gains, measured alongside
 
         def vmapped():
             fleet._wide = None
             try:
-                fleet.train_step()
+                fleet.step()
             finally:
                 fleet._wide = wide
 
@@ -260,7 +256,7 @@ def measure(model: str, n: int, device: torch.device, clock: Clock, bw: float, s
         "phases_s": phases,
         "vmap_fallbacks": fallbacks,
         "layout": "vmap" if wide is None else "wide",
-        "vmap_ratio": ref_s / best["fleet_vmap"] if wide is not None else None,  # the fleet under vmap instead
+        "vmap_ratio": ref_s / best["fleet_vmap"] if "fleet_vmap" in best else None,  # the fleet under vmap instead
         "params_per_peer": sum(p[0].numel() for p in fleet.params),
         "saved_activation_bytes_per_sample": act / b,
     }
@@ -318,6 +314,16 @@ def cause(row: dict) -> str:
     return why + f"; at {row['floor_ratio']:.2f} of its memory-traffic floor"
 
 
+def as_target(row: dict) -> harness.Target:
+    """The row's target for the harness: fleet / one model at least its limit (the MLP: or near its floor)."""
+    name = f"{row['model']} {row['peers']} x {row['batch']} {row['device']}: fleet / one model"
+    if row["model"] == "mlp":
+        name += f" (or floor_ratio >= {MLP_FLOOR_TARGET:.2f})"
+    at_least = MLP_RATIO_TARGET if row["model"] == "mlp" else RATIO_TARGET
+    t = row["target"]
+    return harness.Target(name, row["ratio"], at_least=at_least, passed=t["holds"], cause=t["cause"])
+
+
 def line(row: dict) -> str:
     t = row["target"]
     head = (
@@ -329,11 +335,7 @@ def line(row: dict) -> str:
         head += f"  (wide layout; under vmap: ratio {row['vmap_ratio']:.3f})"
     if t is None:
         return head + "  (no target below 64 peers)"
-    return (
-        head
-        + f"  {'PASS' if t['holds'] else 'MISS'} ({t['wanted']})"
-        + ("" if t["holds"] else f"\n      cause: {t['cause']}")
-    )
+    return head + f"  {'PASS' if t['holds'] else 'MISS'} ({t['wanted']})"
 
 
 def available_bytes() -> float:
@@ -346,25 +348,27 @@ def available_bytes() -> float:
     return 8 * 2**30
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a few sizes, fewer steps: under 3 minutes on 2 cores")
+def options(p) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--peers", nargs="+", type=int, help="the ladder (default 16 64 256 1024 4096; --quick: a few)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the clock is this thread's CPU time)")
-    p.add_argument("--steps", type=int, help="timed steps per measurement (default 3; --quick 2)")
-    p.add_argument("--repeats", type=int, help="alternated measurements of each side (default 3; --quick 2)")
     p.add_argument("--step-limit-s", type=float, default=None, help="a model's ladder stops after a slower step")
     p.add_argument("--budget-s", type=float, help="no new measurement once this many seconds have passed")
     p.add_argument("--memory-fraction", type=float, default=0.4, help="of the memory available at the start")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
-    p.add_argument("--out", default=str(OUT))
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--without-vmap", action="store_true", help="no run of the wide layout's fleet under vmap (shown only)"
+    )
+
+
+def run(args) -> harness.Result:
+    """--quick: the sizes of QUICK, 2 steps and 2 repeats unless given, a ladder stopped after a 3 s step."""
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    steps = args.steps or (2 if args.quick else 3)
-    reps = args.repeats or (2 if args.quick else 3)
+    given = set(args.argv)
+    steps = 2 if args.quick and "--steps" not in given else args.steps
+    reps = 2 if args.quick and "--repeats" not in given else args.repeats
     step_limit = args.step_limit_s or (3.0 if args.quick else 10.0)
     if device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory * args.memory_fraction
@@ -375,7 +379,6 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print(f"fleet vs one model at batch n*b on {device} ({clock.label}); memory bandwidth {bw / 1e9:.1f} GB/s; "
           f"load {load[0]:.2f}")  # fmt: skip
-    command = "python -m experiments.bench.fleet_vs_batch " + " ".join(sys.argv[1:] if argv is None else argv)
     rows: list[dict] = []
     started = datetime.datetime.now(datetime.timezone.utc)
     begun = time.monotonic()
@@ -399,44 +402,28 @@ def main(argv=None) -> int:
                     )
                     break
             try:
-                row = measure(model, n, device, clock, bw, steps, reps)
+                row = measure(model, n, device, clock, bw, steps, reps, vmap=not args.without_vmap)
             except torch.cuda.OutOfMemoryError:
                 print(f"{model:11s} {n:5d}: out of device memory")
                 torch.cuda.empty_cache()
                 break
-            row.update(
-                clock=clock.label,
-                bandwidth_bytes_per_s=bw,
-                threads=args.threads,
-                date=started.isoformat(timespec="seconds"),
-                command=command,
-            )
+            row.update(clock=clock.label, bandwidth_bytes_per_s=bw, threads=args.threads,
+                       date=started.isoformat(timespec="seconds"))  # fmt: skip
             rows.append(row)
             print(line(row), flush=True)
-            out = Path(args.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(rows, indent=2) + "\n")
+            harness.write(args, {"rows": rows}, targets(rows))  # the rows so far, should the run be stopped
     after = os.getloadavg()
     for row in rows:
         row["load_avg_1m"] = [load[0], after[0]]
-    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
-    judged = [r for r in rows if r["target"] is not None]
-    passed = sum(r["target"]["holds"] for r in judged)
-    print(f"{passed} of {len(judged)} targets PASS; load {load[0]:.2f} -> {after[0]:.2f}; written: {args.out}")
-    return 0
+    print(f"load {load[0]:.2f} -> {after[0]:.2f}")
+    return harness.Result({"rows": rows}, targets(rows))
 
 
-def keep_freed_memory() -> None:
-    """Run this module again with glibc keeping freed large buffers for reuse, as the toolkit's spawned peers
-    do (dpsgd.backends.launch.peer_env): otherwise every step's large tensors page-fault in afresh (measured
-    here: the MLP fleet of 1,024 peers 6% faster with it)."""
-    from dpsgd.backends.launch import peer_env
+def targets(rows: list[dict]) -> list[harness.Target]:
+    return [as_target(r) for r in rows if r["target"] is not None]
 
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        argv = [sys.executable, "-m", "experiments.bench.fleet_vs_batch", *sys.argv[1:]]
-        os.execve(sys.executable, argv, peer_env())
 
+main = harness.entry("fleet_vs_batch")
 
 if __name__ == "__main__":
-    keep_freed_memory()
     raise SystemExit(main())

@@ -11,7 +11,7 @@ Parts, each on its own (one that fails or cannot run here is recorded with why, 
 5. fleet: the fleet's scaling table (experiments.bench.fleet_gpu): ResNet-20 peers per GPU.
 6. events: AD-PSGD's event simulator (dpsgd.sim.events) with its peers on the GPU against the CPU.
 7. fleet_vs_batch: the fleet against one model at batch n*b (experiments.bench.fleet_vs_batch), 40-90 s.
-One JSON (GPU_CHECK_OUT, default outputs/gpu_check.json), rewritten after each part, and a table on stdout.
+One JSON (--out, default GPU_CHECK_OUT or outputs/gpu_check.json), rewritten after each part, and a table on stdout.
 GPU_CHECK_DRY=1 runs the same script on CPU tensors, small (the CPU's peers stage with backend.staging=always,
 the fleet's ladder is 4 and 8 peers): what CI runs, since no CI machine has a GPU.
 """
@@ -30,17 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import yaml
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-CONF = ROOT / "conf"
+from experiments.bench import harness
+from experiments.bench.harness import ROOT, BenchError
+
 DRY = os.environ.get("GPU_CHECK_DRY") == "1"
 DEVICE = "cpu" if DRY else "cuda"
-OUT = Path(os.environ.get("GPU_CHECK_OUT", "outputs/gpu_check.json"))
 RUN_TIMEOUT_S = 150  # one app run; below the peers part's own limit
 # the small run every comparison makes: 4 ResNet-20 peers, 16 steps of 8 CIFAR-shaped images each (the dry
 # run on 2 CPU cores: 2 CNN peers, 16 steps)
-RUN = ["data=synthetic_cifar", "epochs=1", "batch_size=8", "log_every=4", "algorithm.lr=0.02", "comm.timeout_s=120"]
+RUN = ["data=synthetic_cifar", "epochs=1", "batch_size=8", "log_every=4", "optimizer.lr=0.02", "comm.timeout_s=120"]
 RUN += (
     ["model=cnn", "peers=2", "data.num_samples=320"] if DRY else ["model=resnet20", "peers=4", "data.num_samples=640"]
 )
@@ -49,14 +48,9 @@ ACCURACY_TOLERANCE = 1 / 128 + 1e-9  # one of the 128 test images classified dif
 
 
 def app(args: list[str], run_dir: Path) -> dict:
-    """The app's run of `args` in `run_dir`: its summary, or RuntimeError with the error's last line."""
+    """The app's run of `args` in `run_dir`: its summary, or BenchError with the error's last line."""
     env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0"}  # cuBLAS and cuDNN in full float32: comparable to the CPU
-    cmd = [sys.executable, "-m", "experiments.train", *args, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise RuntimeError(f"exit {proc.returncode}: {lines[-1] if lines else '(no output)'}")
-    return json.loads((run_dir / "summary.json").read_text())
+    return harness.run_app(args, run_dir, RUN_TIMEOUT_S, env=env)[0]
 
 
 def differences(run: dict, reference: dict) -> dict:
@@ -102,7 +96,7 @@ def part_peers(work: Path) -> dict:
             else:
                 device_run = app([*args, f"device={DEVICE}", "device_share=true"], work / f"peers{i}-device")
             reference = app([*args, "device=cpu"], work / f"peers{i}-cpu")
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        except (BenchError, subprocess.TimeoutExpired) as exc:
             return {**row, "passed": False, "error": str(exc)}
         diff = differences(device_run, reference)
         return {
@@ -130,7 +124,7 @@ def part_adpsgd(work: Path) -> dict:
 
 NCCL_ONE = """
 import os, torch
-from dpsgd.comm.torch_dist import TorchCommunicator
+from dpsgd.comm import TorchCommunicator
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
 comm = TorchCommunicator(timeout_s=60, dist_backend="nccl")
 x = torch.arange(6.0, device="cuda")
@@ -145,7 +139,7 @@ comm.close()
 def part_nccl(work: Path) -> dict:
     if DRY or not torch.cuda.is_available():
         return {"skipped": "nccl needs a GPU"}
-    from dpsgd.backends.launch import free_port
+    from dpsgd.backends import free_port
 
     proc = subprocess.run(
         [sys.executable, "-c", NCCL_ONE.format(port=free_port())],
@@ -177,22 +171,14 @@ def part_fleet(work: Path) -> dict:
 def part_events(work: Path) -> dict:
     """AD-PSGD's event simulator with its peers on the device against the same simulation on the CPU: the
     same history (virtual times do not depend on the numbers) and parameters within float tolerance."""
-    import copy
+    from dpsgd.sim import Simulation
 
-    from dpsgd.sim.events import Simulation
-    from experiments.bench.common import fleet_config
-
-    cfg = (
-        fleet_config(4, 8, "synthetic_cifar", num_samples=320)
-        if DRY
-        else fleet_config(8, 8, "synthetic_cifar", num_samples=640)
-    )
-    cfg["algorithm"] = yaml.safe_load((CONF / "algorithm" / "adpsgd.yaml").read_text())
-    cfg["topology"] = yaml.safe_load((CONF / "topology" / "ring.yaml").read_text())
-    cfg["model"] = {"name": "cnn", "width": 16, "groups": 2}
+    peers, samples = (4, 320) if DRY else (8, 640)
+    run = [*harness.fleet_overrides(peers, 8, "synthetic_cifar", num_samples=samples), "algorithm=adpsgd"]
+    run += ["topology=ring", "model=cnn", "model.width=16", "model.groups=2"]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full float32, as the CPU
-    on_device = Simulation({**copy.deepcopy(cfg), "device": DEVICE}).run()
-    on_cpu = Simulation({**copy.deepcopy(cfg), "device": "cpu"}).run()
+    on_device = Simulation(harness.run_config(*run, f"device={DEVICE}")).run()
+    on_cpu = Simulation(harness.run_config(*run, "device=cpu")).run()
     diff = float((on_device.live.cpu() - on_cpu.live).abs().max() / on_cpu.live.abs().max())
     same = on_device.log == on_cpu.log
     return {"passed": same and diff < 1e-4, "same_history": same, "max_relative_difference": diff,
@@ -216,7 +202,7 @@ def part_fleet_vs_batch(work: Path) -> dict:
         fleet_vs_batch.main([*argv, "--out", str(out)])
     except PartTimeout:
         stopped = f"the part's limit ({PART_TIMEOUT_S['fleet_vs_batch']} s)"
-    rows = json.loads(out.read_text()) if out.exists() else []
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
     judged = [r for r in rows if r["target"] is not None]
     return {"passed": bool(rows), "rows": rows, "stopped": stopped,
             "targets_met": sum(r["target"]["holds"] for r in judged), "targets": len(judged)}  # fmt: skip
@@ -253,7 +239,7 @@ def _timed_out(signum, frame):
     raise PartTimeout()
 
 
-def main() -> int:
+def run(args) -> harness.Result:
     result: dict = {
         "date": datetime.date.today().isoformat(),
         "dry_run": DRY,
@@ -262,7 +248,6 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "parts": {},
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for name, part in PARTS.items():
             print(f"== {name}", flush=True)
@@ -279,10 +264,10 @@ def main() -> int:
                 signal.alarm(0)
             outcome["seconds"] = round(time.monotonic() - start, 1)
             result["parts"][name] = outcome
-            OUT.write_text(json.dumps(result, indent=2))
+            harness.write(args, result)
     print(table(result))
-    print(f"written: {OUT}")
-    return 0 if all(p.get("passed", True) for p in result["parts"].values()) else 1
+    failed = [f"part {n} failed: {p.get('error', '')}" for n, p in result["parts"].items() if not p.get("passed", True)]
+    return harness.Result(result, problems=failed)
 
 
 def table(result: dict) -> str:
@@ -307,6 +292,8 @@ def table(result: dict) -> str:
             lines.append(f"    largest n at >= 1 step/s: {p['largest_n_at_1_step_per_s']} ({p['stopped']})")
     return "\n".join(lines)
 
+
+main = harness.entry("gpu_check")
 
 if __name__ == "__main__":
     raise SystemExit(main())

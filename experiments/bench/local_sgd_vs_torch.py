@@ -1,5 +1,5 @@
 """`dpsgd.optim.LocalSGD` against torch's post-local SGD (PeriodicModelAverager + PostLocalSGDOptimizer).
-`python -m experiments.bench.local_sgd_vs_torch [--peers 4] [--period 4] [--warmup-steps 20] [--windows 30]`
+`python -m experiments.bench local_sgd_vs_torch [--peers 4] [--period 4] [--warmup-steps 20] [--windows 30]`
 
 On `--peers` real MPI processes that also form one gloo world, side by side in one run, the same
 MLP on the same batches with SGD (momentum 0.9, each peer keeping its own momentum):
@@ -25,15 +25,9 @@ loopback bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-from dpsgd.comm.base import ring_allreduce_bytes
-from experiments.bench import common
-from experiments.bench.allreduce_vs_ddp import POOL, batches, flat_params, make_model, train_step
+from experiments.bench import harness, ranks
+from experiments.bench.allreduce_vs_ddp import POOL, batches, finish, make_model  # allreduce_vs_ddp's task
+from experiments.bench.steps import flat_params, train_step
 
 LIMIT = 1.0
 PARAM_TOLERANCE = 1e-12  # float64
@@ -92,20 +86,24 @@ def check_parameters(args, comms, world) -> dict:
     return {
         "steps": steps,
         "warmup_steps": short.warmup_steps,
-        **{k: common.slowest(world, [v])[0] for k, v in diffs.items()},
+        **{k: ranks.slowest(world, [v])[0] for k, v in diffs.items()},
     }
 
 
 def worker(args) -> None:
     import torch
 
-    world, rank, comms = common.init_comms()
+    world, rank, comms = ranks.init_comms()
     check64 = check_parameters(args, comms, world)
     variants = {name: make_variant(name, args, comms, torch.float32) for name in VARIANTS}
     start = flat_params(variants["torch"][0])
     nparams = start.numel()
-    floor = common.loopback_bandwidth(world, max(4 * nparams, 2**20), reps=args.floor_reps)
+    floor = ranks.loopback_bandwidth(world, max(4 * nparams, 2**20), reps=args.floor_reps)
     data = batches(rank, args.batch, args.seed, torch.float32)
+
+    def window(module, opt, first: int, steps: int) -> None:
+        for k in range(first, first + steps):
+            train_step(module, opt, *data[k % POOL])
 
     warm = {name: [] for name in VARIANTS}
     local = {name: [] for name in VARIANTS}
@@ -115,11 +113,7 @@ def worker(args) -> None:
         shift = i % len(VARIANTS)
         for name in VARIANTS[shift:] + VARIANTS[:shift]:
             module, opt = variants[name]
-            world.Barrier()
-            t0 = time.perf_counter()
-            for k in range(first, first + steps):
-                train_step(module, opt, *data[k % POOL])
-            dt = time.perf_counter() - t0
+            dt, _, _ = ranks.timed(world, window, module, opt, first, steps)
             if into is local or first >= args.skip:
                 into[name].append(dt / steps)
 
@@ -133,50 +127,32 @@ def worker(args) -> None:
     everyone = torch.empty(world.Get_size(), nparams)
     world.Allgather(final["dpsgd_torch"].numpy(), everyone.numpy())
     diffs["dpsgd_torch_between_peers"] = float((everyone - everyone[0]).abs().max())
-    check = {k: common.slowest(world, [v])[0] for k, v in diffs.items()}
+    check = {k: ranks.slowest(world, [v])[0] for k, v in diffs.items()}
     step_s = {
-        phase: {name: common.median(common.slowest(world, t)) if t else None for name, t in times.items()}
+        phase: {name: ranks.slowest_median(world, t) if t else None for name, t in times.items()}
         for phase, times in (("warmup", warm), ("local", local))
     }
-    comms["mpi"].close()
-    sent = ring_allreduce_bytes(4 * nparams, world.Get_size())
-    common.finish_ranks(
-        world,
-        args.worker,
-        {
-            "peers": world.Get_size(),
-            "params": nparams,
-            "hidden": args.hidden,
-            "batch": args.batch,
-            "period": args.period,
-            "warmup_steps": args.warmup_steps,
-            "skip": args.skip,
-            "windows": args.windows,
-            "timed_warmup_steps": len(warm["torch"]),
-            "step_s": step_s,
-            "check": check,
-            "check_float64": check64,
-            "floor": floor,
-            "comm_bytes_sent_per_rank": sent,
-            "comm_floor_s": common.floor_s(sent, floor),
-        },
-    )
+    finish(world, comms, args, nparams, floor, period=args.period, warmup_steps=args.warmup_steps, skip=args.skip,
+           windows=args.windows, timed_warmup_steps=len(warm["torch"]), step_s=step_s, check=check,
+           check_float64=check64)  # fmt: skip
 
 
-def summarize(res: dict) -> list[common.Target]:
+def summarize(res: dict) -> list[harness.Target]:
     s = res["step_s"]
     targets = [
-        common.Target("LocalSGD / torch, local phase, per step", s["local"]["dpsgd_torch"] / s["local"]["torch"], LIMIT)
+        harness.Target(
+            "LocalSGD / torch, local phase, per step", s["local"]["dpsgd_torch"] / s["local"]["torch"], LIMIT
+        )
     ]
     if s["warmup"]["torch"]:
         targets.append(
-            common.Target(
+            harness.Target(
                 "LocalSGD / torch, warm-up (all-reduce) step", s["warmup"]["dpsgd_torch"] / s["warmup"]["torch"], LIMIT
             )
         )
     c = res["check_float64"]
     targets.append(
-        common.Target(
+        harness.Target(
             "parameters (float64): max |LocalSGD - torch|",
             max(c["dpsgd_torch_vs_torch"], c["dpsgd_mpi_vs_torch"]),
             PARAM_TOLERANCE,
@@ -186,52 +162,19 @@ def summarize(res: dict) -> list[common.Target]:
     return targets
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, default=4)
+def options(p) -> None:
     p.add_argument("--hidden", type=int, nargs="+", default=[2048, 2048], help="MLP hidden widths (input 784)")
-    p.add_argument("--batch", type=int, default=32, help="per peer")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--period", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=20, help="all-reduce steps before the local phase")
     p.add_argument("--skip", type=int, default=3, help="untimed first warm-up steps")
     p.add_argument("--windows", type=int, default=30, help="timed local-phase windows of `period` steps")
-    p.add_argument("--floor-reps", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    common.add_rank_options(p)
-    p.add_argument("--out", type=Path, default=common.ROOT / "outputs" / "bench" / "local_sgd_vs_torch.json")
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    if args.windows < 1 or args.period < 1:
-        raise SystemExit("error: --windows and --period must be at least 1")
 
-    wargs = [
-        "--hidden",
-        *map(str, args.hidden),
-        "--batch",
-        str(args.batch),
-        "--lr",
-        str(args.lr),
-        "--period",
-        str(args.period),
-        "--warmup-steps",
-        str(args.warmup_steps),
-        "--skip",
-        str(args.skip),
-        "--windows",
-        str(args.windows),
-        "--floor-reps",
-        str(args.floor_reps),
-        "--seed",
-        str(args.seed),
-    ]
-    with tempfile.TemporaryDirectory(prefix="bench_local_sgd_vs_torch_") as tmp:
-        res = common.spawn_ranks(
-            "local_sgd_vs_torch", args.peers, wargs, Path(tmp), args.timeout, args.return_freed_memory
-        )
+
+def run(args) -> harness.Result:
+    if args.windows < 1 or args.period < 1:
+        raise SystemExit("error: local_sgd_vs_torch: --windows and --period must be at least 1")
+    res = ranks.spawn(args)
     res["return_freed_memory"] = args.return_freed_memory
     targets = summarize(res)
     s = res["step_s"]
@@ -258,13 +201,13 @@ def main(argv=None) -> int:
                 what,
             ]
         )
-    common.print_table(["variant", "warm-up ms", "/ torch", "local ms", "/ torch", "what"], rows)
+    harness.print_table(["variant", "warm-up ms", "/ torch", "local ms", "/ torch", "what"], rows)
     print(
         f"\ncommunication floor: averaging sends {res['comm_bytes_sent_per_rank'] / 2**20:.1f} MiB per rank, "
         f"{res['comm_floor_s'] * 1e3:.2f} ms at the measured loopback bandwidth: {res['comm_floor_s'] * 1e3:.2f} ms "
         f"per warm-up step, {res['comm_floor_s'] / args.period * 1e3:.2f} ms per local step"
     )
-    print(common.floor_line(res["floor"]))
+    print(ranks.floor_line(res["floor"]))
     c, c64 = res["check"], res["check_float64"]
     print(
         f"parameters after the timed {args.warmup_steps + args.windows * args.period} steps (float32): max "
@@ -277,11 +220,11 @@ def main(argv=None) -> int:
         f"torch| = {c64['dpsgd_torch_vs_torch']:.1e}, |LocalSGD (mpi) - torch| = {c64['dpsgd_mpi_vs_torch']:.1e}; "
         f"they moved {c64['moved']:.1e}"
     )
-    common.print_targets(targets)
-    common.write_result(args.out, "local_sgd_vs_torch", res, targets, argv)
-    print(f"written: {args.out}")
-    return 0
+    return harness.Result(res, targets)
+
+
+main = harness.entry("local_sgd_vs_torch")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""What the safety nets cost an honest peer: `python -m experiments.bench.robust_cost [--rounds 30]`
+"""What the safety nets cost an honest peer: `python -m experiments.bench robust_cost [--rounds 30]`
 
 1. The divergence check (dpsgd.divergence: the step's loss and one norm of the parameters) against the training
    step it follows, on one peer: the MLP on digits and ResNet-20 on synthetic CIFAR-shaped data.
@@ -9,7 +9,6 @@ Rounds alternate the two sides of each ratio, so a loaded machine slows both ali
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -17,42 +16,21 @@ import torch
 
 from dpsgd import divergence
 from dpsgd.comm.robust import RULES, Rule
-
-
-def _config(model: str, data: str) -> dict:
-    import yaml
-
-    from experiments.validate import CONF_DIR
-
-    def load(group, name):
-        return yaml.safe_load((CONF_DIR / group / f"{name}.yaml").read_text())
-
-    return {
-        "algorithm": load("algorithm", "dpsgd"),
-        "topology": load("topology", "ring"),
-        "model": load("model", model),
-        "data": load("data", data),
-        "backend": {"name": "local"},
-        "network": load("network", "loopback"),
-        "peers": 1,
-        "seed": 0,
-        "epochs": 1,
-        "batch_size": 32,
-        "device": "cpu",
-        "comm": {"timeout_s": 60},
-    }
+from experiments.bench import harness
 
 
 def check_cost(model: str, data: str, rounds: int) -> dict:
     from dpsgd.build import build_peer
     from dpsgd.comm import LocalCommunicator, LocalWorld
 
-    peer = build_peer(LocalCommunicator(LocalWorld(1), 0, 60.0), _config(model, data))
+    cfg = harness.run_config("backend=local", "peers=1", "algorithm=dpsgd", "topology=ring", f"model={model}",
+                             f"data={data}", "batch_size=32", "epochs=1", "comm.timeout_s=60")  # fmt: skip
+    peer = build_peer(LocalCommunicator(LocalWorld(1), 0, 60.0), cfg)
     params = list(peer.model.parameters())
     steps, checks = [], []
     for _ in range(rounds):
         started = time.perf_counter()
-        loss = peer.train_step()
+        loss = float(peer.step())
         between = time.perf_counter()
         divergence.problem(loss, float(divergence.norms(params)))
         checks.append(time.perf_counter() - between)
@@ -80,24 +58,25 @@ def combine_cost(received: int, rounds: int, size: int = 272_474) -> list[dict]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench.robust_cost", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    args = parser.parse_args(argv)
+def run(args) -> harness.Result:
     torch.set_num_threads(1)
     print("divergence check per step (one peer, one thread):")
-    for model, data in (("mlp", "digits"), ("resnet20", "synthetic_cifar")):
-        r = check_cost(model, data, args.rounds)
+    checks = [
+        check_cost(model, data, args.rounds) for model, data in (("mlp", "digits"), ("resnet20", "synthetic_cifar"))
+    ]
+    for r in checks:
         print(
             f"  {r['model']:<9} {r['parameters']:>8} parameters: step {r['step_ms']:.2f} ms, "
             f"check {r['check_ms']:.3f} ms ({r['ratio']:.2%} of the step)"
         )
     print("robust combine against the plain weighted sum (272474 float32 entries, ResNet-20's size):")
-    for received in (2, 8):
-        for r in combine_cost(received, args.rounds):
-            print(f"  {r['rule']:<15} {r['received']} received: {r['ms']:.3f} ms ({r['x_none']:.2f}x none)")
-    return 0
+    combines = [r for received in (2, 8) for r in combine_cost(received, args.rounds)]
+    for r in combines:
+        print(f"  {r['rule']:<15} {r['received']} received: {r['ms']:.3f} ms ({r['x_none']:.2f}x none)")
+    return harness.Result({"divergence_check": checks, "combine": combines})
 
+
+main = harness.entry("robust_cost")
 
 if __name__ == "__main__":
     raise SystemExit(main())

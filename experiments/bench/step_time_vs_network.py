@@ -1,4 +1,4 @@
-"""Step time against network and peers: `python -m experiments.bench.step_time_vs_network [--quick]`.
+"""Step time against network and peers: `python -m experiments.bench step_time_vs_network [--quick]`.
 
 For n = 4, 8, 16 real mpi processes, two model sizes (0.27 M parameters, ResNet-20's count, and 11 M)
 and each network preset (datacenter_100g, ethernet_10g, ethernet_1g, wan), every algorithm takes the
@@ -16,32 +16,15 @@ step times of AllReduce and one-peer DPSGD within 10% of the closed form for the
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from experiments.bench.common import (
-    ROOT,
-    Target,
-    finish_ranks,
-    floor_line,
-    floor_s,
-    init_ranks,
-    loopback_bandwidth,
-    print_table,
-    print_targets,
-    spawn_ranks,
-    write_result,
-)
+from experiments.bench import harness, ranks, steps
+from experiments.bench.harness import Target
 
 PRESETS = ("datacenter_100g", "ethernet_10g", "ethernet_1g", "wan")
 SIZES = {"0.27M": [480, 480], "11M": [3300, 3300]}  # MLP hidden widths on 64 inputs, 10 outputs
-INPUTS, CLASSES, BATCH = 64, 10, 32
+INPUTS, BATCH = 64, 32
 # name, algorithm, options, topology
 ALGORITHMS = (
     ("allreduce", "allreduce", {}, "ring"),
@@ -54,41 +37,22 @@ ALGORITHMS = (
 STEPS = 8  # one LocalSGD period
 
 
-def network(preset: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "network" / f"{preset}.yaml"))
-
-
-def mlp(hidden: list[int], seed: int = 0):
-    from dpsgd import models
-
-    return models.build("mlp", (INPUTS,), CLASSES, seed, hidden=hidden)
-
-
-def measure_compute(model, x, y, repeats: int = 5) -> float:
-    """Median seconds of one forward + backward + SGD step on this core."""
-    import torch
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[len(times[1:]) // 2]
+def mlp(hidden: list[int]):
+    return steps.mlp(INPUTS, hidden)
 
 
 def compute_times() -> dict:
+    """Seconds of one step on one core (forward, backward, SGD): ResNet-20 on a batch of 32 (for the 0.27 M size) and
+    the 11 M MLP."""
     import torch
 
     from dpsgd import models
 
     torch.set_num_threads(1)
-    x32, y = torch.randn(BATCH, 3, 32, 32), torch.randint(0, CLASSES, (BATCH,))
+    x32, y = torch.randn(BATCH, 3, 32, 32), torch.randint(0, steps.CLASSES, (BATCH,))
     return {
-        "0.27M": measure_compute(models.build("resnet20", (3, 32, 32), CLASSES, 0), x32, y),
-        "11M": measure_compute(mlp(SIZES["11M"]), torch.randn(BATCH, INPUTS), y),
+        "0.27M": steps.step_time(models.build("resnet20", (3, 32, 32), steps.CLASSES, 0), x32, y),
+        "11M": steps.step_time(mlp(SIZES["11M"]), torch.randn(BATCH, INPUTS), y),
     }
 
 
@@ -107,34 +71,9 @@ def closed_form(name: str, nbytes: float, n: int, c: float, net: dict) -> float:
     }[name]
 
 
-def emulated_steps(comm, net, opt, model, x, y, steps: int, overlap: bool = False) -> float:
-    """`steps` training steps on one batch with `net` emulated (its clock starts together on every peer,
-    after a barrier); returns the wall seconds they took."""
-    import torch
-
-    asynchronous = opt.asynchronous  # no global step: its own pace within a budget
-    if asynchronous:  # no global step: a budget of steps per peer
-        opt.set_budget(steps=steps)
-    comm.barrier()
-    net.clock.reset()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        if overlap:
-            opt.start_communication()
-        net.start_compute()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        net.finish_compute()
-        opt.step()
-    if asynchronous:
-        opt.finish()
-    return time.perf_counter() - t0
-
-
-def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> None:
+def worker(args) -> None:
     """One rank: every (size, preset, algorithm) for STEPS steps; rank 0 writes the rows."""
     import numpy as np
-    import torch
 
     import dpsgd.comm
     import topologies
@@ -142,16 +81,16 @@ def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> N
     from dpsgd.comm.netem import NetworkEmulator
     from dpsgd.optim import build, build_base
 
-    world = init_ranks(gloo=False)
+    world = ranks.init_ranks(gloo=False)
     comm = dpsgd.comm.init("mpi", timeout_s=300)
     n, rank = comm.size, comm.rank
-    floor = loopback_bandwidth(world, 1 << 26, reps=3)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(BATCH, INPUTS, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+    floor = ranks.loopback_bandwidth(world, 1 << 26, reps=3)
+    ((x, y),) = steps.batches(rank, BATCH, INPUTS)
     rows = []
-    for size in sizes:
-        for preset in presets:
-            net_cfg = {**network(preset), "compute_time": compute[size]}
+    for size in args.sizes:
+        compute = args.compute[size]
+        for preset in args.networks:
+            net_cfg = {**args.presets[preset], "compute_time": compute}
             for name, algo, options, topo in ALGORITHMS:
                 model = mlp(SIZES[size])
                 nbytes = sum(p.numel() for p in model.parameters()) * 4
@@ -165,12 +104,12 @@ def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> N
                     comm=comm,
                     **options,
                 )
-                wall = emulated_steps(comm, net, opt, model, x, y, STEPS, options.get("overlap", False))
-                emulated, sent = net.clock.elapsed(), comm.stats.bytes_sent
+                wall, _, _ = steps.timed_steps(opt, model, x, y, STEPS, options.get("overlap", False), net)
+                emulated, sent = net.clock.elapsed(), comm.stats.bytes_sent  # AD-PSGD's closing handshake included
                 comm.attach_network(None)
                 table = metrics.gather_scalars(comm, [emulated, sent, wall])
                 per_step = float(table[:, 0].max()) / STEPS
-                model_s = closed_form(name, nbytes, n, compute[size], net_cfg)
+                model_s = closed_form(name, nbytes, n, compute, net_cfg)
                 rows.append(
                     {
                         "peers": n,
@@ -178,41 +117,30 @@ def worker(work: Path, sizes: list[str], presets: list[str], compute: dict) -> N
                         "params": nbytes // 4,
                         "network": preset,
                         "algorithm": name,
-                        "compute_s": compute[size],
+                        "compute_s": compute,
                         "emulated_s_per_step": per_step,
                         "closed_form_s_per_step": model_s,
                         "vs_closed_form": per_step / model_s,
                         "mb_sent_per_peer_per_step": float(np.mean(table[:, 1].numpy())) / STEPS / 1e6,
-                        "floor_s_per_step": floor_s(float(table[:, 1].max()) / STEPS, floor),
+                        "floor_s_per_step": ranks.floor_s(float(table[:, 1].max()) / STEPS, floor),
                         "wall_s_per_step": float(table[:, 2].max()) / STEPS,
                     }
                 )
-    finish_ranks(world, work, {"rows": rows, "floor": floor})
+    ranks.finish_ranks(world, args.worker, {"rows": rows, "floor": floor})
     comm.close()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16])
+def options(p) -> None:
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     p.add_argument("--networks", nargs="+", default=list(PRESETS), choices=list(PRESETS))
-    p.add_argument("--quick", action="store_true", help="n = 4, 8 and the small model only (for tests)")
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "step_time_vs_network.json")
-    p.add_argument("--worker", nargs=2, metavar=("DIR", "SPEC"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        spec = json.loads(args.worker[1])
-        worker(Path(args.worker[0]), spec["sizes"], spec["networks"], spec["compute"])
-        return 0
-    if args.quick:
-        args.peers, args.sizes = [4, 8], ["0.27M"]
+
+
+def run(args) -> harness.Result:
     compute = compute_times()
+    presets = {preset: harness.run_config(f"network={preset}")["network"] for preset in args.networks}
     rows, floors = [], {}
-    spec = json.dumps({"sizes": args.sizes, "networks": args.networks, "compute": compute})
     for n in args.peers:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = spawn_ranks("step_time_vs_network", n, [spec], Path(tmp), args.timeout)
+        result = ranks.spawn(args, n, compute=compute, presets=presets)
         rows += result["rows"]
         floors[n] = result["floor"]
     cols = [
@@ -231,16 +159,12 @@ def main(argv=None) -> int:
         f"11M MLP {compute['11M'] * 1e3:.1f} ms"
     )
     for n, floor in floors.items():
-        print(f"n={n}: {floor_line(floor)}")
-    print_table(cols, [[r[c] for c in cols] for r in rows], floatfmt=".4g")
-    targets = _targets(rows)
-    print_targets(targets)
-    write_result(
-        args.out, "step_time_vs_network", {"compute_s": compute, "floors": floors, "rows": rows}, targets, argv
-    )
-    _plot(rows, args.out.with_suffix(".png"))
-    print(f"results: {args.out}; plot: {args.out.with_suffix('.png')}")
-    return 0
+        print(f"n={n}: {ranks.floor_line(floor)}")
+    harness.print_columns(rows, cols)
+    plot = Path(args.out).with_suffix(".png")
+    _plot(rows, plot)
+    print(f"plot: {plot}")
+    return harness.Result({"compute_s": compute, "floors": floors, "rows": rows}, _targets(rows))
 
 
 def _targets(rows: list[dict]) -> list[Target]:
@@ -310,5 +234,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+main = harness.entry("step_time_vs_network")
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

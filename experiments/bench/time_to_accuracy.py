@@ -1,4 +1,4 @@
-"""Emulated time to a target accuracy: `python -m experiments.bench.time_to_accuracy [--peers 8]`.
+"""Emulated time to a target accuracy: `python -m experiments.bench time_to_accuracy [--peers 8]`.
 
 Runs the Hydra app on real mpi processes, side by side in one invocation: each algorithm (AllReduce,
 D-PSGD on a ring and on the one-peer exponential graph, LocalSGD with H=4, AD-PSGD) trains the default
@@ -12,15 +12,10 @@ same network. Beside it: the bytes each peer sent up to then, over this machine'
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from dpsgd.backends.launch import peer_env
-from experiments.bench.common import ROOT, Target, print_table, print_targets, write_result
+from experiments.bench import harness, steps
 
 ALGORITHMS = (  # label, overrides
     ("allreduce", ["algorithm=allreduce"]),
@@ -35,62 +30,44 @@ def digits_compute_time() -> float:
     """Median seconds of one step of the default model (MLP on digits, batch 32) on one core."""
     import torch
 
-    from dpsgd import models
-    from experiments.bench.step_time_vs_network import measure_compute
-
     torch.set_num_threads(1)
-    return measure_compute(
-        models.build("mlp", (64,), 10, 0, hidden=[64]), torch.randn(32, 64), torch.randint(0, 10, (32,)), repeats=50
-    )
+    x, y = torch.randn(32, 64), torch.randint(0, steps.CLASSES, (32,))
+    return steps.step_time(steps.mlp(64, [64]), x, y, repeats=50)
 
 
-def run(label: str, overrides: list[str], network: list[str], args, work: Path) -> dict:
-    run_dir = work / f"{label.replace(' ', '_').replace('=', '')}_{network[0].split('=')[1]}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.train",
-        *overrides,
-        *network,
-        f"peers={args.peers}",
-        f"epochs={args.epochs}",
-        f"log_every={args.log_every}",
-        f"seed={args.seed}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=peer_env({"DPSGD_PROGRESS": "0"}), capture_output=True, text=True, timeout=args.timeout
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"error: {' '.join(cmd[3:])} failed:\n{proc.stderr[-2000:]}")
-    records = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+def to_target(label: str, overrides: list[str], network: list[str], args, work: Path) -> dict:
+    """One run of the app: when (emulated time, steps, MB each peer sent) its averaged model first reached
+    `args.target`, from its logged records."""
+    net = network[0].split("=")[1]
+    run_dir = work / f"{label.replace(' ', '_').replace('=', '')}_{net}"
+    given = [*overrides, *network, f"peers={args.peers}", f"epochs={args.epochs}", f"log_every={args.log_every}"]
+    summary, records = harness.run_app([*given, f"seed={args.seed}"], run_dir, args.timeout)
     hit = next((r for r in records if r.get("test_accuracy") is not None and r["test_accuracy"] >= args.target), None)
     clock = "emulated_time_s" if records[-1].get("emulated_time_s") is not None else "wall_time_s"
     return {
         "algorithm": label,
-        "network": network[0].split("=")[1],
+        "network": net,
         "time_to_target_s": hit[clock] if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         "final_accuracy": summary["test_accuracy"],
         "final_time_s": records[-1][clock],
         "mb_sent_per_peer": summary["mb_sent_per_peer"],
         "mb_to_target": hit["mb_sent_per_peer"] if hit else None,
-        "overrides": cmd[3:],
+        "overrides": given,
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, default=8)
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def options(p) -> None:
     p.add_argument("--target", type=float, default=0.93, help="test accuracy to reach")
-    p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--log-every", type=int, default=4)
     p.add_argument("--straggler-compute-time", type=float, default=0.01, help="per-step floor under `straggler`")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "time_to_accuracy.json")
-    args = p.parse_args(argv)
+
+
+def run(args) -> harness.Result:
     compute = digits_compute_time()
     networks = {
         "ethernet_1g": ["network=ethernet_1g", f"network.compute_time={compute:.6g}"],
@@ -100,15 +77,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for net in networks.values():
             for label, overrides in ALGORITHMS:
-                rows.append(run(label, overrides, net, args, Path(tmp)))
+                rows.append(to_target(label, overrides, net, args, Path(tmp)))
                 print(f"  {label:16s} {net[0]:22s} done", flush=True)
     targets = []
     for net in networks:
         base = next(r for r in rows if r["network"] == net and r["algorithm"] == "allreduce")
         for r in rows:
             if r["network"] == net:
-                ok = r["time_to_target_s"] is not None and base["time_to_target_s"]
-                r["vs_allreduce"] = r["time_to_target_s"] / base["time_to_target_s"] if ok else None
+                r["vs_allreduce"] = ratio(r["time_to_target_s"], base["time_to_target_s"])
         best = min(
             (
                 r
@@ -119,37 +95,18 @@ def main(argv=None) -> int:
             default=None,
         )
         if best is not None:
-            targets.append(
-                Target(
-                    f"fastest to {args.target} vs AllReduce under {net}: {best['algorithm']}", best["vs_allreduce"], 1.0
-                )
-            )
-    cols = [
-        "network",
-        "algorithm",
-        "time_to_target_s",
-        "vs_allreduce",
-        "steps_to_target",
-        "final_accuracy",
-        "final_time_s",
-        "mb_sent_per_peer",
-    ]
+            name = f"fastest to {args.target} vs AllReduce under {net}: {best['algorithm']}"
+            targets.append(harness.Target(name, best["vs_allreduce"], 1.0))
     print(
         f"target test accuracy {args.target}; {args.peers} mpi peers; compute per step under ethernet_1g: "
         f"{compute * 1e3:.3f} ms (measured on one core)"
     )
-    print_table(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in rows], floatfmt=".4g")
-    print_targets(targets)
-    write_result(
-        args.out,
-        "time_to_accuracy",
-        {"compute_s": compute, "target_accuracy": args.target, "rows": rows},
-        targets,
-        argv,
-    )
-    print(f"results: {args.out}")
-    return 0
+    cols = ["network", "algorithm", "time_to_target_s", "vs_allreduce", "steps_to_target", "final_accuracy"]
+    harness.print_columns(rows, [*cols, "final_time_s", "mb_sent_per_peer"])
+    return harness.Result({"compute_s": compute, "target_accuracy": args.target, "rows": rows}, targets)
 
+
+main = harness.entry("time_to_accuracy")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

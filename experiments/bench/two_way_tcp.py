@@ -9,12 +9,11 @@ queue behind what it sends. Here, with no MPI, gloo or torch in the way: each ho
 (two-way), `--reps` times over the same warm connections, each transfer started at an agreed time. The
 figure is a transfer's time over what the cap's TCP payload rate needs for its bytes.
 
-    python -m experiments.bench.two_way_tcp            # root; about 1 min
+    python -m experiments.bench two_way_tcp            # root; about 1 min
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -23,7 +22,8 @@ import sys
 import threading
 import time
 
-from experiments.bench.common import ROOT, print_table
+from experiments.bench import harness
+from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import testhosts  # noqa: E402
@@ -77,35 +77,21 @@ def send(host: str, port: int, flows: int, reps: int, size: int, cc: str, start:
 def transfer(hosts, flows: int, reps: int, size: int, cc: str, two_way: bool, port: int, ideal: float) -> list[float]:
     """One configuration: the servers up, then the senders started on an agreed schedule."""
     pairs = [(1, 2)] + ([(2, 1)] if two_way else [])  # (sending host, receiving host)
-    me = [sys.executable, "-m", "experiments.bench.two_way_tcp"]
+
+    def helper(host: int, call: str) -> subprocess.Popen:  # this module's function `call` on a test host
+        code = f"from experiments.bench.two_way_tcp import serve, send; {call}"
+        return hosts.popen(host, [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
     procs = []
     try:
         for _, dst in pairs:
-            p = hosts.popen(dst, [*me, "--serve", hosts.address(dst), str(port), str(flows), str(reps), str(size)],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+            p = helper(dst, f"serve({hosts.address(dst)!r}, {port}, {flows}, {reps}, {size})")
             procs.append(p)
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError("a receiver did not start")
         start, gap = time.time() + 1.0, 3 * ideal + 0.2
         senders = [
-            hosts.popen(
-                src,
-                [
-                    *me,
-                    "--send",
-                    hosts.address(dst),
-                    str(port),
-                    str(flows),
-                    str(reps),
-                    str(size),
-                    cc,
-                    repr(start),
-                    repr(gap),
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-            )  # fmt: skip
+            helper(src, f"send({hosts.address(dst)!r}, {port}, {flows}, {reps}, {size}, {cc!r}, {start!r}, {gap!r})")
             for src, dst in pairs
         ]
         procs += senders
@@ -118,29 +104,19 @@ def transfer(hosts, flows: int, reps: int, size: int, cc: str, two_way: bool, po
             p.wait(timeout=30)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p) -> None:
     p.add_argument("--rate", default="100mbit", help="tc tbf rate of each host's eth0")
     p.add_argument("--sizes", nargs="+", type=int, default=[1_125_000, 4_500_000], help="bytes a flow carries")
     p.add_argument("--flows", nargs="+", type=int, default=[1, 2], help="connections each way")
     p.add_argument("--cc", nargs="+", default=["bbr", "reno"], help="TCP congestion control of the senders")
-    p.add_argument("--reps", type=int, default=6, help="transfers over the same connections (the first is dropped)")
-    p.add_argument("--serve", nargs=5, help=argparse.SUPPRESS)
-    p.add_argument("--send", nargs=8, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.serve:
-        host, *rest = args.serve
-        serve(host, *map(int, rest))
-        return 0
-    if args.send:
-        host, port, flows, reps, size, cc, start, gap = args.send
-        send(host, int(port), int(flows), int(reps), int(size), cc, float(start), float(gap))
-        return 0
+
+
+def run(args) -> harness.Result:
     if why := testhosts.unavailable():
-        sys.exit(f"two_way_tcp: {why}")
+        raise SystemExit(f"error: two_way_tcp: {why}")
     unit = next((u for u in RATES if args.rate.endswith(u)), None)
     if unit is None:
-        sys.exit(f"two_way_tcp: --rate {args.rate!r}: expected a tc rate such as 100mbit or 1gbit")
+        raise SystemExit(f"error: two_way_tcp: --rate {args.rate!r}: expected a tc rate such as 100mbit or 1gbit")
     payload_bytes_per_s = float(args.rate[: -len(unit)]) * RATES[unit] / 8 * PAYLOAD_PER_FRAME
     rows, port = [], PORT
     with testhosts.TestHosts(2) as hosts:
@@ -158,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                         print(
                             f"{cc} {size} B x {flows} {rows[-1][3]}: median {rows[-1][-1]:.3f} of the cap", flush=True
                         )
-    print_table(["cc", "bytes", "flows each way", "traffic", "at the cap s", "fastest s", "median s", "median / cap"],
-                rows, floatfmt=".3f")  # fmt: skip
-    return 0
+    columns = ["cc", "bytes", "flows each way", "traffic", "at the cap s", "fastest s", "median s", "median / cap"]
+    harness.print_table(columns, rows, floatfmt=".3f")
+    return harness.Result({"rate": args.rate, "rows": [dict(zip(columns, r)) for r in rows]})
 
+
+main = harness.entry("two_way_tcp")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

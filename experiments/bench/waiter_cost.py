@@ -1,4 +1,4 @@
-"""How much does a waiting peer slow a computing one? `python -m experiments.bench.waiter_cost [--peers 4]`
+"""How much does a waiting peer slow a computing one? `python -m experiments.bench waiter_cost [--peers 4]`
 
 On `--peers` MPI ranks (more ranks than cores is the case that matters: a small machine, or
 oversubscribed nodes), the even ranks compute (a fixed loop of float32 matmuls, one thread) while
@@ -13,13 +13,9 @@ Target: toolkit / asleep <= 1.05 (a waiting peer slows a computing one by at mos
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-from experiments.bench import common
+from experiments.bench import harness, ranks
 
 LIMIT = 1.05
 MODES = ("asleep", "toolkit", "mpi_blocking")
@@ -30,9 +26,9 @@ def worker(args) -> None:
     import torch
     from mpi4py import MPI
 
-    from dpsgd.comm.mpi import MPICommunicator
+    from dpsgd.comm import MPICommunicator
 
-    world = common.init_ranks(gloo=False)
+    world = ranks.init_ranks(gloo=False)
     comm = MPICommunicator(timeout_s=60)
     rank, n = world.Get_rank(), world.Get_size()
     partner = rank + 1 if rank % 2 == 0 else rank - 1
@@ -85,7 +81,7 @@ def worker(args) -> None:
         "waiting_cpu_fraction": [w for _, w in gathered or [] if w is not None],
         "sleep_s": sleep_s,
     }
-    common.finish_ranks(world, args.worker, result)
+    ranks.finish_ranks(world, args.worker, result)
 
 
 def miss_cause(busy: dict[str, float]) -> str:
@@ -96,47 +92,35 @@ def miss_cause(busy: dict[str, float]) -> str:
     )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, default=4)
-    p.add_argument("--matrix", type=int, default=256)
+def options(p) -> None:
+    p.add_argument("--matrix", type=int, default=256, help="side of the square matrices multiplied")
     p.add_argument("--matmuls", type=int, default=200, help="per computation (about 0.1-0.3 s)")
-    p.add_argument("--rounds", type=int, default=10, help="per way of waiting")
-    p.add_argument("--warmup", type=int, default=3)
-    common.add_rank_options(p)
-    p.add_argument("--out", type=Path, default=common.ROOT / "outputs" / "bench" / "waiter_cost.json")
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    wargs = ["--matrix", str(args.matrix), "--matmuls", str(args.matmuls), "--rounds", str(args.rounds)]
-    wargs += ["--warmup", str(args.warmup)]
-    with tempfile.TemporaryDirectory(prefix="bench_waiter_cost_") as tmp:
-        res = common.spawn_ranks("waiter_cost", args.peers, wargs, Path(tmp), args.timeout, args.return_freed_memory)
+
+
+def run(args) -> harness.Result:
+    res = ranks.spawn(args)
     rows = res["computing"]
     mean = {m: sum(r[m] for r in rows) / len(rows) for m in MODES}
     print(
         f"\nA computing rank's time while its partner waits, {args.peers} MPI ranks ({len(rows)} computing), "
         f"{args.matmuls} matmuls of {args.matrix}^2, median of {args.rounds} rounds, mean over the computing ranks:\n"
     )
-    common.print_table(
+    harness.print_table(
         ["partner waits", "compute ms", "/ asleep"], [[m, mean[m] * 1e3, mean[m] / mean["asleep"]] for m in MODES]
     )
-    targets = [
-        common.Target("computing rank, partner in the toolkit's wait / asleep", mean["toolkit"] / mean["asleep"], LIMIT)
-    ]
     res["ratios"] = {m: mean[m] / mean["asleep"] for m in MODES}
-    common.print_targets(targets)
     busy = {m: sum(w[m] for w in res["waiting_cpu_fraction"]) / len(res["waiting_cpu_fraction"]) for m in MODES}
     res["waiting_cpu_fraction_mean"] = busy
     print("the waiting partner's CPU time / its wait: " + ", ".join(f"{m} {100 * busy[m]:.1f}%" for m in MODES))
-    if not targets[0].holds:
-        print(f"  MISS {targets[0].name}: {miss_cause(busy)}")
-    common.write_result(args.out, "waiter_cost", res, targets, argv)
-    print(f"written: {args.out}")
-    return 0
+    ratio = mean["toolkit"] / mean["asleep"]
+    target = harness.Target(
+        "computing rank, partner in the toolkit's wait / asleep", ratio, LIMIT, cause=miss_cause(busy)
+    )
+    return harness.Result(res, [target])
+
+
+main = harness.entry("waiter_cost")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -13,20 +13,20 @@ Inter-host share of the count: each of host 2's peers sends the same bytes to ea
 to its successor): the `ring` topology's share, a half, whatever `--topologies` says; the backend's own
 all-reduce may move other bytes.
 
-    python -m experiments.bench.wire_bytes                     # the table of docs/results/network.md
-    python -m experiments.bench.wire_bytes --backends torch --topologies hierarchical --epochs 1 2
-    python -m experiments.bench.wire_bytes --algorithm allreduce --topologies ring
+    python -m experiments.bench wire_bytes                     # the table of docs/results/network.md
+    python -m experiments.bench wire_bytes --backends torch --topologies hierarchical --epochs 1 2
+    python -m experiments.bench wire_bytes --algorithm allreduce --topologies ring
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
 
-from experiments.bench.common import ROOT
+from experiments.bench import harness
+from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import testhosts  # noqa: E402
@@ -36,7 +36,7 @@ PEERS_PER_HOST = 2
 TIMEOUT_S = 240
 
 
-def options(topology: str) -> dict:
+def topology_options(topology: str) -> dict:
     """hierarchical: one group per host (all-reduce-like inside, gossip between hosts)."""
     return {"group_size": PEERS_PER_HOST} if topology == "hierarchical" else {}
 
@@ -45,7 +45,7 @@ def across_share(topology: str, peers: int, hosts: int) -> float:
     """Of the bytes the last host's peers send, the share that goes to peers on other hosts."""
     import topologies
 
-    t = topologies.make(topology, peers, **options(topology))
+    t = topologies.make(topology, peers, **topology_options(topology))
     on = [r // (peers // hosts) for r in range(peers)]
     mine = [r for r in range(peers) if on[r] == hosts - 1]
     steps = range(t.period or 1)  # a time-varying graph (one-peer exponential): every matrix of its period
@@ -57,7 +57,7 @@ def one_run(
     hosts: testhosts.TestHosts, backend: str, topology: str, epochs: int, run_dir: Path, algorithm: str = "dpsgd"
 ) -> dict:
     """Run the app from host 1 on both hosts (launcher.hosts); host 2's eth0 counters before and after."""
-    from dpsgd.backends.launch import peer_env
+    from dpsgd.backends import peer_env
 
     before = hosts.counters(2)
     cmd = [
@@ -65,7 +65,7 @@ def one_run(
         f"topology={topology}", f"peers={PEERS_PER_HOST * hosts.n}", f"epochs={epochs}", "log_every=100000",
         f"launcher.hosts=[{','.join(hosts.address(i) for i in range(1, hosts.n + 1))}]",
         f"launcher.runner={ROOT / 'tools' / 'netns_exec.sh'}", f"hydra.run.dir={run_dir}",
-        *(f"topology.{k}={v}" for k, v in options(topology).items()),
+        *(f"topology.{k}={v}" for k, v in topology_options(topology).items()),
     ]  # fmt: skip
     r = hosts.run(1, cmd, timeout=TIMEOUT_S, cwd=ROOT, env=peer_env(), capture_output=True, text=True)
     if r.returncode != 0:
@@ -125,17 +125,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def options(p) -> None:
     p.add_argument("--backends", nargs="+", default=["mpi", "torch"])
     p.add_argument("--topologies", nargs="+", default=["ring", "hierarchical"])
     p.add_argument("--algorithm", default="dpsgd", choices=["dpsgd", "allreduce"], help="gossip, or the all-reduce")
     p.add_argument("--epochs", nargs=2, type=int, default=[2, 6], help="the short and the long run")
-    p.add_argument("--json", type=Path, help="also write the rows here")
-    args = p.parse_args(argv)
+
+
+def run(args) -> harness.Result:
     why = testhosts.unavailable()
     if why:
-        sys.exit(f"wire_bytes: {why}")
+        raise SystemExit(f"error: wire_bytes: {why}")
     rows = []
     with testhosts.TestHosts(2) as hosts, tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends:
@@ -143,9 +143,10 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(measure(backend, topology, tuple(args.epochs), hosts, Path(tmp), args.algorithm))
                 print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    return harness.Result({"rows": rows})
 
+
+main = harness.entry("wire_bytes")
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

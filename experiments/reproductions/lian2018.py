@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiments import captions
-from experiments.bench.stragglers import ADPSGD_TARGET, ALLREDUCE_PACE_RANGE, slow_peer_pace
 from experiments.plots import Page
 from experiments.report import swept_keys
 from experiments.reproduce import Configuration, Finding, find
+from experiments.targets import ADPSGD_TARGET, ALLREDUCE_PACE_RANGE, slow_peer_pace
 
 PAPER = "Lian et al. 2018, Asynchronous Decentralized Parallel Stochastic Gradient Descent (AD-PSGD)"
 CLAIM = (

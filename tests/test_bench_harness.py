@@ -1,0 +1,192 @@
+"""The benchmarks' harness (experiments/bench/harness.py) and `make bench-quick`'s comparison
+(experiments/bench/regression.py), in process: the registry against the modules, the one command line, the one
+writer, targets, the config composition, and the PASS/MISS lines against recorded figures. The runs themselves:
+tests/test_bench.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments.bench import allreduce_vs_ddp, comm_overhead, fleet_vs_batch, harness, regression, waiter_cost
+
+BENCH_DIR = Path(harness.__file__).parent
+NOT_BENCHMARKS = {"__init__", "__main__", "harness", "ranks", "steps", "regression"}
+
+
+def test_the_registry_names_every_benchmark_module_and_only_those():
+    modules = {p.stem for p in BENCH_DIR.glob("*.py")} - NOT_BENCHMARKS
+    assert set(harness.BY_NAME) == modules
+    for bench in harness.BENCHES:
+        mod = importlib.import_module(f"experiments.bench.{bench.name}")
+        assert callable(mod.run) and callable(mod.main), bench.name  # main: python -m experiments.bench.NAME
+        assert set(bench.shared) <= set(harness.SHARED), bench.name
+        assert bench.in_make_bench == (not bench.needs), bench.name  # a benchmark left out says why
+        harness.parser(bench, mod)  # its options and the shared ones do not clash
+
+
+def test_list_names_each_benchmark_and_what_it_compares(capsys):
+    assert harness.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [b.name for b in harness.BENCHES]
+    assert "against raw mpi4py and torch.distributed" in lines[0]
+
+
+def test_an_unknown_benchmark_or_option_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        harness.main(["nope"])
+    assert str(exc.value).startswith("error: no benchmark 'nope'; the benchmarks: comm_overhead, ")
+    with pytest.raises(SystemExit) as exc:
+        harness.run_bench("comm_overhead", ["--nope"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unrecognized arguments: --nope" in err
+
+
+def test_shared_options_defaults_and_quick():
+    bench = harness.BY_NAME["comm_overhead"]
+    args = harness.parse(bench, comm_overhead, [])
+    assert (args.peers, args.reps, args.warmup, args.sizes_mb, args.quick) == (4, 30, 3, [1, 11, 44], False)
+    assert args.out == Path("outputs/bench/comm_overhead.json") and args.timeout == 600
+    quick = harness.parse(bench, comm_overhead, ["--quick"])
+    assert quick.sizes_mb == [1, 11] and quick.quick and quick.argv == ["--quick"]
+    mine = harness.parse(bench, comm_overhead, ["--quick", "--sizes-mb", "2", "--peers", "6"])
+    assert (mine.sizes_mb, mine.peers) == ([2], 6)  # the command line's own options win over the quick form
+    fleet = harness.parse(
+        harness.BY_NAME["fleet"], importlib.import_module("experiments.bench.fleet"), ["--batch-size", "8"]
+    )
+    assert fleet.batch == 8  # --batch and --batch-size are one option
+    assert harness.parse(harness.BY_NAME["step_time_vs_network"], importlib.import_module(
+        "experiments.bench.step_time_vs_network"), ["--peers", "2", "3"]).peers == [2, 3]  # fmt: skip
+
+
+def test_targets_at_most_at_least_and_causes():
+    t = harness.Target("x / y", 1.3, 1.2, cause="the waits")
+    assert not t.holds and t.wanted() == "<= 1.2x" and t.line().endswith("MISS\n  cause: the waits")
+    assert t.as_dict()["cause"] == "the waits" and t.as_dict()["holds"] is False
+    ok = harness.Target("x / y", 1.1, 1.2, cause="not shown")
+    assert ok.holds and "cause" not in ok.line() and ok.as_dict()["cause"] is None
+    floor = harness.Target("a / b", 0.7, 1.05, at_least=0.7)
+    assert floor.holds and floor.wanted() == ">= 0.7x and <= 1.05x"
+    either = harness.Target("mlp", 0.4, at_least=0.5, passed=True)  # held another way (near its floor)
+    assert either.holds
+    count = harness.Target("largest fleet", 2048.0, at_least=8192, unit="")
+    assert not count.holds and count.figure().strip() == "2048" and count.wanted() == ">= 8192"
+
+
+def test_the_writer_puts_every_result_in_one_shape(tmp_path):
+    args = argparse.Namespace(bench="waiter_cost", argv=["--quick"], out=tmp_path / "w.json")
+    harness.write(args, {"rows": [1, 2]}, [harness.Target("a / b", 0.9, 1.0)])
+    out = json.loads((tmp_path / "w.json").read_text())
+    assert {"benchmark", "date", "machine", "command", "targets", "rows"} <= set(out)
+    assert out["command"] == "python -m experiments.bench waiter_cost --quick" and out["targets"][0]["holds"]
+
+
+def test_run_config_composes_the_apps_config():
+    cfg = harness.run_config(*harness.fleet_overrides(8, 4, "synthetic", num_samples=100), "model=cnn")
+    assert (cfg["backend"]["name"], cfg["peers"], cfg["batch_size"], cfg["model"]["name"]) == ("fleet", 8, 4, "cnn")
+    assert cfg["data"]["num_samples"] == 100 and cfg["topology"]["name"] == "one_peer_exponential"
+    assert "hydra" not in cfg and cfg["algorithm"]["name"] == "dpsgd"
+
+
+def test_no_benchmark_composes_a_config_by_hand():
+    """conf/ is read only through harness.run_config (one line to change when the config is typed)."""
+    for path in BENCH_DIR.glob("*.py"):
+        text = path.read_text()
+        if path.name not in ("harness.py", "regression.py"):  # regression reads recorded.yaml, not conf/
+            assert "initialize_config_dir" not in text and "yaml.safe_load" not in text, path.name
+            assert '"conf"' not in text and "CONF_DIR" not in text, path.name
+
+
+def test_the_miss_causes_split_what_they_measured():
+    row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": 2.0e-3, "ratio": 2.0}
+    cause = comm_overhead.miss_cause(row)
+    # 2.0x = MPI's non-blocking path 1.33x x the toolkit's waiting 1.5x: the product is the ratio
+    assert "non-blocking calls 1.33x" in cause and "wrapper 1.50x" in cause
+    assert cause.endswith("the toolkit's sleeping waits")
+    torch_row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": None, "ratio": 2.0}
+    assert "1.50 ms a call" in comm_overhead.miss_cause(torch_row)
+    res = {
+        "step_s": {"allreduce_torch_overlap": 0.012, "ddp": 0.010, "no_comm": 0.006},
+        "in_opt_step_s": {"allreduce_torch_overlap": 0.004, "ddp": 0.001, "no_comm": 0.001},
+    }
+    cause = allreduce_vs_ddp.miss_cause(res, "allreduce_torch_overlap", "ddp")
+    assert cause.startswith("+2.00 ms a step")
+    assert "forward+backward 8.00 against 9.00 ms" in cause and "opt.step() 4.00 against 1.00 ms" in cause
+    assert "MPICH's blocking wait 50.0%" in waiter_cost.miss_cause({"toolkit": 0.1, "asleep": 0.0, "mpi_blocking": 0.5})
+
+
+# --- make bench-quick's comparison --------------------------------------------------------------------
+
+
+def target_names() -> set[tuple[str, str]]:
+    """The names the benchmarks bench-quick runs give their targets in their quick forms, made by their own code."""
+    names = {("comm_overhead", f"{b} {op} {mb:g} MiB") for b in ("mpi", "torch") for op in comm_overhead.OPS
+             for mb in (1, 11)}  # fmt: skip
+    s = dict.fromkeys(allreduce_vs_ddp.VARIANTS, 1.0)
+    targets, _ = allreduce_vs_ddp.summarize({"step_s": s, "in_opt_step_s": s})
+    names |= {("allreduce_vs_ddp", t.name) for t in targets if "overlap" in t.name}  # with overlap against DDP
+    names.add(("waiter_cost", "computing rank, partner in the toolkit's wait / asleep"))
+    for model, ladder in fleet_vs_batch.QUICK.items():
+        for n in ladder:
+            row = {"model": model, "peers": n, "batch": fleet_vs_batch.BATCH[model], "device": "cpu", "ratio": 1.0,
+                   "target": {"holds": True, "cause": None}}  # fmt: skip
+            names.add(("fleet_vs_batch", fleet_vs_batch.as_target(row).name))
+    return names
+
+
+def test_every_recorded_figure_names_a_target_bench_quick_measures():
+    recorded = regression.load_recorded()
+    assert {(r.bench, r.target) for r in recorded} == target_names()
+    assert {r.bench for r in recorded} == set(regression.RUNS)
+    for r in recorded:
+        assert r.low <= r.high and (harness.ROOT / r.page).exists() and r.where and r.date, r
+
+
+def measured(name: str, ratio: float, limit=None, at_least=None, cause=None) -> dict:
+    return harness.Target(name, ratio, limit, at_least=at_least, cause=cause).as_dict()
+
+
+def test_pass_miss_against_the_target_beside_the_recorded_figure():
+    rec = regression.Recorded("comm_overhead", "mpi allreduce_mean 1 MiB", 1.44, 1.83, "docs/results/benchmarks.md",
+                              "row", "2026-12-04")  # fmt: skip
+    up = regression.Recorded("fleet_vs_batch", "cnn 64 x 8 cpu: fleet / one model", 0.768, 0.768,
+                             "docs/results/fleet_vs_batch.md", "quick", "2026-12-05")  # fmt: skip
+    gone = regression.Recorded("waiter_cost", "w", 0.84, 1.06, "docs/results/benchmarks.md", "text", "2026-12-04")
+    found = {
+        ("comm_overhead", rec.target): measured(rec.target, 1.9, 1.2, cause="1.90x = MPI's ... the toolkit's waits"),
+        ("fleet_vs_batch", up.target): measured(up.target, 0.85, at_least=0.8),
+        ("comm_overhead", "not recorded"): measured("not recorded", 5.0, 1.2),
+    }
+    miss, passes, absent = regression.compare(found, [rec, up, gone])
+    assert (miss.state, passes.state, absent.state) == ("MISS", "PASS", "----")
+    assert miss.against_recorded() == "worse than recorded"  # at most: higher is worse
+    assert passes.against_recorded() == "better than recorded"  # at least: higher is better
+    line = miss.line()
+    assert line.startswith("MISS  comm_overhead: mpi allreduce_mean 1 MiB") and "1.900x  target <= 1.2x" in line
+    assert "recorded 1.44-1.83 (benchmarks.md, 2026-12-04): worse than recorded" in line
+    assert line.endswith("\n      cause: 1.90x = MPI's ... the toolkit's waits")
+    assert "cause" not in passes.line() and "target >= 0.8x" in passes.line()
+    assert "not measured in this run; recorded 0.84-1.06" in absent.line()
+    within = regression.compare({("comm_overhead", rec.target): measured(rec.target, 1.5, 1.2)}, [rec])[0]
+    assert within.against_recorded() == "within recorded"
+    text = regression.summary([miss, passes, absent], [])
+    assert text.startswith("1 PASS, 1 MISS, 1 not measured, 1 worse than recorded") and "exit 0" in text
+    assert "broken (exit 1): waiter_cost: ranks died" in regression.summary([], ["waiter_cost: ranks died"])
+
+
+def test_make_bench_runs_each_benchmark_of_its_set_through_the_harness(monkeypatch, capsys):
+    ran = []
+
+    def fake_run(cmd, cwd=None):
+        ran.append(cmd[3])
+        return argparse.Namespace(returncode=1 if cmd[3] == "overlap" else 0)
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    assert harness.main(["--all", "--quick"]) == 1  # a broken benchmark: exit 1, the others still ran
+    assert ran == [b.name for b in harness.BENCHES if b.in_make_bench]
+    assert capsys.readouterr().out.strip().endswith("broken: overlap")
