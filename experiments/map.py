@@ -406,7 +406,7 @@ def test_host_checks(args, base: list[str], cfg: dict, steps: dict, train_size: 
     sys.path.insert(0, str(ROOT / "tools"))
     import testhosts
 
-    from dpsgd.backends.launch import peer_env
+    from dpsgd.backends import peer_env
 
     if why := testhosts.unavailable():
         print(f"test hosts: {why}; no check on a capped link")

@@ -94,9 +94,8 @@ def validate(source: RunConfig | Mapping, world_size: int | None = None, launche
     inside the peers, in the driver (or, under a user's launcher, in every rank before it joins the others): the
     backend's capabilities and options, then peer 0 built as a real peer builds itself. ConfigError: one line."""
     from dpsgd import build, divergence, loggers
-    from dpsgd.backends.hosts import placement as host_placement
-    from dpsgd.comm.staging import check_mode
     from dpsgd.faults import FaultPlan
+    from dpsgd.options import refuse_unknown
 
     run = parse(source)
     peers, every = run.peers, run.checkpoint.every
@@ -129,7 +128,7 @@ def validate(source: RunConfig | Mapping, world_size: int | None = None, launche
     if problem:
         raise ConfigError(problem)
     try:
-        build.refuse_unknown(f"backend={name}", run.backend.options, list(record.config_options))
+        refuse_unknown(f"backend={name}", run.backend.options, list(record.config_options))
         algorithm = build.algorithm_class(run.algorithm)
         asynchronous = getattr(algorithm, "asynchronous", False)
         if run.elastic:
@@ -142,10 +141,9 @@ def validate(source: RunConfig | Mapping, world_size: int | None = None, launche
             )
         if asynchronous and not record.real_peers:
             _check_simulated_steps(run)
-        record.options(run.backend.options, run.device)  # the backend reads its own options (the fleet's threads)
+        record.options(run.backend.options, run.device)  # the backend reads its own options (staging, threads)
         if hosts and not launched:
-            host_placement(list(hosts), peers)
-        check_mode(run.backend.options.get("staging", "auto"))
+            backends.host_placement(list(hosts), peers)
         FaultPlan.from_config(run.faults, peers, record)
         divergence.check_mode(run.on_divergence)
     except (ValueError, TypeError, RuntimeError) as exc:

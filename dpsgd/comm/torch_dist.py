@@ -197,7 +197,10 @@ class TorchTransport(Transport):
     config_options = {"dist_backend": None, "staging": "auto"}
 
     def options(self, backend: Mapping, device: str) -> dict:
-        return {"dist_backend": self.dist_backend(backend, device), "staging": backend.get("staging", "auto")}
+        return {
+            "dist_backend": self.dist_backend(backend, device),
+            "staging": check_mode(backend.get("staging", "auto")),
+        }
 
     @staticmethod
     def dist_backend(backend: Mapping, device: str) -> str:
