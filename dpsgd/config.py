@@ -208,6 +208,22 @@ class RunConfig:
                 out[f.name] = value
         return out
 
+    def save(self, path) -> None:
+        """The run as a YAML config file at `path` (what a resume and the spawned peers read), written whole or not
+        at all: to a temporary file beside it, then renamed over it."""
+        import os
+        from pathlib import Path
+
+        from omegaconf import OmegaConf
+
+        path = Path(path)
+        temporary = path.with_name(f".{path.name}.tmp")
+        try:
+            OmegaConf.save(OmegaConf.create(self.as_dict()), temporary)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with `changes` (top-level keys); sections are replaced whole."""
         return dataclasses.replace(self, **changes)

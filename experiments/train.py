@@ -132,27 +132,15 @@ def resume_line(run: RunConfig, run_dir: Path, launcher: Backend | None) -> str:
     return f"interrupted by {{signal}}; {kept}; resume with: {command}"
 
 
-def save_config(run: RunConfig, run_dir: Path) -> None:
-    """The run's resolved config as run_dir/config.yaml, which its peers and a resume read."""
-    OmegaConf.save(OmegaConf.create(run.as_dict()), run_dir / "config.yaml")
-
-
 def run(config: RunConfig, run_dir: Path, launcher: Backend | None) -> dict | None:
     """Run the experiment; return the summary where this process has it (driver or rank 0)."""
     import torch
 
     torch.set_num_threads(1)
     if launcher is not None:
-        from experiments.peer import run_peer
-
         exit_on_signals((lambda: resume_line(config, run_dir, launcher)) if launcher.world()[0] == 0 else None)
-        comm = backends.connect(config)
-        if comm.rank == 0:
-            save_config(config, run_dir)
-        summary = run_peer(comm, config, run_dir)
-        comm.close()
-        return summary if comm.rank == 0 else None
-    save_config(config, run_dir)
+        return backends.join(config, run_dir, save_config=True)
+    config.save(run_dir / "config.yaml")
     try:
         with stop_on_signals():
             if config.elastic:
@@ -210,7 +198,7 @@ def relaunching(run: RunConfig, run_dir: Path) -> dict:
                     f.rename(old / f.name)
             if run.faults != FaultsConfig():
                 run = run.replace(faults=FaultsConfig())
-                save_config(run, run_dir)
+                run.save(run_dir / "config.yaml")
             n = survivors
     raise AssertionError("unreachable: the last restart returns or raises")
 

@@ -88,9 +88,9 @@ def test_the_writer_puts_every_result_in_one_shape(tmp_path):
 
 def test_run_config_composes_the_apps_config():
     cfg = harness.run_config(*harness.fleet_overrides(8, 4, "synthetic", num_samples=100), "model=cnn")
-    assert (cfg["backend"]["name"], cfg["peers"], cfg["batch_size"], cfg["model"]["name"]) == ("fleet", 8, 4, "cnn")
-    assert cfg["data"]["num_samples"] == 100 and cfg["topology"]["name"] == "one_peer_exponential"
-    assert "hydra" not in cfg and cfg["algorithm"]["name"] == "dpsgd"
+    assert (cfg.backend.name, cfg.peers, cfg.batch_size, cfg.model.name) == ("fleet", 8, 4, "cnn")
+    assert cfg.data.num_samples == 100 and cfg.topology.name == "one_peer_exponential"
+    assert cfg.algorithm.name == "dpsgd" and "hydra" not in cfg.as_dict()
 
 
 def test_no_benchmark_composes_a_config_by_hand():

@@ -44,7 +44,7 @@ def user(tmp_path) -> Path:
             "searched",
             "algorithm",
             "every_k",
-            "name: every_k\n_target_: usergossip.EveryK\nlr: 0.1\nmomentum: 0.9\nk: 3\n",
+            "name: every_k\n_target_: usergossip.EveryK\nk: 3\n",
         ),
         ("own", "topology", "wide_torus", "name: torus\nrows: 2\ncols: 2\n"),
         ("own", "data", "digits_skewed", "name: digits\ntest_fraction: 0.2\npartition: dirichlet\nalpha: 0.5\n"),

@@ -177,8 +177,8 @@ def test_resume_on_other_hosts_is_allowed(hydra_config, tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["algorithm=choco", "algorithm.ratio=1.5"], "algorithm.ratio"),
-        (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period must be an integer >= 1"),
+        (["algorithm=choco", "algorithm.ratio=1.5"], "ratio is the fraction of entries sent"),
+        (["algorithm=local_sgd", "algorithm.period=0"], "LocalSGD period must be an integer >= 1"),
         (["faults.kill_peer=7"], "faults.kill_peer must be a peer rank in [0, 4)"),
     ],
 )

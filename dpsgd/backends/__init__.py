@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpsgd.comm import Communicator, transport
-from dpsgd.config import RunConfig
+from dpsgd.comm import transport
 
 from .driver import Backend, RunFailed, error_line
 from .fleet import FleetBackend
@@ -17,6 +16,7 @@ from .interrupt import Interrupted, exit_on_signals, stop_on_signals
 from .launch import ERROR_FILE, free_port, peer_env
 from .local import LocalBackend
 from .mpi import MPIBackend
+from .peer import connect, join, run_peer
 from .torch_dist import TorchBackend
 
 __all__ = [
@@ -30,9 +30,11 @@ __all__ = [
     "free_port",
     "get",
     "host_placement",
+    "join",
     "launched",
     "names",
     "peer_env",
+    "run_peer",
     "spawn",
     "stop_on_signals",
 ]
@@ -53,12 +55,6 @@ def launched(prefer: str | None = None) -> Backend | None:
     backend asked for, tried first (srun's tasks are a world for mpi, through PMI, and for torch alike)."""
     first = [_REGISTRY[prefer]] if prefer in _REGISTRY else []
     return next((b for b in [*first, *_REGISTRY.values()] if b.world() is not None), None)
-
-
-def connect(config: RunConfig) -> Communicator:
-    """The communicator of one peer of the run `config`."""
-    backend = get(config.backend.name)
-    return backend.connect(config.comm.timeout_s, **backend.options(config.backend.options, config.device))
 
 
 def spawn(

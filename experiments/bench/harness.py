@@ -17,6 +17,7 @@ then the benchmark's own keys. `run_config` composes an experiment's config, `ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -251,6 +252,11 @@ def run_config(*overrides: str) -> RunConfig:
     from experiments.validate import compose
 
     return parse_config(compose(list(overrides)))
+
+
+def network_preset(name: str) -> dict:
+    """conf/network/NAME.yaml as the typed config reads it, as plain keys (what a rank receives as JSON)."""
+    return dataclasses.asdict(run_config(f"network={name}").network)
 
 
 def fleet_overrides(peers: int, batch: int, data: str = "digits", **data_options) -> list[str]:

@@ -79,7 +79,7 @@ def options(p) -> None:
 
 
 def run(args) -> harness.Result:
-    result = ranks.spawn(args, preset=harness.run_config(f"network={args.network}")["network"])
+    result = ranks.spawn(args, preset=harness.network_preset(args.network))
     rows = result["rows"]
     by = {(r["mode"], r["overlap"]): r for r in rows}
     summary = {}

@@ -137,7 +137,7 @@ def options(p) -> None:
 
 def run(args) -> harness.Result:
     compute = compute_times()
-    presets = {preset: harness.run_config(f"network={preset}")["network"] for preset in args.networks}
+    presets = {preset: harness.network_preset(preset) for preset in args.networks}
     rows, floors = [], {}
     for n in args.peers:
         result = ranks.spawn(args, n, compute=compute, presets=presets)
