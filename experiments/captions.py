@@ -131,8 +131,9 @@ def _options(run: dict, group: str, skip: tuple[str, ...] = ("name",)) -> str:
 
 def what_was_run(runs: list[dict], swept: list[str], copies: int = 0) -> str:
     """One paragraph: the data, model, peers, budget, backend, network and compression the runs share, what was
-    swept, and each algorithm's options (its learning rate among them). `copies`: runs left out as the same run
-    as one of `runs`."""
+    swept, the inner optimizer every algorithm stepped (or, where the runs differ in it, that they do: a comparison
+    of algorithms that is also one of optimizers), and each algorithm's options. `copies`: runs left out as the same
+    run as one of `runs`."""
     facts = []
     for key, say in (
         ("data.name", lambda r: _data(r)),
@@ -151,14 +152,25 @@ def what_was_run(runs: list[dict], swept: list[str], copies: int = 0) -> str:
     if [k for k in swept if k != "seed"]:
         text += f"; swept: {', '.join(k for k in swept if k != 'seed')}"
     text += ". " + seeds_sentence(runs)
+    inner = {words for r in runs if (words := optimizer_words(r))}
+    if len(inner) == 1:
+        text += f" Inner optimizer of every run: {inner.pop()}."
+    elif inner:
+        text += f" The runs differ in their inner optimizer ({'; '.join(sorted(inner))}): they compare optimizers too."
     by_algorithm: dict[str, set[str]] = {}
     for run in runs:
         options = _options(run, "algorithm", skip=("name", *(k.split(".", 1)[1] for k in swept if "." in k)))
         by_algorithm.setdefault(algorithm_words(setting(run, "algorithm.name")), set()).add(options)
     parts = [f"{name}: {'; or '.join(sorted(o))}" for name, o in by_algorithm.items() if any(o)]
     if parts:
-        text += " Algorithm options (local optimizer, lr, ...): " + ". ".join(parts) + "."
+        text += " Algorithm options: " + ". ".join(parts) + "."
     return text
+
+
+def optimizer_words(run: dict) -> str:
+    """'sgd (lr 0.1, momentum 0.9, ...)': the base optimizer a run stepped (empty for a run written without it)."""
+    name = setting(run, "optimizer.name")
+    return f"{name} ({_options(run, 'optimizer')})" if name is not None else ""
 
 
 def _count(n, thing: str) -> str:
@@ -260,7 +272,7 @@ def settings(run: dict) -> dict:
     """The run's config keys that say what was run beyond its summary (algorithm options, budget, network,
     compression): columns of the report's CSV."""
     keys = ("epochs", "batch_size", "network.name", "compression.name")
-    return {k: v for k, v in run["config"].items() if k.startswith("algorithm.") or k in keys}
+    return {k: v for k, v in run["config"].items() if k.startswith(("algorithm.", "optimizer.")) or k in keys}
 
 
 def figure_caption(

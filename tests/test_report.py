@@ -62,7 +62,7 @@ def test_readmes_sweep_on_real_peers(app, tmp_path):
         ("dpsgd", "exponential"),
     ]
     assert rows[0]["ignored"] == "topology=ring,exponential" and rows[1]["ignored"] == ""
-    assert rows[2]["algorithm.order"] == "cta" and "optimizer.lr" not in rows[0]  # one inner optimizer: not a column
+    assert [r["optimizer.lr"] for r in rows] == ["0.1"] * 3 and rows[2]["algorithm.order"] == "cta"
     assert float(rows[0]["consensus_distance"]) == 0 and float(rows[1]["consensus_distance"]) > 0
     assert "class_histograms" not in rows[0]  # lists stay in summary.json
 
@@ -71,7 +71,7 @@ def test_readmes_sweep_on_real_peers(app, tmp_path):
         "3 runs (1 more left out as copies",
         "digits (iid split), model mlp",
         "4 peers, 2 epochs of batch 32 per peer, backend local",
-        "lr 0.1",
+        "Inner optimizer of every run: sgd (lr 0.1, momentum 0.9",
         "One seed (0) per configuration",
         "One seed per row: values are single runs, with no interval.",
         "start-up (processes, imports, data loading, model building) is not included",
