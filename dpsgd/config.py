@@ -103,7 +103,9 @@ class NetworkConfig:
     jitter_s: float = 0.0
     slow_peers: list[int] = field(default_factory=list)
     compute_scale: float = 1.0  # how many times slower the slow peers are
-    compute_time: float = 0.0  # per-step compute floor in seconds; 0: the measured compute
+    compute_time: float = 0.0  # per-step compute in seconds (sleep mode: a floor); 0: as `compute` says
+    compute: str = "calibrated"  # model mode: calibrated (once per workload, dpsgd.calibration) or measured each step
+    calibrated_s: float | None = None  # the calibrated compute, filled in by the run itself (what its clock took)
     peers_per_host: int = 1
     intra_latency_s: float = 0.0
     intra_bandwidth_bytes_per_s: float | None = None
@@ -151,6 +153,15 @@ class FaultsConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`eval:`: what a record evaluates between the first and the last (the last scores the whole test split and
+    every peer): a seeded subset of the test split, and the own models of a seeded sample of the peers."""
+
+    samples: int | None = bound(">= 1", 2000)  # test samples scored; None: the whole test split every time
+    peers: int | None = bound(">= 0", 16)  # peers whose own model is scored; None: every peer; 0: none
+
+
+@dataclass
 class LoggerConfig:
     """`logger=`: where the records go besides metrics.jsonl (dpsgd.loggers)."""
 
@@ -168,6 +179,7 @@ class RunConfig:
     epochs: int = bound(">= 1", 30)
     batch_size: int = bound(">= 1", 32)  # samples per peer per step
     log_every: int = bound(">= 1", 11)  # steps between metric records
+    eval_every: int | None = bound(">= 1", None)  # steps between evaluations (records of test figures); None: log_every
     precision: str = "fp32"  # fp32, bf16 or fp16
     clip_grad_norm: float | None = bound("> 0", None)
     buffers: str | None = None  # broadcast, average or local; None: the algorithm's default
@@ -194,6 +206,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def as_dict(self) -> dict[str, Any]:
         """The run as its config.yaml writes it (choices flat, as their group's files are)."""

@@ -1,13 +1,20 @@
-"""Divergence: a run whose loss or parameters stop being finite (or explode) is caught on the step it happens.
+"""Divergence: a run whose loss or parameters stop being finite or explode, or that does not learn, is caught on the
+step (or record) it happens.
 
 `Guard(run, mode)` watches one kind of run of dpsgd.training (a real peer, the fleet, the event simulator): after
 every step it checks the step's loss and the norm of the parameters this process holds (one fused reduction;
 on the fleet, one norm per peer), and it asks the communicator whether a message received this step held
-non-finite values (dpsgd.comm.robust checks what it receives and names the sender). `on_divergence` says what
-follows: `stop` (default) raises `Diverged`, one line naming the first peer and step; `mark` keeps training and
-the run's summary says `status: diverged` with that peer and step. Every summary says `status` (`ok` or
-`diverged`). A diverged peer never saves a checkpoint: its own state is checked every step, and under `mark`
-the peers agree before each checkpoint (one collective of one number) and save none once any diverged.
+non-finite values (dpsgd.comm.robust checks what it receives and names the sender). The thresholds:
+- diverged: a loss or parameters not finite; a parameter norm above MAX_NORM; a training loss more than BLOWUP
+  times the run's first step's after the first WARMUP_STEPS steps (a learning rate far too large: the loss explodes
+  without ever leaving the floats);
+- not learning: after NOT_LEARNING_EPOCHS epochs, a record whose averaged model's test accuracy is at most CHANCE
+  times chance (1 / classes; classification only).
+`on_divergence` says what follows: `stop` (default) raises `Diverged` (`NotLearning`), one line naming the first
+peer (or the averaged model) and the step; `mark` keeps training and the run's summary says `status: diverged`
+(`not_learning`) with that peer and step. Every summary says `status` (`ok`, `diverged` or `not_learning`). A
+diverged peer never saves a checkpoint: its own state is checked every step, and under `mark` the peers agree
+before each checkpoint (one collective of one number) and save none once any diverged.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from dpsgd import checkpoint
 
 MODES = ("stop", "mark")
 MAX_NORM = 1e15  # a parameter vector this long has exploded (float32 squares overflow near 1.8e19 anyway)
+BLOWUP = 10.0  # a training loss this many times the first step's has exploded ...
+WARMUP_STEPS = 2  # ... once this many steps are taken (the first steps of a stable run may rise a little)
+NOT_LEARNING_EPOCHS = 5.0  # epochs after which an averaged model at chance is not learning
+CHANCE = 1.5  # ... at most this many times chance accuracy (1 / classes): 0.15 for 10 classes
 WAIT_S = 5.0  # how long a peer that did not claim a divergence waits for the summary of the one that did
 CLAIM = "diverged.json"  # in RUN_DIR/logs: the first peer to stop a run names it there, so every line agrees
 
@@ -38,8 +49,36 @@ class Diverged(RuntimeError):
             f"peer {peer} diverged at step {step}: {what} (on_divergence=mark keeps training and marks the run)"
         )
 
+    status = "diverged"
+
     def as_dict(self) -> dict:
         return {"peer": self.peer, "step": self.step, "what": self.what}
+
+
+class NotLearning(Diverged):
+    """The averaged model is still at chance after NOT_LEARNING_EPOCHS epochs; `peer` is None (every peer's model)."""
+
+    status = "not_learning"
+
+    def __init__(self, step: int, what: str):
+        self.peer, self.step, self.what = None, step, what  # type: ignore[assignment]
+        RuntimeError.__init__(
+            self, f"not learning at step {step}: {what} (on_divergence=mark keeps training and marks the run)"
+        )
+
+
+def not_learning(record: dict, classes: int) -> str | None:
+    """What says a run whose record is `record` is not learning (None: it is, or it is too early to say)."""
+    accuracy, epoch = record.get("test_accuracy"), record.get("epoch")
+    if classes < 2 or accuracy is None or epoch is None or epoch < NOT_LEARNING_EPOCHS:
+        return None
+    if accuracy <= CHANCE / classes:
+        return (
+            f"the averaged model's test accuracy {accuracy:.3f} is at chance ({1 / classes:.3g} for {classes} "
+            f"classes) after {epoch:.3g} epochs (dpsgd.divergence: at most {CHANCE:g}x chance after "
+            f"{NOT_LEARNING_EPOCHS:g} epochs)"
+        )
+    return None
 
 
 def check_mode(mode: str) -> str:
@@ -87,10 +126,9 @@ class Guard:
         self.run = run
         self.first: Diverged | None = None  # this process's first divergence (mark)
         self._params, self._peers, self._rank, self._comm = self._watched(run)
-        self._sim = getattr(
-            run, "sim", None
-        )  # the event simulator: every peer's live x, checked once per step of peer 0
+        self._sim = getattr(run, "sim", None)  # the event simulator: every peer's live x, once per step of peer 0
         self._checked = -1
+        self._start: float | None = None  # the first step's training loss
 
     @staticmethod
     def _watched(run):
@@ -106,12 +144,30 @@ class Guard:
         """After step `step` (whose mean training loss over this process's peers was `loss`)."""
         if self.first is not None:
             return  # marked already: the rest of the run is not checked again
-        found = self._find(step, loss)
-        if found is None:
-            return
+        found = self._find(step, loss) or self._exploded(step, loss)
+        if found is not None:
+            self._found(found)
+
+    def check_record(self, record: dict, classes: int) -> None:
+        """After a record of every peer's models (not an asynchronous run's rank-0 view): is the run learning?"""
+        what = None if self.first is not None or record.get("scope") == "rank 0" else not_learning(record, classes)
+        if what is not None:
+            self._found(NotLearning(record["step"], what))
+
+    def _found(self, found: Diverged) -> None:
         if self.mode == "stop":
             raise found
         self.first = found
+
+    def _exploded(self, step: int, loss: float) -> Diverged | None:
+        """A training loss more than BLOWUP times the first step's, after WARMUP_STEPS steps."""
+        if self._start is None:
+            self._start = loss if math.isfinite(loss) else None
+            return None
+        if step <= WARMUP_STEPS or not self._start > 0 or not loss > BLOWUP * self._start:
+            return None
+        what = f"its training loss {loss:.4g} is more than {BLOWUP:g}x its first step's {self._start:.4g} (exploding)"
+        return Diverged(self._rank, step, what if self._peers is None else what.replace("its", "the mean", 1))
 
     def _find(self, step: int, loss: float) -> Diverged | None:
         sender = getattr(self._comm, "nonfinite_from", None)
@@ -150,14 +206,17 @@ class Guard:
     def summary(self) -> dict:
         """The summary's `status` and, when diverged, which peer first and at which step (a collective with real
         peers under `mark`: every peer calls it once, after training)."""
-        first = self.first.as_dict() if self.first is not None else None
+        first = {**self.first.as_dict(), "status": self.first.status} if self.first is not None else None
         if self.mode == "mark" and self._collective():
             from dpsgd.metrics import gather_objects
 
             with self.run.comm.uncounted():
                 found = [f for f in gather_objects(self.run.comm, first) if f is not None]
-            first = min(found, key=lambda f: (f["step"], f["peer"])) if found else None
-        return {"status": "diverged", "diverged": first} if first is not None else {"status": "ok"}
+            first = min(found, key=lambda f: (f["step"], -1 if f["peer"] is None else f["peer"])) if found else None
+        if first is None:
+            return {"status": "ok"}
+        status = first.pop("status")
+        return {"status": status, "diverged": first}
 
 
 def claim(out_dir: Path | None, exc: Diverged, summary: dict) -> Diverged:
@@ -176,6 +235,8 @@ def claim(out_dir: Path | None, exc: Diverged, summary: dict) -> Diverged:
             time.sleep(0.01)
         try:
             first = json.loads((logs / CLAIM).read_text())
+            if first["peer"] is None:
+                return NotLearning(first["step"], first["what"])
             return Diverged(first["peer"], first["step"], first["what"])
         except (OSError, ValueError, KeyError):  # the claiming peer died while writing it
             return exc
@@ -191,7 +252,7 @@ def summary(exc: Diverged, describe: dict, last: dict) -> dict:
         **describe,
         **{k: v for k, v in last.items() if k not in ("step", "scope")},
         "steps": exc.step,
-        "status": "diverged",
+        "status": exc.status,
         "diverged": exc.as_dict(),
     }
 

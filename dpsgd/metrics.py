@@ -1,13 +1,16 @@
 """Measurements shared by every algorithm: evaluation of the averaged and the local models,
 consensus distance (1/n) sum_i ||x_i - x_bar||^2, traffic, and where the workload allows, the
 perplexity of a language model and the distances to a known optimum. Their own communication runs
-`uncounted`, so the reported bytes are the algorithm's alone."""
+`uncounted`, so the reported bytes are the algorithm's alone. What a record evaluates is an `Evaluation`: the
+test split or a seeded subset of it, every peer's own model or a seeded sample of the peers (`eval.samples`,
+`eval.peers`), or nothing (a record between evaluations: its test figures are None)."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
@@ -16,6 +19,35 @@ from torch.func import functional_call, vmap
 
 from dpsgd.comm import Communicator
 from dpsgd.comm.base import flatten
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What a record evaluates: the test samples it scores the averaged model (and the peers' own) on, and the peers
+    whose own model it scores (None: every peer)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    peers: frozenset[int] | None = None
+
+    @classmethod
+    def sampled(
+        cls, x: torch.Tensor, y: torch.Tensor, n: int, samples: int | None, peers: int | None, seed: int
+    ) -> Evaluation:
+        """`samples` of the test split's samples and `peers` of the n peers, drawn once from `seed` (the same at
+        every record, so a run's curve is one subset's); None: all of them."""
+        generator = torch.Generator().manual_seed(seed)
+        if samples is not None and samples < len(x):
+            chosen = torch.randperm(len(x), generator=generator)[:samples].sort().values.to(x.device)
+            x, y = x[chosen], y[chosen]
+        own = (
+            None if peers is None or peers >= n else frozenset(torch.randperm(n, generator=generator)[:peers].tolist())
+        )
+        return cls(x, y, own)
+
+    def scores(self, rank: int) -> bool:
+        """Whether peer `rank`'s own model is scored."""
+        return self.peers is None or rank in self.peers
 
 
 def loss_function(y: torch.Tensor):
@@ -168,19 +200,25 @@ COLUMNS = (
 
 @torch.no_grad()
 def peer_row(
-    comm: Communicator, model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor, train_loss: float, optimum
+    comm: Communicator, model: nn.Module, evaluation: Evaluation | None, train_loss: float, optimum
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One real peer's figures (COLUMNS) and the averaged model (collectives, uncounted): the averaged model is
-    scored on this peer's slice of the test set, its own model on all of it."""
+    scored on this peer's slice of the evaluation's samples, its own model on all of them (where the evaluation
+    scores it: NaN where not, nothing without an evaluation)."""
     net = comm.network
     clock_s = net.clock.elapsed() if net is not None and net.active else 0.0  # before the evaluation's collectives
     names = [n for n, _ in model.named_parameters()]
     local = [p.detach() for p in model.parameters()]
     with comm.uncounted():
         avg = comm.allreduce_mean(local)
-    lo, hi = comm.rank * len(x_test) // comm.size, (comm.rank + 1) * len(x_test) // comm.size
-    avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test[lo:hi], y_test[lo:hi])
-    own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x_test, y_test)
+    avg_loss, avg_correct, count = 0.0, 0.0, 0
+    own_loss, own_correct, own_count = math.nan, math.nan, 1
+    if evaluation is not None:
+        x, y = evaluation.x, evaluation.y
+        lo, hi = comm.rank * len(x) // comm.size, (comm.rank + 1) * len(x) // comm.size
+        avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x[lo:hi], y[lo:hi])
+        if evaluation.scores(comm.rank):
+            own_loss, own_correct, own_count = evaluate(model, dict(zip(names, local)), x, y)
     sq_optimum = squared_optimum_distances(local, optimum)
     s = comm.stats
     row = {
@@ -205,14 +243,29 @@ def peer_row(
 
 @torch.no_grad()
 def measure_stacked(
-    model, names, params: list[torch.Tensor], x_test, y_test, train_loss: float, optimum, traffic: dict, emulated: bool
+    model,
+    names,
+    params: list[torch.Tensor],
+    evaluation: Evaluation | None,
+    train_loss: float,
+    optimum,
+    traffic: dict,
+    emulated: bool,
 ) -> dict:
     """`measure` of n peers whose parameters carry a leading peer axis (the fleet, the event simulator), from their
     COLUMNS; `traffic`: each traffic column ((n,) or a number for every peer)."""
     n = params[0].shape[0]
     avg = [p.mean(0) for p in params]
-    avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), x_test, y_test)
-    own_loss, own_correct, own_count = evaluate_peers(model, names, params, x_test, y_test)
+    avg_loss, avg_correct, count = 0.0, 0.0, 0
+    own_loss = torch.full((n,), math.nan, dtype=torch.float64)
+    own_correct, own_count = own_loss.clone(), 1
+    if evaluation is not None:
+        avg_loss, avg_correct, count = evaluate(model, dict(zip(names, avg)), evaluation.x, evaluation.y)
+        scored = sorted(evaluation.peers) if evaluation.peers is not None else list(range(n))
+        at = torch.tensor(scored)
+        chosen = [p[at.to(p.device)] for p in params]
+        loss, correct, own_count = evaluate_peers(model, names, chosen, evaluation.x, evaluation.y)
+        own_loss[at], own_correct[at] = loss, correct
     sq_optimum = squared_optimum_distances(params, optimum, peer_axis=True)
     first = torch.zeros(n, dtype=torch.float64)
     first[0] = 1.0  # the averaged model is scored once: its sums in row 0
@@ -230,27 +283,38 @@ def measure_stacked(
     }
     for k in COLUMNS[8:]:
         columns[k] = torch.as_tensor(traffic.get(k, 0.0), dtype=torch.float64).expand(n)
-    return measure(columns, avg, y_test, optimum, emulated)
+    return measure(columns, avg, evaluation, optimum, emulated)
 
 
 def measure(
-    c: dict[str, torch.Tensor], average: Sequence[torch.Tensor], y_test: torch.Tensor, optimum, emulated: bool
+    c: dict[str, torch.Tensor], average: Sequence[torch.Tensor], evaluation: Evaluation | None, optimum, emulated: bool
 ) -> dict:
     """The measured keys of a record from every peer's figures `c` (COLUMNS) and the averaged model: its test
-    metrics, each peer's own, consensus distance, mean train loss, traffic, and where the workload allows, its
-    perplexity and the distances to the optimum."""
-    count = float(c["avg_count"].sum())
-    test_loss = float(c["avg_loss"].sum()) / count
+    metrics (None without an evaluation), each scored peer's own (the peers not scored are NaN in `c`), consensus
+    distance, mean train loss, traffic, and where the workload allows, its perplexity and the distances to the
+    optimum."""
+    tested: dict = dict.fromkeys(
+        ("test_loss", "test_accuracy", "peer_test_accuracy_mean", "peer_test_accuracy_min", "peer_test_accuracy_max")
+    )
+    tested["peer_test_loss_mean"] = None
+    if evaluation is not None:
+        count = float(c["avg_count"].sum())
+        own = ~torch.isnan(c["own_accuracy"])
+        accuracy, own_loss = c["own_accuracy"][own], c["own_loss"][own]
+        scored = bool(own.any())  # eval.peers=0: no peer's own model
+        tested = {
+            "test_loss": float(c["avg_loss"].sum()) / count,
+            "test_accuracy": float(c["avg_correct"].sum()) / count,
+            "peer_test_accuracy_mean": float(accuracy.mean()) if scored else None,
+            "peer_test_accuracy_min": float(accuracy.min()) if scored else None,
+            "peer_test_accuracy_max": float(accuracy.max()) if scored else None,
+            "peer_test_loss_mean": float(own_loss.mean()) if scored else None,
+            **language_metrics(float(c["avg_loss"].sum()) / count, evaluation.y),
+        }
     return {
-        "test_loss": test_loss,
-        "test_accuracy": float(c["avg_correct"].sum()) / count,
-        "peer_test_accuracy_mean": float(c["own_accuracy"].mean()),
-        "peer_test_accuracy_min": float(c["own_accuracy"].min()),
-        "peer_test_accuracy_max": float(c["own_accuracy"].max()),
-        "peer_test_loss_mean": float(c["own_loss"].mean()),
+        **tested,
         "consensus_distance": float(c["sq_consensus"].mean()),
         "train_loss": float(c["train_loss"].mean()),
-        **language_metrics(test_loss, y_test),
         **optimum_distances(average, c["sq_optimum"], optimum),
         "emulated_time_s": float(c["clock_s"].max()) if emulated else None,
         "emulated_wait_s": float(c["emulated_wait_s"].mean()) if emulated else None,
@@ -262,12 +326,12 @@ def measure(
     }
 
 
-def measure_peers(comm: Communicator, model, x_test, y_test, train_loss: float, optimum=None) -> dict:
+def measure_peers(comm: Communicator, model, evaluation: Evaluation | None, train_loss: float, optimum=None) -> dict:
     """`measure` on real peers: every peer's row gathered (collectives: every peer calls it)."""
-    row, avg = peer_row(comm, model, x_test, y_test, train_loss, optimum)
+    row, avg = peer_row(comm, model, evaluation, train_loss, optimum)
     table = gather_scalars(comm, [float(row[k]) for k in COLUMNS])
     emulated = comm.network is not None and comm.network.active
-    return measure({k: table[:, i] for i, k in enumerate(COLUMNS)}, avg, y_test, optimum, emulated)
+    return measure({k: table[:, i] for i, k in enumerate(COLUMNS)}, avg, evaluation, optimum, emulated)
 
 
 PEER_CHUNK = 64  # peers evaluated in one vectorized call

@@ -22,11 +22,14 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol, cast
 
+import torch
+
 import topologies
-from dpsgd import checkpoint, divergence, elastic, loggers, metrics
+from dpsgd import calibration, checkpoint, divergence, elastic, loggers, metrics
 from dpsgd.build import Peer, Plan, build_peer
 from dpsgd.comm import Communicator
 from dpsgd.config import RunConfig
+from dpsgd.metrics import Evaluation
 from dpsgd.optim import AsynchronousOptimizer
 from dpsgd.seeds import reshuffle_seed
 from topologies import Topology
@@ -43,9 +46,13 @@ class Run(Protocol):
     step_count: int
     total_steps: int
     writer: bool  # this process writes the run's files
+    test: tuple[torch.Tensor, torch.Tensor]  # the test (or validation) split, where its peers evaluate
 
     def train_step(self) -> float | None: ...  # the step's training loss (None: no step of ours)
-    def record(self, train_loss: float, wall_s: float) -> dict | None: ...  # a progress record
+
+    def record(self, train_loss: float, wall_s: float, evaluation: Evaluation | None) -> dict | None:
+        """A progress record, with the test figures `evaluation` scores (None: none)."""
+        ...
 
     def describe(self, config: RunConfig) -> dict:
         return describe(config, self.topology, self.comm)
@@ -155,8 +162,11 @@ def run_loop(
     log = RunLog(config, out_dir if run.writer else None, state.get("step", 0), state.get("reached"))
     if event is not None:
         log.write(event, track=False)
-    log_every = config.log_every
+    log_every, eval_every = config.log_every, config.eval_every or config.log_every
     ckpt_every = config.checkpoint.every if out_dir is not None else 0
+    x_test, y_test = run.test  # records in between score a sample (eval.samples, eval.peers), the last all of it
+    sampled = Evaluation.sampled(x_test, y_test, run.comm.size, config.eval.samples, config.eval.peers, config.seed)
+    whole = Evaluation(x_test, y_test)
     running, seen = state.get("running", 0.0), state.get("seen", 0)
     guard = divergence.Guard(run, config.on_divergence)
     run.begin(resume)
@@ -172,12 +182,15 @@ def run_loop(
             guard.check(run.step_count, loss)
             running, seen = running + loss, seen + 1
             step = run.step_count
-            if step != logged and (step % log_every == 0 or step == run.total_steps):
+            evaluated = step % eval_every == 0 or step == run.total_steps
+            if step != logged and (evaluated or step % log_every == 0):
                 logged = step
-                record = run.record(running / seen, time.perf_counter() - start)
+                evaluation = (whole if step == run.total_steps else sampled) if evaluated else None
+                record = run.record(running / seen, time.perf_counter() - start, evaluation)
                 if record is not None:
                     last = record
                     log.write(record, track=record.get("scope") != "rank 0")
+                    guard.check_record(record, run.plan.split.num_classes)
                     running, seen = 0.0, 0
                     if bar and record["test_accuracy"] is not None:
                         status = f"acc {record['test_accuracy']:.3f}  loss {record['train_loss']:.3f}"
@@ -230,8 +243,13 @@ class SynchronousRun(Run):
 
     def __init__(self, peer: Peer, comm: Communicator, writer: bool):
         self.peer, self.comm, self.writer, self.plan, self.topology = peer, comm, writer, peer.plan, peer.topology
+        self.test = peer.x_test, peer.y_test
         self.step_count, self.total_steps = 0, peer.plan.total_steps
         self.samples = 0  # by all peers: a step takes batch_size from each peer of the world of that time
+
+    def describe(self, config: RunConfig) -> dict:
+        words = calibration.compute_words(config)  # what the emulated clock takes as each step's compute
+        return {**describe(config, self.topology, self.comm), **({"emulated_compute": words} if words else {})}
 
     def begin(self, state: dict | None) -> None:
         peer = self.peer
@@ -263,13 +281,11 @@ class SynchronousRun(Run):
         stats.peak_step_bytes = max(stats.peak_step_bytes, stats.bytes_sent - sent)
         return loss
 
-    def record(self, train_loss: float, wall_s: float) -> dict | None:
+    def record(self, train_loss: float, wall_s: float, evaluation: Evaluation | None) -> dict | None:
         self.comm.context = f"metrics at step {self.step_count}"
         peer = self.peer
         with peer.network.clock.paused():  # evaluating is not training: off the emulated clock (sleep mode)
-            measured = metrics.measure_peers(
-                self.comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
-            )
+            measured = metrics.measure_peers(self.comm, peer.model, evaluation, train_loss, peer.plan.split.optimum)
         if measured["emulated_time_s"] is not None:  # every peer waited there for the latest one
             peer.network.clock.catch_up(measured["emulated_time_s"])
         return metrics.record(
@@ -334,13 +350,19 @@ class AsynchronousRun(SynchronousRun):
         self.samples = self.step_count * self.peer.batches.batch_size * self.comm.size  # estimated, as in records
         return loss
 
-    def record(self, train_loss: float, wall_s: float) -> dict | None:
+    def record(self, train_loss: float, wall_s: float, evaluation: Evaluation | None) -> dict | None:
         if not self.writer:
             return None
         peer, optimum = self.peer, self.peer.plan.split.optimum
-        loss, correct, count = metrics.evaluate(
-            peer.model, dict(peer.model.named_parameters()), peer.x_test, peer.y_test
-        )
+        tested: dict = {"test_loss": None, "test_accuracy": None}
+        if evaluation is not None:
+            x, y = evaluation.x, evaluation.y
+            loss, correct, count = metrics.evaluate(peer.model, dict(peer.model.named_parameters()), x, y)
+            tested = {
+                "test_loss": loss / count,
+                "test_accuracy": correct / count,
+                **metrics.language_metrics(loss / count, y),
+            }
         own = [p.detach() for p in peer.model.parameters()]
         return metrics.record(  # rank 0's own model: the average needs collectives
             step=self.step_count,
@@ -348,10 +370,8 @@ class AsynchronousRun(SynchronousRun):
             samples=self.samples,  # estimated: peers run at their own pace
             wall_time_s=wall_s,
             emulated_time_s=peer.network.clock.elapsed() if peer.network.active else None,
-            test_loss=loss / count,
-            test_accuracy=correct / count,
             train_loss=train_loss,
-            **metrics.language_metrics(loss / count, peer.y_test),
+            **tested,
             **metrics.optimum_distances(own, metrics.squared_optimum_distances(own, optimum), optimum),
             lr=peer.stepper.lr,
             scope="rank 0",
@@ -370,9 +390,8 @@ class AsynchronousRun(SynchronousRun):
         mine = {**self.opt.measurements(), "slowdown_s": peer.network.slowdown.slept_s, "wall_s": wall_own}
         self.rows = metrics.gather_objects(comm, mine)
         steps, samples = [r["steps"] for r in self.rows], [r["samples"] for r in self.rows]
-        measured = metrics.measure_peers(
-            comm, peer.model, peer.x_test, peer.y_test, train_loss, peer.plan.split.optimum
-        )
+        whole = Evaluation(peer.x_test, peer.y_test)
+        measured = metrics.measure_peers(comm, peer.model, whole, train_loss, peer.plan.split.optimum)
         return metrics.record(
             step=round(sum(steps) / comm.size),
             epoch=peer.plan.epoch(sum(samples)),
@@ -403,6 +422,7 @@ def train(comm: Communicator, config: RunConfig, out_dir: str | Path | None = No
     """One real peer's side of the experiment `config`; rank 0 writes the run's files to `out_dir`."""
     if config.elastic:
         elastic.check_world(config.topology, comm.size)
+    config = calibration.resolved(config)  # the app's driver resolved it already; a library user's run here
     peer = build_peer(comm, config)
     writer = out_dir is not None and comm.rank == 0
     asynchronous = getattr(peer.optimizer, "asynchronous", False)

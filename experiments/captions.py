@@ -188,6 +188,18 @@ def seeds_sentence(runs: list[dict]) -> str:
     return f"Seeds {', '.join(map(str, seeds))}."
 
 
+def target_sentence(target: str, runs: list[dict]) -> str:
+    """What the to-target columns are: the target, which seeds their means are over, the clock, the resolution."""
+    every = sorted({int(e) for r in runs if (e := setting(r, "eval_every") or setting(r, "log_every")) is not None})
+    resolution = f"every {', '.join(map(str, every))} steps" if every else "its records"
+    return (
+        f"To the target {target}: reached counts the seeds whose run reached it; steps, time and MB to it are means "
+        f"over those seeds only (± their 95% interval), from each run's first record at the target, so resolved to "
+        f"the runs' evaluations ({resolution}); time is on the run's clock (emulated where its network is, else the "
+        "wall clock); a configuration no seed of which reached it shows -."
+    )
+
+
 def interval_sentence(seed_counts: list[int]) -> str:
     return intervals.describe(seed_counts)
 

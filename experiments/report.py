@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from experiments import captions
 from experiments.intervals import summarize
 from experiments.plots import Page, draw_band, limits_words
+from experiments.reaching import Target, over_seeds
 from experiments.table import format_csv, format_markdown, format_table
 
 IGNORED_KEYS = ("hydra", "comm.timeout_s", "log_every")  # settings that do not change the results
@@ -236,20 +237,28 @@ def _values(run: dict, key: str):
     return [m[key] for m in run["metrics"] if m.get(key) is not None]
 
 
-def rows(groups: list[list[dict]], keys: list[str]) -> list[dict]:
+def rows(groups: list[list[dict]], keys: list[str], target: Target | None = None) -> list[dict]:
     """The table's rows: each configuration's summary over its seeds, its swept values, and "unused" for a
-    setting its algorithm does not read (all-reduce's topology) with `ignored` naming the collapsed copies."""
+    setting its algorithm does not read (all-reduce's topology) with `ignored` naming the collapsed copies; with a
+    `target`, how many seeds reached it and their steps, time and MB to it (experiments.reaching)."""
     out = []
     for group in groups:
         first = group[0]
-        row = summarize([{**captions.settings(r), **r["summary"], **{k: value(r, k) for k in keys}} for r in group])
+        summaries = [{**captions.settings(r), **r["summary"], **{k: value(r, k) for k in keys}} for r in group]
+        for s in summaries:  # the run's own target_accuracy figures: superseded by --target's
+            for k in ("steps_to_target", "time_to_target_s", "emulated_time_to_target_s", "samples_to_target"):
+                s.pop(k, None)
+        row = summarize(summaries)
+        if target is not None:
+            row.update(over_seeds(target, [r["metrics"] for r in group]))
         unused = [k for k in (*keys, "topology") if k in row and captions.ignored(first, [k])]
         row.update({k: "unused" for k in unused})
         if unused:
             row.pop("spectral_gap", None)  # the unused topology's
-        diverged = sum(r["summary"].get("status") == "diverged" for r in group)
+        failed = [s for r in group if (s := r["summary"].get("status", "ok")) != "ok"]
+        words = " or ".join(sorted({s.replace("_", " ") for s in failed}))
         row["status"] = (
-            (f"diverged ({diverged} of {len(group)} seeds)" if len(group) > 1 else "diverged") if diverged else "ok"
+            (f"{words} ({len(failed)} of {len(group)} seeds)" if len(group) > 1 else words) if failed else "ok"
         )
         collapsed = {k: v for k, v in first.get("ignored", {}).items() if len(v) > 1}
         if collapsed:
@@ -259,10 +268,18 @@ def rows(groups: list[list[dict]], keys: list[str]) -> list[dict]:
 
 
 def caption(
-    runs: list[dict], groups: list[list[dict]], keys: list[str], notes: list[str], columns: set[str], copies: int
+    runs: list[dict],
+    groups: list[list[dict]],
+    keys: list[str],
+    notes: list[str],
+    columns: set[str],
+    copies: int,
+    target: Target | None = None,
 ) -> str:
     """The table's caption: what was run, what ± means, which clocks its times are on, what was collapsed."""
     parts = [captions.what_was_run(runs, keys, copies), captions.interval_sentence([len(g) for g in groups])]
+    if target is not None:
+        parts.append(captions.target_sentence(str(target), runs))
     parts += captions.clocks(runs, columns)
     parts += [f"Note: {n}." for n in notes]
     return "\n\n".join(parts)
@@ -272,7 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.split("\n")[0])
     parser.add_argument("dir", type=Path, help="a run folder or a multirun folder")
     parser.add_argument("--out", type=Path, default=None, help="where to write report.md/csv and plots (default DIR)")
+    parser.add_argument(
+        "--target",
+        metavar="METRIC=VALUE",
+        help="steps, samples, MB and time to a record's metric reaching VALUE (e.g. test_accuracy=0.85; perplexity "
+        "and loss are reached from above), with the count of seeds that reached it",
+    )
     args = parser.parse_args(argv)
+    try:
+        target = Target.parse(args.target) if args.target else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not args.dir.is_dir():
         print(
             f"error: {args.dir} is not a folder; pass a run or multirun folder (outputs/... or multirun/...)",
@@ -287,16 +315,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     swept = swept_keys(runs)
     kept, notes = collapse_identical(runs, swept)
-    diverged = [r for r in kept if r["summary"].get("status") == "diverged"]
+    diverged = [r for r in kept if r["summary"].get("status", "ok") != "ok"]
     if diverged:
         notes.append(
-            f"{len(diverged)} of {len(kept)} runs diverged (status: diverged in their summary.json, which names the "
-            "first peer and step); their numbers are those of their last record"
+            f"{len(diverged)} of {len(kept)} runs diverged or did not learn (status: diverged or not_learning in "
+            "their summary.json, which names the first peer and step); their numbers are those of their last record"
         )
     keys, groups = group_by_seed(kept, swept)
-    summaries = rows(groups, keys)
+    summaries = rows(groups, keys, target)
+    if target is not None and not any(any(target.metric in m for m in r["metrics"]) for r in kept):
+        print(f"error: --target {args.target}: no record of these runs has {target.metric}", file=sys.stderr)
+        return 2
     columns = {k for s in summaries for k, v in s.items() if v is not None}
-    text = caption(kept, groups, swept, notes, columns, len(runs) - len(kept))
+    text = caption(kept, groups, swept, notes, columns, len(runs) - len(kept), target)
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
     print(format_table(summaries, keys))

@@ -19,10 +19,26 @@ COLUMNS = [  # (header, summary key, format)
     ("MB sent/peer", "mb_sent_per_peer", "{:.2f}"),
     ("wall s", "wall_time_s", "{:.3g}"),  # a fleet's runs take tenths of a second: significant digits
     ("emulated s", "emulated_time_s", "{:.3g}"),  # only with an emulated network (dpsgd.comm.netem)
-    ("status", "status", "{}"),  # a run that diverged (dpsgd.divergence); shown only when one did
+    # the report's --target (experiments.reaching): seeds that reached it, and means over those that did
+    ("reached", "reached", "{}"),
+    ("steps to target", "steps_to_target", "{:.4g}"),
+    ("time to target s", "time_to_target_s", "{:.3g}"),
+    ("MB to target", "mb_to_target", "{:.3g}"),
+    ("status", "status", "{}"),  # a run that diverged or did not learn (dpsgd.divergence); shown only when one did
 ]
 # columns left out when no row has them
-OPTIONAL = {"emulated_time_s", "seeds", "test_perplexity", "optimum_distance", "peer_optimum_distance", "status"}
+OPTIONAL = {
+    "emulated_time_s",
+    "seeds",
+    "test_perplexity",
+    "optimum_distance",
+    "peer_optimum_distance",
+    "status",
+    "reached",
+    "steps_to_target",
+    "time_to_target_s",
+    "mb_to_target",
+}
 
 
 def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:

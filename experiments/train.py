@@ -23,7 +23,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dpsgd import backends
+from dpsgd import backends, calibration
 from dpsgd.backends import Backend, Interrupted, exit_on_signals, stop_on_signals
 from dpsgd.config import FaultsConfig, RunConfig, parse
 from dpsgd.divergence import Diverged
@@ -216,6 +216,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     rank, world_size = launcher.world() if launcher is not None else (0, None)
     try:
         config, note = fit_batch_size(parse(cfg))  # parsed once, here
+        config = calibration.resolved(config)  # the emulated clock's compute: the workload's, measured once
         if launcher is not None and config.backend.name != launcher.name:
             # srun's tasks are a world for mpi and torch alike: the config's backend, where it sees one
             launcher = backends.launched(config.backend.name) or launcher
@@ -246,10 +247,12 @@ def hydra_main(cfg: DictConfig) -> float | None:
     shown = summary if captions.uses_topology({"config": {}, "summary": summary}) else {**summary, "topology": "unused"}
     print(format_table([shown]), flush=True)  # as the report shows an algorithm's unread topology
     print(f"outputs: {run_dir}", flush=True)
-    if summary.get("status") == "diverged":  # on_divergence=mark: the run went on; say so once
+    if summary.get("status") in ("diverged", "not_learning"):  # on_divergence=mark: the run went on; say so once
         first = summary["diverged"]
-        print(f"note: peer {first['peer']} diverged at step {first['step']}: {first['what']}", file=sys.stderr)
-    return math.nan if summary.get("status") == "diverged" else summary["test_accuracy"]  # Optuna: a failed trial
+        who = "the run was not learning" if first["peer"] is None else f"peer {first['peer']} diverged"
+        print(f"note: {who} at step {first['step']}: {first['what']}", file=sys.stderr)
+        return math.nan  # Optuna: a failed trial
+    return summary["test_accuracy"]
 
 
 def expand_seeds(argv: list[str]) -> list[str]:
@@ -274,11 +277,27 @@ def check_sweep(argv: list[str]) -> None:
     except Exception as exc:  # noqa: BLE001 - a composition Hydra refuses: left to Hydra's own run to report
         print(f"note: the sweep's jobs were not checked in advance ({type(exc).__name__})", file=sys.stderr)
         return
+    runs = []
     for i, (job, cfg) in enumerate(jobs or []):
         try:
-            validate(fit_batch_size(parse(cfg))[0])
+            runs.append(validate(fit_batch_size(parse(cfg))[0]))
         except ConfigError as exc:
             fail(f"sweep job {i} of {len(jobs)} ({' '.join(job)}): {exc}; nothing was run")
+    inner = sorted({inner_optimizer(r) for r in runs})
+    if len(inner) > 1:
+        print(
+            f"note: the sweep's runs step {len(inner)} different inner optimizers ({'; '.join(inner)}): it compares "
+            "optimizers as well as algorithms; give one to all with optimizer=NAME (and optimizer.lr=...) to compare "
+            "the algorithms alone",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def inner_optimizer(run: RunConfig) -> str:
+    """'sgd lr 0.1 momentum 0.9': the base optimizer a run steps, with its options."""
+    options = " ".join(f"{k} {v}" for k, v in sorted(run.optimizer.options.items()) if v is not None)
+    return f"{run.optimizer.target or run.optimizer.name} {options}".strip()
 
 
 def main() -> None:

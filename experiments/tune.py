@@ -106,7 +106,7 @@ def select(found: list[dict], keys: list[str]) -> dict:
         settings.setdefault(tuple(_get(t["config"], k) for k in keys), []).append(t["summary"])
 
     def score(runs: list[dict]) -> tuple[float, float]:
-        if any(r.get("status") == "diverged" for r in runs):  # a failed trial: never chosen
+        if any(r.get("status", "ok") != "ok" for r in runs):  # a failed trial (diverged, not learning): never chosen
             return -math.inf, -math.inf
         accuracy = [r["test_accuracy"] for r in runs if r.get("test_accuracy") is not None]
         acc = sum(accuracy) / len(accuracy) if accuracy else -math.inf
@@ -120,7 +120,7 @@ def select(found: list[dict], keys: list[str]) -> dict:
         "validation_accuracy": acc,
         "validation_loss": -neg_loss,
         "trials": len(found),
-        "failed": sum(t["summary"].get("status") == "diverged" for t in found),  # diverged (on_divergence=mark)
+        "failed": sum(t["summary"].get("status", "ok") != "ok" for t in found),  # diverged or not learning (mark)
     }
 
 

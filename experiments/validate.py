@@ -94,6 +94,7 @@ def validate(source: RunConfig | Mapping, world_size: int | None = None, launche
     inside the peers, in the driver (or, under a user's launcher, in every rank before it joins the others): the
     backend's capabilities and options, then peer 0 built as a real peer builds itself. ConfigError: one line."""
     from dpsgd import build, divergence, loggers
+    from dpsgd.comm.netem import NetworkEmulator
     from dpsgd.faults import FaultPlan
     from dpsgd.options import refuse_unknown
 
@@ -141,6 +142,13 @@ def validate(source: RunConfig | Mapping, world_size: int | None = None, launche
             )
         if asynchronous and not record.real_peers:
             _check_simulated_steps(run)
+        if not asynchronous and not record.real_peers and NetworkEmulator.from_config(run.network).active:
+            real = " or ".join(f"backend={n}" for n in backends.names() if backends.get(n).real_peers)
+            raise ConfigError(
+                f"network={run.network.name} on backend={name}: the fleet steps a synchronous algorithm's peers in "
+                f"lockstep in one process and emulates no network (no emulated time); run it on real peers ({real}) "
+                "with that network, or price it on many networks at once with python -m experiments.map"
+            )
         record.options(run.backend.options, run.device)  # the backend reads its own options (staging, threads)
         if hosts and not launched:
             backends.host_placement(list(hosts), peers)

@@ -21,7 +21,8 @@ Configured by the `network` config group (`network=ethernet_1g`, ...):
   compute time. In `sleep` mode `compute_time` is a floor: a peer's step takes max(real compute,
   compute_time) x its slowdown, really. In `model` mode a given `compute_time` is the step's compute time
   on the emulated clock (x slowdown), so the contention of many peers for a few cores does not enter the
-  figures; with `compute_time: 0` the clock takes the real compute time.
+  figures; with `compute_time: 0` it takes `calibrated_s`, the workload's compute measured once (dpsgd.calibration
+  fills it in, `compute: calibrated`), or else each step's real compute time (`compute: measured`).
 - `mode`: `model` adds every cost to the peer's emulated clock only (runs stay fast: nothing is slept);
   `sleep` really waits (the clock is the real one), so overlap and asynchrony are exercised for real.
 
@@ -47,7 +48,7 @@ from dpsgd.seeds import link_jitter_seed
 
 NETWORK_KEYS = tuple(
     "name mode latency_s bandwidth_bytes_per_s jitter_s slow_peers compute_scale compute_time peers_per_host "
-    "intra_latency_s intra_bandwidth_bytes_per_s allreduce".split()
+    "intra_latency_s intra_bandwidth_bytes_per_s allreduce compute calibrated_s".split()
 )
 MODES = ("model", "sleep")
 ALLREDUCES = ("ring", "halving_doubling")
@@ -328,9 +329,8 @@ class NetworkEmulator:
             raise ValueError(f"network.slow_peers {bad} are not ranks of a world of {size} peers")
         bandwidth = network.get("bandwidth_bytes_per_s") or None
         link = Link(float(network.get("latency_s") or 0.0), None if bandwidth is None else float(bandwidth))
-        slowdown = ComputeSlowdown(
-            rank, tuple(slow), float(network.get("compute_scale") or 1.0), float(network.get("compute_time") or 0.0)
-        )
+        compute = network.get("compute_time") or network.get("calibrated_s") or 0.0  # given, else calibrated
+        slowdown = ComputeSlowdown(rank, tuple(slow), float(network.get("compute_scale") or 1.0), float(compute))
         intra_bandwidth = network.get("intra_bandwidth_bytes_per_s") or None
         intra = Link(
             float(network.get("intra_latency_s") or 0.0), None if intra_bandwidth is None else float(intra_bandwidth)

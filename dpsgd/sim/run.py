@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dpsgd import metrics
 from dpsgd.build import algorithm_class
 from dpsgd.config import RunConfig
+from dpsgd.metrics import Evaluation
 from dpsgd.training import Run, run_loop
 
 from .fleet import Fleet, FleetCommunicator
@@ -32,7 +33,7 @@ class FleetRun(Run):
         self.plan, self.topology, self.comm = fleet.plan, fleet.topology, fleet.comm
         self.step_count, self.total_steps = 0, fleet.plan.total_steps
         self.peak_step_bytes = 0.0  # the most bytes one peer sent in one step
-        self._test = fleet.plan.split.x_test.to(fleet.device), fleet.plan.split.y_test.to(fleet.device)
+        self.test = fleet.plan.split.x_test.to(fleet.device), fleet.plan.split.y_test.to(fleet.device)
 
     def train_step(self) -> float | None:
         self.step_count += 1
@@ -41,7 +42,7 @@ class FleetRun(Run):
         self.peak_step_bytes = max(self.peak_step_bytes, float((self.comm.bytes_sent - sent).max()))
         return loss
 
-    def record(self, train_loss: float, wall_s: float) -> dict:
+    def record(self, train_loss: float, wall_s: float, evaluation: Evaluation | None) -> dict:
         fleet, step = self.fleet, self.step_count
         traffic = {
             "bytes_sent": self.comm.bytes_sent,
@@ -52,7 +53,7 @@ class FleetRun(Run):
         samples, optimum = step * fleet.plan.batch_size * fleet.n, fleet.plan.split.optimum
         with sdpa_kernel(SDPBackend.MATH):  # under vmap: attention as its products, not a loop over peers
             measured = metrics.measure_stacked(
-                fleet.model, fleet.names, fleet.params, *self._test, train_loss, optimum, traffic, False
+                fleet.model, fleet.names, fleet.params, evaluation, train_loss, optimum, traffic, False
             )
         return metrics.record(
             step=step,
@@ -76,6 +77,7 @@ class EventsRun(FleetRun):
         self.lr = float(cast(Any, sim.opts[0]).param_groups[0]["lr"])  # constant: the simulator takes no schedule
         self.plan, self.topology = sim.plan, sim.topology
         self.comm = FleetCommunicator(sim.n)  # what the run describes: n peers of the fleet
+        self.test = sim.plan.split.x_test.to(sim.device), sim.plan.split.y_test.to(sim.device)  # peers may be on a GPU
         self.step_count, self.total_steps = 0, sim.plan.total_steps
 
     def done(self) -> bool:
@@ -88,7 +90,7 @@ class EventsRun(FleetRun):
         self.step_count = self.sim.steps[0]
         return self.sim.losses[peer][-1]
 
-    def record(self, train_loss: float, wall_s: float) -> dict:
+    def record(self, train_loss: float, wall_s: float, evaluation: Evaluation | None) -> dict:
         sim, split = self.sim, self.sim.plan.split
         samples = sum(sim.steps) * sim.batch_size
         waits = torch.tensor([opt.wait_s for opt in sim.opts], dtype=torch.float64)  # in virtual time
@@ -104,8 +106,7 @@ class EventsRun(FleetRun):
                 sim.model,
                 sim.names,
                 sim.live_params(),
-                split.x_test.to(sim.device),  # the simulator's peers may sit on a GPU
-                split.y_test.to(sim.device),
+                evaluation,
                 train_loss,
                 split.optimum,
                 traffic,
@@ -123,7 +124,7 @@ class EventsRun(FleetRun):
 
     def final(self, last: dict, train_loss: float, wall_s: float) -> dict:
         self.sim.now = self.sim.end_time
-        return self.record(train_loss, wall_s)
+        return self.record(train_loss, wall_s, Evaluation(*self.test))
 
     def summary(self, final: dict, wall_s: float) -> dict:
         sim, opt = self.sim, self.sim.opts[0]
