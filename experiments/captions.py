@@ -41,7 +41,16 @@ def setting(run: dict, key: str):
 
 
 def algorithm_class(run: dict):
-    """The run's optimizer class (dpsgd.optim.ALGORITHMS), or None for one the library does not know."""
+    """The run's optimizer class: the one its config's `_target_` names, else the one registered under its name
+    (dpsgd.optim.ALGORITHMS); None for one the library does not know (or that does not import here)."""
+    import pkgutil
+
+    target = setting(run, "algorithm._target_")
+    if target:
+        try:
+            return pkgutil.resolve_name(str(target))
+        except (ImportError, AttributeError, ValueError):
+            return None
     return registered(setting(run, "algorithm.name"))
 
 
@@ -159,7 +168,8 @@ def what_was_run(runs: list[dict], swept: list[str], copies: int = 0) -> str:
         text += f" The runs differ in their inner optimizer ({'; '.join(sorted(inner))}): they compare optimizers too."
     by_algorithm: dict[str, set[str]] = {}
     for run in runs:
-        options = _options(run, "algorithm", skip=("name", *(k.split(".", 1)[1] for k in swept if "." in k)))
+        skip = ("name", "_target_", *(k.split(".", 1)[1] for k in swept if "." in k))
+        options = _options(run, "algorithm", skip=skip)
         by_algorithm.setdefault(algorithm_words(setting(run, "algorithm.name")), set()).add(options)
     parts = [f"{name}: {'; or '.join(sorted(o))}" for name, o in by_algorithm.items() if any(o)]
     if parts:

@@ -156,6 +156,7 @@ def run(config: RunConfig, run_dir: Path, launcher: Backend | None) -> dict | No
 
 
 PEER_ARGV = ["-m", "experiments.peer"]
+CHECKED = False  # main() validated the run (check_run) before Hydra started
 
 
 def relaunching(run: RunConfig, run_dir: Path) -> dict:
@@ -227,7 +228,8 @@ def hydra_main(cfg: DictConfig) -> float | None:
             )
         if note and rank == 0:
             print(f"note: {note}", file=sys.stderr, flush=True)
-        validate(config, world_size, launched=launcher is not None)
+        if not CHECKED:  # main() checked a plain run before Hydra made its folder
+            validate(config, world_size, launched=launcher is not None)
         # the run folder: judged by the driver, or by rank 0 alone (another rank could look after rank
         # 0 has begun writing; if rank 0 refuses, the launcher stops the others)
         # an elastic world continues the run in its folder (a re-formed world is started like the first)
@@ -244,7 +246,8 @@ def hydra_main(cfg: DictConfig) -> float | None:
     summary = run(config, run_dir, launcher)
     if summary is None:
         return None
-    shown = summary if captions.uses_topology({"config": {}, "summary": summary}) else {**summary, "topology": "unused"}
+    described = {"config": {"algorithm._target_": config.algorithm.target}, "summary": summary}
+    shown = summary if captions.uses_topology(described) else {**summary, "topology": "unused"}
     print(format_table([shown]), flush=True)  # as the report shows an algorithm's unread topology
     print(f"outputs: {run_dir}", flush=True)
     if summary.get("status") in ("diverged", "not_learning"):  # on_divergence=mark: the run went on; say so once
@@ -267,6 +270,24 @@ def expand_seeds(argv: list[str]) -> list[str]:
         raise ConfigError("give the seeds once: seeds=N (seeds 0 .. N-1) or seed=A,B,C with -m, not both")
     argv = [f"seed=range({int(text)})" if a == given[0] else a for a in argv]
     return argv if "-m" in argv or "--multirun" in argv else ["-m", *argv]
+
+
+def check_run(argv: list[str]) -> bool:
+    """The run the command line describes, checked as hydra_main checks it (validate), before Hydra makes its folder:
+    a mistake ends in one line, exit 2, and leaves no folder behind. False where the command line is not for the
+    basic composition to list (Hydra's own flags, another primary config): hydra_main checks it then."""
+    try:
+        jobs = overrides.sweep_jobs(argv)
+    except Exception:  # noqa: BLE001 - a composition Hydra refuses: left to Hydra's own run to report
+        return False
+    if not jobs or len(jobs) != 1:
+        return False
+    try:
+        config, _ = fit_batch_size(calibration.resolved(parse(jobs[0][1])))
+        validate(config)
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+    return True
 
 
 def check_sweep(argv: list[str]) -> None:
@@ -310,6 +331,9 @@ def main() -> None:
     launcher = launched()
     if launcher is None and ("-m" in argv or "--multirun" in argv):
         check_sweep(argv)
+    elif launcher is None:
+        global CHECKED  # noqa: PLW0603 - hydra_main then skips the peer-0 build it would repeat
+        CHECKED = check_run(argv)
     if launcher is not None:
         if "-m" in argv or "--multirun" in argv:
             fail(

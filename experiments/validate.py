@@ -194,7 +194,7 @@ def _check_elastic(run: RunConfig, algorithm, record) -> None:
     from dpsgd import elastic
     from dpsgd.optim import ALGORITHMS
 
-    name = run.algorithm.target or run.algorithm.name
+    name = run.algorithm.name
     if not elastic.supported(algorithm):
         valid = ", ".join(n for n, cls in ALGORITHMS.items() if elastic.supported(cls))
         raise ConfigError(

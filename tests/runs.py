@@ -33,10 +33,10 @@ def optimizer_of(name: str) -> str:
 
 def own_options(name: str) -> dict:
     """The algorithm's own options as a run's build hands them to its constructor (`_target_` dicts made
-    factories): the yaml's keys but its name."""
+    factories): the yaml's keys but its name and class."""
     from dpsgd.options import factories
 
-    return factories({k: v for k, v in algorithm(name).items() if k != "name"})
+    return factories({k: v for k, v in algorithm(name).items() if k not in ("name", "_target_")})
 
 
 def experiment(

@@ -46,7 +46,7 @@ def constructor_defaults(cls) -> dict:
 # missing one, saying what to give), or is the default of the codec the option is handed to
 REQUIRED = {("choco", "compressor"), ("choco", "ratio")}  # "Choco needs a compressor"; top_k: "ratio ... got None"
 HANDED_ON = {("choco", "levels"): (codecs.QSGD, "levels")}
-NOT_OPTIONS = ("name", "defaults")  # the option's name, and the defaults list that picks its base optimizer
+NOT_OPTIONS = ("name", "_target_", "defaults")  # its label, its class, the defaults list that picks its base
 # where the app chooses otherwise than a library user's loop, on purpose (the test asserts the difference stands)
 APP_CHOICES = {
     ("adpsgd", "budget"): (
@@ -106,7 +106,7 @@ def test_every_yaml_key_is_checked_above_or_a_base_key():
     names = {p.values[0] for p in PAIRS}
     assert names == set(ALGORITHMS) - {"sgp", "gradient_tracking"}  # these two take no option of their own
     for name in ("sgp", "gradient_tracking"):
-        assert set(conf("algorithm", name)) == {"name"}
+        assert set(conf("algorithm", name)) == {"name", "_target_"}
     for name in ALGORITHMS:
         assert not {"optimizer", "lr", "momentum", "weight_decay", "nesterov"} & set(conf("algorithm", name)), name
 
