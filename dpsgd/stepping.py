@@ -190,14 +190,15 @@ class TrainStep:
         if self.compute is not None:
             self.compute.start_compute()
         optimizer.zero_grad()
-        options, total = stepper.options, torch.zeros((), dtype=torch.float64, device=self.device)
+        options, total = stepper.options, None
         for xm, ym in options.split(x, y, dim=self.split_dim):
             with options.autocast(self.device):
                 losses = self.losses(xm, ym)
             # on the fleet peer i's loss depends on its own weights only: the gradient of the sum is each peer's own
             stepper.backward(losses.sum())
-            total = total + losses.detach().double()
+            total = losses.detach() if total is None else total + losses.detach()
         if self.compute is not None:
             self.compute.finish_compute()
         stepper.step()
-        return total / options.accumulate
+        assert total is not None  # accumulate >= 1: one micro-batch at least
+        return total / options.accumulate if options.accumulate > 1 else total

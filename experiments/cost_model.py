@@ -27,7 +27,7 @@ import numpy as np
 import topologies
 from dpsgd.comm.netem import Hosts, Link
 
-KINDS = ("allreduce", "periodic", "gossip", "async")  # the forms above
+KINDS = ("allreduce", "periodic", "gossip", "async", "pairwise")  # the forms above
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,8 @@ class Algorithm:
 
     label: str
     overrides: tuple[str, ...]
-    kind: str  # allreduce, periodic, gossip, async
-    period: int = 1  # periodic: steps between all-reduces
+    kind: str  # allreduce, periodic, gossip, async, pairwise
+    period: int = 1  # periodic: steps between all-reduces; pairwise: between group exchanges
     topology: str | None = None  # gossip: the graph
 
 
@@ -90,23 +90,34 @@ def computes(n: int, compute_s: float, net: Network) -> np.ndarray:
     return c
 
 
+def _pattern(topo: topologies.Topology, t: int, host: np.ndarray):
+    """At step t of `topo`: each peer's messages inside its host, its host's messages to other hosts (0 where the
+    peer sends none across), and its in-neighbours (padded with itself)."""
+    n = topo.n
+    sends = [sorted(topo.neighbors(j, t).send) for j in range(n)]
+    crossing = np.array([sum(1 for d in s if host[d] != host[j]) for j, s in enumerate(sends)])
+    per_host = np.bincount(host, weights=crossing, minlength=host.max() + 1)
+    lists = [sorted(topo.neighbors(i, t).recv) for i in range(n)]
+    width = max(1, max(len(r) for r in lists))
+    recv = np.array([r + [i] * (width - len(r)) for i, r in enumerate(lists)])
+    return np.array([len(s) for s in sends]) - crossing, np.where(crossing > 0, per_host[host], 0), recv
+
+
 @lru_cache(maxsize=256)
 def _gossip_pattern(topology: str, n: int, peers_per_host: int, steps: int):
-    """Per step: each peer's messages inside its host, its host's messages to other hosts (0 where the peer
-    sends none across), and its in-neighbours (padded with itself)."""
+    """`_pattern` of the graph `topology` at each of its steps (one period of a periodic schedule)."""
     topo = topologies.make(topology, n)
     host = np.arange(n) // peers_per_host
-    inside, across, recv = [], [], []
-    for t in range(steps if topo.period is None else min(steps, topo.period)):
-        sends = [sorted(topo.neighbors(j, t).send) for j in range(n)]
-        crossing = np.array([sum(1 for d in s if host[d] != host[j]) for j, s in enumerate(sends)])
-        per_host = np.bincount(host, weights=crossing, minlength=host.max() + 1)
-        inside.append(np.array([len(s) for s in sends]) - crossing)
-        across.append(np.where(crossing > 0, per_host[host], 0))
-        lists = [sorted(topo.neighbors(i, t).recv) for i in range(n)]
-        width = max(1, max(len(r) for r in lists))
-        recv.append(np.array([r + [i] * (width - len(r)) for i, r in enumerate(lists)]))
-    return inside, across, recv
+    patterns = [_pattern(topo, t, host) for t in range(steps if topo.period is None else min(steps, topo.period))]
+    return [p[0] for p in patterns], [p[1] for p in patterns], [p[2] for p in patterns]
+
+
+def _mix(clock: np.ndarray, pattern, link: Link, intra: Link, nbytes: float) -> np.ndarray:
+    """The clocks after one mix of `nbytes` a message: each peer's messages leave when it is ready, and it
+    waits for its in-neighbours' (the emulator's message stamps)."""
+    inside, across, recv = pattern
+    ready = clock + np.maximum(_messages(intra, inside, nbytes), _messages(link, across, nbytes))
+    return np.maximum(ready, ready[recv].max(axis=1))
 
 
 def _messages(link: Link, count: np.ndarray, nbytes: float) -> np.ndarray:
@@ -139,8 +150,16 @@ def clock_after(algorithm: Algorithm, steps: int, n: int, nbytes: float, compute
         clock = np.zeros(n)
         for t in range(steps):
             k = t % len(inside)
-            sent = np.maximum(_messages(hosts.intra, inside[k], nbytes), _messages(link, across[k], nbytes))
-            ready = clock + c + sent
-            clock = np.maximum(ready, ready[recv[k]].max(axis=1))
+            clock = _mix(clock + c, (inside[k], across[k], recv[k]), link, hosts.intra, nbytes)
+        return float(clock.max())
+    if algorithm.kind == "pairwise":  # NoLoCo: local steps; every `period` one exchange of two models in its groups
+        from dpsgd.optim import NoLoCo
+
+        pairing, host = NoLoCo.pairing(n, 2), np.arange(n) // hosts.peers_per_host
+        clock = np.zeros(n)
+        for t in range(1, steps + 1):
+            clock = clock + c
+            if t % algorithm.period == 0:  # [x - phi, phi] in one message to each partner of the step's groups
+                clock = _mix(clock, _pattern(pairing, t, host), link, hosts.intra, 2 * nbytes)
         return float(clock.max())
     raise ValueError(f"unknown algorithm kind {algorithm.kind!r}; expected one of {', '.join(KINDS)}")

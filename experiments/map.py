@@ -59,7 +59,7 @@ def cost_form(cls) -> str | None:
     """How the cost model prices the class's steps (its declared `cost_form`), or None where it cannot: none
     declared (a user's class), an unknown form, or a periodic one without a default `period`."""
     form = getattr(cls, "cost_form", None)
-    if form not in KINDS or (form == "periodic" and period(cls) is None):
+    if form not in KINDS or (form in ("periodic", "pairwise") and period(cls) is None):
         return None
     return form
 
@@ -79,7 +79,7 @@ def variants(names) -> tuple[Algorithm, ...]:
         if form == "gossip":
             for graph, word in GOSSIP_TOPOLOGIES.items():
                 out.append(Algorithm(f"{name} {word}", (run, f"topology={graph}"), form, topology=graph))
-        elif form == "periodic" and h is not None:
+        elif form in ("periodic", "pairwise") and h is not None:
             out.append(Algorithm(f"{name} H={h}", (run, f"algorithm.period={h}"), form, period=h))
         elif form == "async":
             out.append(Algorithm(name, (run, f"topology={ASYNC_TOPOLOGY}"), form))
@@ -501,7 +501,7 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:g} ms" if s >= 1e-3 else f"{s * 1e6:g} us"
 
 
-def plot(found: list[dict], axes: dict, peers: list[int], path: Path, algorithms=ALGORITHMS) -> None:
+def plot(found: list[dict], axes: dict, peers: list[int], path: Path, algorithms=ALGORITHMS, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -535,13 +535,27 @@ def plot(found: list[dict], axes: dict, peers: list[int], path: Path, algorithms
         ncol=len(algorithms) if len(peers) > 2 else 3,  # a narrow map: the legend on two lines
         fontsize=7,
     )
-    fig.suptitle(  # two lines: a map of one or two peer counts is narrow
-        "Fastest to the target: colour the winner, shade its margin (full at 4x),\n~ the seeds' intervals overlap",
+    fig.suptitle(  # what was run, then how to read it; lines: a map of one or two peer counts is narrow
+        (title + "\n" if title else "")
+        + "Fastest to the target: colour the winner, shade its margin (full at 4x),\n~ the seeds' intervals overlap",
         fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97 if not title else 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def map_title(args, cfg: dict) -> str:
+    """What the map ran, in one line: workload, data and its partition, model, target, inner optimizer, seeds."""
+    data = cfg.get("data", {})
+    partition = data.get("partition", "iid") + (f" {data.get('alpha')}" if data.get("partition") == "dirichlet" else "")
+    optimizer = cfg.get("optimizer", {})
+    inner = f"{optimizer.get('name')} lr {optimizer.get('lr')}"
+    towards = "<=" if args.metric in MINIMISED else ">="
+    return (
+        f"{args.workload}: {data.get('name')} ({partition}), {cfg.get('model', {}).get('name')}; target {args.metric} "
+        f"{towards} {args.target:g}; inner optimizer {inner} for all; {args.seeds} seed(s)"
+    )
 
 
 def markdown(result: dict) -> str:
@@ -637,6 +651,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--test-host-tcp", help="the test hosts' TCP congestion control (default Reno; 'kernel': the kernel's)"
     )
+    for axis, what in (
+        ("bandwidths", "link bandwidths in bytes/s (e.g. 1.25e7 for 100 Mbit/s)"),
+        ("latencies", "per-message latencies in seconds (e.g. 0.01)"),
+        ("peers-per-host", "peers sharing a host's link"),
+        ("slowdowns", "how many times slower the straggler (peer 1) is; 1: none"),
+    ):
+        p.add_argument(f"--{axis}", type=float, nargs="+", metavar="X", help=f"the grid's {what} (default: the grid's)")
     p.add_argument("--out", type=Path, help="default outputs/map/WORKLOAD")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run (e.g. data.alpha=0.1)")
     args = p.parse_intermixed_args(argv)
@@ -667,6 +688,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workload}: model {args.model_bytes / MB:.3g} MB, compute {compute_s * 1e3:.3g} ms a step")
     steps = fleet_steps(args, base, cfg, train_size, out)
     axes = grid(args.quick)
+    for key, given in (
+        ("bandwidth_bytes_per_s", args.bandwidths),
+        ("latency_s", args.latencies),
+        ("peers_per_host", [int(v) for v in args.peers_per_host] if args.peers_per_host else None),
+        ("slowdown", args.slowdowns),
+    ):
+        axes[key] = sorted(given) if given else axes[key]
     found = cells(steps, axes, args.peers, args.model_bytes, compute_s, args.algorithms)
     rows = checks(args, base, cfg, steps, found, train_size, out) if args.check_cells else []
     if args.test_hosts:
@@ -679,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - started,
     }  # fmt: skip
     (out / "map.json").write_text(json.dumps(result, indent=1))
-    plot(found, axes, args.peers, out / "map.png", args.algorithms)
+    plot(found, axes, args.peers, out / "map.png", args.algorithms, title=map_title(args, cfg))
     (out / "map.md").write_text(markdown(result))
     print(markdown(result))
     print(f"map: {out / 'map.json'}, {out / 'map.png'}, {out / 'map.md'} ({result['elapsed_s']:.0f} s)")

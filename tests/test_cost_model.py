@@ -9,7 +9,7 @@ from emulated import emulated_steps
 
 import topologies
 from dpsgd.comm import run_local
-from dpsgd.optim import DPSGD, AllReduce, DiLoCo, LocalSGD
+from dpsgd.optim import DPSGD, AllReduce, DiLoCo, LocalSGD, NoLoCo
 from experiments.cost_model import Algorithm, Network, clock_after
 
 NUMEL = 10_000
@@ -33,6 +33,7 @@ CASES = [
         Algorithm("dpsgd one-peer", (), "gossip", topology="one_peer_exponential"),
         lambda b, c: DPSGD(b, comm=c, topology=topologies.make("one_peer_exponential", c.size)),
     ),
+    (Algorithm("noloco H=3", (), "pairwise", period=3), lambda b, c: NoLoCo(b, comm=c, period=3)),
 ]
 CELLS = [
     Network(1e-3, 1e7),  # a per-peer link
@@ -64,7 +65,7 @@ def test_a_straggler_paces_the_synchronous_algorithms_not_adpsgd():
     assert clock_after(adpsgd, 40, 64, NBYTES, COMPUTE, cell) == pytest.approx(40 * 64 / (63 + 1 / 4) * COMPUTE)
 
 
-ONE_PEER = CASES[-1]  # D-PSGD on one_peer_exponential: 8 peers, a schedule of period 3
+ONE_PEER = next(c for c in CASES if c[0].label == "dpsgd one-peer")  # 8 peers, a schedule of period 3
 
 
 @pytest.mark.parametrize("steps", [4, 7, 8])

@@ -51,7 +51,15 @@ class NoLoCo(DistributedOptimizer):
     uses_topology = False
     label = "NoLoCo"
     knobs = {}
-    cost_form = None  # exchanges within small groups, no all-reduce: none of the map's forms
+    cost_form = "pairwise"  # local steps; every `period` one exchange of [x - phi, phi] within its groups
+
+    @staticmethod
+    def pairing(n: int, group_size: int = 2) -> Topology:
+        """The groups as a time-varying topology: W(step) averages each group of `group_size` peers that the
+        step's permutation deals (`groups`), what the peers mix with after that step."""
+        return Topology(
+            "noloco_groups", functools.partial(group_matrix, n, group_size), options={"group_size": group_size}
+        )
 
     def __init__(
         self,
@@ -80,7 +88,7 @@ class NoLoCo(DistributedOptimizer):
             raise ValueError(f"NoLoCo gamma (the pull toward the group's anchors) must be >= 0, got {gamma}")
         self.period, self.group_size, self.gamma = period, size, gamma
         n = comm.size
-        self.pairing = Topology("noloco_groups", functools.partial(group_matrix, n, size), options={"group_size": size})
+        self.pairing = NoLoCo.pairing(n, size)
         self._make = make
         self._outer = OuterOptimizer.over(make, self.param_groups, "NoLoCo")
         self.outer_optimizer = self._outer.optimizer

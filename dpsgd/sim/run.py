@@ -38,7 +38,7 @@ class FleetRun(Run):
     def train_step(self) -> float | None:
         self.step_count += 1
         sent = self.comm.bytes_sent.clone()
-        loss = float(self.fleet.step(self.step_count).mean())
+        loss = float(self.fleet.step(self.step_count).double().mean())
         self.peak_step_bytes = max(self.peak_step_bytes, float((self.comm.bytes_sent - sent).max()))
         return loss
 
