@@ -110,7 +110,7 @@ def test_single_peer_runs(app, tmp_path):
         (["topology=nope"], ["unknown topology 'nope'", "ring"]),
         (["backend=nope"], ["unknown backend 'nope'", "local", "mpi", "torch"]),
         (["peers=0"], ["peers must be an integer >= 1"]),
-        (["algorithm.name=nope"], ["unknown algorithm 'nope'", "dpsgd"]),
+        (["algorithm._target_=nope.Foo"], ["algorithm._target_='nope.Foo' cannot be imported"]),
         (["topology.name=nope", "backend=local"], ["topology 'nope'", "ring"]),
         (["topology=one_peer_exponential", "peers=6", "topology.name=hypercube"], ["hypercube", "power of 2"]),
     ],

@@ -16,7 +16,10 @@ from experiments.validate import ConfigError
         (["epochz=3"], ["unknown key 'epochz'", "no such key", "did you mean epochs?"]),
         (["+epochz=3"], ["unknown key 'epochz'", "nothing reads it", "did you mean epochs?"]),
         (["optimizer.lrr=0.1"], ["unknown key 'optimizer.lrr'", "did you mean optimizer.lr"]),
-        (["algorithm.lr=0.1"], ["unknown key 'algorithm.lr'", "the keys under algorithm: name, order, overlap"]),
+        (
+            ["algorithm.lr=0.1"],
+            ["unknown key 'algorithm.lr'", "the keys under algorithm: _target_, name, order, overlap"],
+        ),
         (["epochs=abc"], ["epochs must be an integer >= 1, got 'abc'"]),
         (["+data.rot=x"], ["unknown key 'data.rot'", "nothing reads it", "the keys under data"]),
         (["+epochs=3"], ["the config has epochs already", "epochs=..."]),
