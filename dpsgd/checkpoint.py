@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from dpsgd import runfiles
 
 KEEP = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
 
@@ -32,39 +33,21 @@ def _step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a crash of the machine
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """A JSON file written to a temporary name and renamed: a reader never sees half of it."""
-    _write_atomic(Path(path), (json.dumps(obj, indent=2) + "\n").encode())
-
-
 def save(comm, run_dir: Path, step: int, state: dict) -> None:
     """Every peer calls this at the same step with its own state (tensors, numbers, strings, lists and dicts
     of them: what `model.state_dict()`, an optimizer's and a scheduler's `state_dict()` hold); it returns
     once every peer's file is written and rank 0 has marked the step complete."""
     folder = _step_dir(run_dir, step)
-    folder.mkdir(parents=True, exist_ok=True)
+    runfiles.make_folder(folder)
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
-    _write_atomic(folder / f"rank{comm.rank}.pt", data)
-    _write_atomic(folder / f"rank{comm.rank}.sha256", f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode())
+    runfiles.write_atomic(folder / f"rank{comm.rank}.pt", data)
+    digest = f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
+    runfiles.write_atomic(folder / f"rank{comm.rank}.sha256", digest)
     comm.barrier()
     if comm.rank == 0:
-        _write_atomic(folder / "COMPLETE", json.dumps({"step": step, "peers": comm.size}).encode())
+        runfiles.write_atomic(folder / "COMPLETE", json.dumps({"step": step, "peers": comm.size}).encode())
         for old in complete_steps(run_dir, verify=False)[:-KEEP]:  # of any peer count (elastic runs)
             shutil.rmtree(_step_dir(run_dir, old), ignore_errors=True)
 
@@ -72,15 +55,28 @@ def save(comm, run_dir: Path, step: int, state: dict) -> None:
 def complete_steps(run_dir: Path, peers: int | None = None, verify: bool = True) -> list[int]:
     """Steps with a complete checkpoint of all `peers` (None: of as many peers as wrote it), oldest first
     (`verify`: every file's size and digest checked too, which reads every file)."""
-    folders = sorted((Path(run_dir) / "checkpoints").glob("step_*"))  # none when there is no such folder
-    steps = []
-    for f in folders:
+    return [step for step, why in survey(run_dir, peers, verify) if step is not None and why is None][::-1]
+
+
+def survey(run_dir: Path, peers: int | None = None, verify: bool = True) -> list[tuple[int | None, str | None]]:
+    """Every checkpoint folder of the run, newest first: (its step, None when it is complete, else why it cannot be
+    resumed by `peers` peers: `torn`'s reason). The step is the folder's (None for a folder whose name is not a
+    step's)."""
+    found: list[tuple[int | None, str | None]] = []
+    folders = []
+    for f in (Path(run_dir) / "checkpoints").glob("step_*"):  # none without that folder
+        name = f.name.removeprefix("step_")
+        if name.isdigit():
+            folders.append((int(name), f))
+        else:
+            found.append((None, f"{f.name} is not a checkpoint folder"))
+    for step, f in sorted(folders, reverse=True):
         try:
-            if torn(f, peers, verify) is None:
-                steps.append(int(json.loads((f / "COMPLETE").read_text())["step"]))
+            why = torn(f, peers, verify)
         except OSError:  # removed while read: rank 0 prunes old steps while others (a signal's handler) list them
             continue
-    return steps
+        found.append((step, why))
+    return found
 
 
 def torn(folder: Path, peers: int | None = None, verify: bool = True) -> str | None:
@@ -91,15 +87,22 @@ def torn(folder: Path, peers: int | None = None, verify: bool = True) -> str | N
         return "no COMPLETE marker (a peer died before every peer had written its file)"
     try:
         info = json.loads(marker.read_text())
-    except (OSError, ValueError):
+        written, step = int(info["peers"]), int(info["step"])
+    except (OSError, ValueError, TypeError, KeyError):
         return "COMPLETE marker unreadable"
-    if peers is not None and info.get("peers") != peers:
-        return f"written by {info.get('peers')} peers, not {peers}"
-    for r in range(int(info.get("peers", 0))):
+    if folder.name.removeprefix("step_").lstrip("0") != str(step).lstrip("0"):
+        return f"COMPLETE marker names step {step}, not the folder's"
+    if peers is not None and written != peers:
+        return f"written by {written} peers, not {peers}"
+    for r in range(written):
         pt, sidecar = folder / f"rank{r}.pt", folder / f"rank{r}.sha256"
         if not pt.exists() or not sidecar.exists():
             return f"rank{r}.pt or its digest is missing"
-        size, digest = sidecar.read_text().split()
+        try:
+            size, digest = sidecar.read_text().split()
+            int(size)
+        except (ValueError, UnicodeDecodeError):
+            return f"rank{r}.sha256 unreadable (altered)"
         if pt.stat().st_size != int(size):
             return f"rank{r}.pt has {pt.stat().st_size} bytes, {size} were written (truncated)"
         if verify and hashlib.sha256(pt.read_bytes()).hexdigest() != digest:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA_NAME = "run_schema"  # the name conf/config.yaml's defaults list gives the schema
+RESUME_VALUES = "true, false or auto"  # the bound of `resume` (a value, not a type: Hydra reads true as a bool)
 CHECK = "check"  # a field's metadata key: its bound (">= 1", "> 0", ">= 0", "in (0, 1]")
 
 
@@ -188,7 +189,9 @@ class RunConfig:
     target_accuracy: float | None = None
     device: str = "cpu"  # cpu, cuda, auto or cuda:N
     device_share: bool = False
-    resume: bool = False
+    # true: continue from the newest complete checkpoint (refused when there is none); auto: the same, or a new run
+    # when the folder holds no complete checkpoint; false: a new run (dpsgd.checkpoint, experiments.train)
+    resume: bool | str = bound(RESUME_VALUES, False)
     elastic: bool = False
     max_restarts: int = bound(">= 0", 3)
     algorithm: Choice = field(default_factory=lambda: Choice("dpsgd"))
@@ -223,19 +226,12 @@ class RunConfig:
 
     def save(self, path) -> None:
         """The run as a YAML config file at `path` (what a resume and the spawned peers read), written whole or not
-        at all: to a temporary file beside it, then renamed over it."""
-        import os
-        from pathlib import Path
-
+        at all (dpsgd.runfiles: a full disk leaves the old file or none; RunFileError says so in one line)."""
         from omegaconf import OmegaConf
 
-        path = Path(path)
-        temporary = path.with_name(f".{path.name}.tmp")
-        try:
-            OmegaConf.save(OmegaConf.create(self.as_dict()), temporary)
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
+        from dpsgd import runfiles
+
+        runfiles.write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(self.as_dict())).encode())
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with `changes` (top-level keys); sections are replaced whole."""
@@ -251,6 +247,8 @@ def _schema_of(cls: type, made: dict[type, type]) -> type:
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         default: Any = f.default
+        if len([a for a in typing.get_args(kind) if a is not type(None)]) > 1:  # bool | str: OmegaConf has no unions
+            kind = Any
         if kind is Choice:  # empty: a group's option replaces it whole (a default's keys would leak into another)
             kind, default = dict[str, Any], field(default_factory=dict)
         elif dataclasses.is_dataclass(kind):
@@ -280,6 +278,7 @@ _BOUNDS = {
     ">= 0": lambda v: v >= 0,
     "> 0": lambda v: v > 0,
     "in (0, 1]": lambda v: 0 < v <= 1,
+    RESUME_VALUES: lambda v: v is True or v is False or v == "auto",
 }
 
 
@@ -357,7 +356,7 @@ def must_be(key: str, kind: Any, check: str | None, value: Any) -> str:
     )
     if base is float and key.endswith("_s"):
         words = "a number of seconds"
-    if check and check.startswith("in "):
+    if check and (check.startswith("in ") or check == RESUME_VALUES):
         text = f"{key} must be {check}"
     else:
         text = f"{key} must be {words}{' ' + check if check else ''}"

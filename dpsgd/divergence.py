@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dpsgd import checkpoint
+from dpsgd import runfiles
 
 MODES = ("stop", "mark")
 MAX_NORM = 1e15  # a parameter vector this long has exploded (float32 squares overflow near 1.8e19 anyway)
@@ -242,7 +242,7 @@ def claim(out_dir: Path | None, exc: Diverged, summary: dict) -> Diverged:
             return exc
     with os.fdopen(fd, "w") as fh:
         json.dump(exc.as_dict(), fh)
-    checkpoint.write_json_atomic(Path(out_dir) / "summary.json", json_safe(summary))
+    runfiles.write_json_atomic(Path(out_dir) / "summary.json", json_safe(summary))
     return exc
 
 

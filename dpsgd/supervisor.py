@@ -20,6 +20,9 @@ from typing import cast
 ENV = "DPSGD_SUPERVISOR"
 _FRAME = struct.Struct("<iq")  # rank, step
 _FINISHED = -1  # the step value a peer sends when it ends normally
+_ERROR = -2  # the step value of a peer's one-line error, followed by its length (_LENGTH) and its UTF-8 text
+_LENGTH = struct.Struct("<I")
+MAX_LINE = 4096  # bytes of an error line the driver keeps
 
 
 class Supervisor(contextlib.AbstractContextManager):
@@ -34,6 +37,8 @@ class Supervisor(contextlib.AbstractContextManager):
         self.steps: dict[int, int] = {}  # rank -> the last step it began
         self.ended: dict[int, float] = {}  # rank -> time.time() its connection closed without `finished`
         self.finished: set[int] = set()
+        # rank -> (time.time() it came, the one line a peer sent as it failed): heard even when no file can be written
+        self.errors: dict[int, tuple[float, str]] = {}
         self.last_progress: float | None = None  # time.monotonic() of the newest step heard (dpsgd.backends.watchdog)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="dpsgd-supervisor", daemon=True)
@@ -64,12 +69,22 @@ class Supervisor(contextlib.AbstractContextManager):
                 state[0] += data
                 while len(state[0]) >= _FRAME.size:
                     rank, step = _FRAME.unpack_from(state[0])
-                    state[0], state[1] = state[0][_FRAME.size :], rank
-                    if step == _FINISHED:
+                    used = _FRAME.size
+                    if step == _ERROR:  # the frame, the line's length, the line: wait until all of it came
+                        if len(state[0]) < used + _LENGTH.size:
+                            break
+                        (length,) = _LENGTH.unpack_from(state[0], used)
+                        if len(state[0]) < used + _LENGTH.size + length:
+                            break
+                        text = state[0][used + _LENGTH.size : used + _LENGTH.size + length]
+                        self.errors.setdefault(rank, (now, text.decode(errors="replace")))
+                        used += _LENGTH.size + length
+                    elif step == _FINISHED:
                         self.finished.add(rank)
                     else:
                         self.steps[rank] = step
                         self.last_progress = time.monotonic()
+                    state[0], state[1] = state[0][used:], rank
                 if not data:  # the peer's process closed the connection: it ended
                     if state[1] is not None and state[1] not in self.finished:
                         self.ended.setdefault(state[1], now)
@@ -88,24 +103,47 @@ in_process_steps: dict[int, int] = {}
 in_process_progress: float | None = None  # time.monotonic() of the newest one
 
 
+def _connection(rank: int) -> tuple[socket.socket, int] | None:
+    """This peer's connection to the driver (made at the first report; call with _lock held), or None where no
+    driver listens."""
+    global _conn
+    path = os.environ.get(ENV)
+    if _conn is None and path:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            os.environ.pop(ENV, None)  # no driver listening: stop trying
+            return None
+        _conn = (sock, rank)
+    return _conn
+
+
 def report_step(rank: int, step: int) -> None:
     """Tell the driver (if it started this process, or is this process) that peer `rank` begins step `step`."""
-    global _conn, in_process_progress
+    global in_process_progress
     in_process_steps[rank], in_process_progress = step, time.monotonic()
-    path = os.environ.get(ENV)
-    if not path:
+    if not os.environ.get(ENV):
         return
     with _lock:
-        if _conn is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(path)
-            except OSError:
-                sock.close()
-                os.environ.pop(ENV, None)  # no driver listening: stop trying
-                return
-            _conn = (sock, rank)
-        _send(_conn, step)
+        conn = _connection(rank)
+        if conn is not None:
+            _send(conn, step)
+
+
+def report_error(rank: int, line: str) -> None:
+    """Tell the driver (if it started this process) the one line peer `rank` fails with: the driver names it even
+    where the peer can write no file (a full disk, a read-only folder)."""
+    text = line.encode()[:MAX_LINE]
+    with _lock:
+        conn = _connection(rank)
+        if conn is None:
+            return
+        try:
+            conn[0].sendall(_FRAME.pack(rank, _ERROR) + _LENGTH.pack(len(text)) + text)
+        except OSError:
+            pass  # the driver is gone: the peer's own log has the line
 
 
 def report_finished() -> None:

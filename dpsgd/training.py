@@ -4,28 +4,27 @@
 peers at their own pace (`AsynchronousRun`, for an optimizer that declares `asynchronous`), the fleet
 and the event simulator (dpsgd.sim.run). It averages the training loss, writes `metrics.jsonl` every
 `log_every` steps, tracks the target accuracy, checkpoints every `checkpoint.every` steps where the run
-can, and writes `summary.json` with the same keys for every kind of run (records: dpsgd.metrics.Record).
+can, shows its progress (dpsgd.progress), and writes `summary.json` with the same keys for every kind of run
+(records: dpsgd.metrics.Record), each file whole (dpsgd.runfiles).
 `train(comm, config, out_dir)` is one real peer's side of an experiment (`config`: its dpsgd.config.RunConfig);
-with `resume: true` it continues from the newest complete checkpoint in `out_dir` and ends with the numbers of an
-uninterrupted run; with `elastic: true` it continues from the newest complete checkpoint of any peer count
-(dpsgd.elastic).
+with `resume: true` it continues from the newest complete checkpoint in `out_dir` (and fails where there is none;
+`resume: auto` starts over then) and ends with the numbers of an uninterrupted run; `summary.json`'s
+`resumed_from` names the step it continued from (null for a new run); with `elastic: true` it continues from the
+newest complete checkpoint of any peer count (dpsgd.elastic).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol, cast
 
 import torch
 
 import topologies
-from dpsgd import calibration, checkpoint, divergence, elastic, loggers, metrics
+from dpsgd import calibration, checkpoint, divergence, elastic, loggers, metrics, progress, runfiles
 from dpsgd.build import Peer, Plan, build_peer
 from dpsgd.comm import Communicator
 from dpsgd.config import RunConfig
@@ -97,7 +96,7 @@ class RunLog:
         self.target = config.target_accuracy
         self.reached = reached or {}  # the first record at or above the target accuracy
         self.out_dir = out_dir
-        self._file = None
+        self._file: runfiles.JsonLines | None = None
         self._sinks: list[loggers.Sink] = []
         if out_dir is not None:
             kept = []  # a resumed run keeps what was logged up to its checkpoint
@@ -107,8 +106,11 @@ class RunLog:
                     for r in (out_dir / "metrics.jsonl").read_text().splitlines()
                     if r.strip() and json.loads(r)["step"] <= resumed_step
                 ]
-            self._file = (out_dir / "metrics.jsonl").open("w")
-            self._file.write("".join(r + "\n" for r in kept))
+            self._file = runfiles.JsonLines(out_dir / "metrics.jsonl", kept)
+            try:  # an earlier attempt's summary would say this run had ended
+                (out_dir / "summary.json").unlink(missing_ok=True)
+            except OSError as exc:
+                raise runfiles.RunFileError(out_dir / "summary.json", exc, "remove") from exc
             self._sinks = loggers.open_sinks(config.logger, config.as_dict(), out_dir, resumed_step)
 
     def write(self, record: dict, track: bool = True) -> None:
@@ -121,8 +123,7 @@ class RunLog:
                 "mb_sent_to_target": record["mb_sent_per_peer"],
             }
         if self._file is not None:
-            self._file.write(json.dumps(divergence.json_safe(record)) + "\n")
-            self._file.flush()
+            self._file.write(divergence.json_safe(record))
         for sink in self._sinks:
             sink.write(record)
 
@@ -146,7 +147,7 @@ class RunLog:
         }
         if self._file is not None and self.out_dir is not None:
             self._file.close()
-            checkpoint.write_json_atomic(self.out_dir / "summary.json", divergence.json_safe(summary))
+            runfiles.write_json_atomic(self.out_dir / "summary.json", divergence.json_safe(summary))
         for sink in self._sinks:
             sink.close(summary)
         return summary
@@ -173,36 +174,43 @@ def run_loop(
     start = time.perf_counter() - state.get("elapsed", 0.0)
     last: dict = {}
     logged = None
-    with _progress(run) as bar, divergence.ending(out_dir, lambda: run.describe(config), lambda: last):
-        task = bar.add_task("train", total=run.total_steps, completed=run.step_count, status="") if bar else None
-        while not run.done():
-            loss = run.train_step()
-            if loss is None:
-                continue
-            guard.check(run.step_count, loss)
-            running, seen = running + loss, seen + 1
-            step = run.step_count
-            evaluated = step % eval_every == 0 or step == run.total_steps
-            if step != logged and (evaluated or step % log_every == 0):
-                logged = step
-                evaluation = (whole if step == run.total_steps else sampled) if evaluated else None
-                record = run.record(running / seen, time.perf_counter() - start, evaluation)
-                if record is not None:
-                    last = record
-                    log.write(record, track=record.get("scope") != "rank 0")
-                    guard.check_record(record, run.plan.split.num_classes)
-                    running, seen = 0.0, 0
-                    if bar and record["test_accuracy"] is not None:
-                        status = f"acc {record['test_accuracy']:.3f}  loss {record['train_loss']:.3f}"
-                        bar.update(task, status=status)
-            if bar:
-                bar.update(task, completed=step)
-            if ckpt_every and step % ckpt_every == 0 and step < run.total_steps and guard.checkpoint_ok():
-                kept = run.state(
-                    {"running": running, "seen": seen, "elapsed": time.perf_counter() - start, "reached": log.reached}
-                )
-                if kept is not None and out_dir is not None:
-                    checkpoint.save(run.comm, out_dir, step, kept)
+    shown = progress.show(run.total_steps, run.step_count, _planned(run, config)) if run.writer else progress.Off()
+    status = ""
+    try:
+        with divergence.ending(out_dir, lambda: run.describe(config), lambda: last):
+            while not run.done():
+                loss = run.train_step()
+                if loss is None:
+                    continue
+                guard.check(run.step_count, loss)
+                running, seen = running + loss, seen + 1
+                step = run.step_count
+                evaluated = step % eval_every == 0 or step == run.total_steps
+                if step != logged and (evaluated or step % log_every == 0):
+                    logged = step
+                    evaluation = (whole if step == run.total_steps else sampled) if evaluated else None
+                    record = run.record(running / seen, time.perf_counter() - start, evaluation)
+                    if record is not None:
+                        last = record
+                        log.write(record, track=record.get("scope") != "rank 0")
+                        guard.check_record(record, run.plan.split.num_classes)
+                        running, seen = 0.0, 0
+                        if record["test_accuracy"] is not None:
+                            status = f"acc {record['test_accuracy']:.3f}  loss {record['train_loss']:.3f}"
+                shown.update(step, status)
+                if ckpt_every and step % ckpt_every == 0 and step < run.total_steps and guard.checkpoint_ok():
+                    kept = run.state(
+                        {
+                            "running": running,
+                            "seen": seen,
+                            "elapsed": time.perf_counter() - start,
+                            "reached": log.reached,
+                        }
+                    )
+                    if kept is not None and out_dir is not None:
+                        checkpoint.save(run.comm, out_dir, step, kept)
+    finally:
+        shown.close()
     wall = time.perf_counter() - start
     # no step since the last record (an asynchronous peer may stop right after one): that record's loss
     final = run.final(last, running / seen if seen else last.get("train_loss", float("nan")), wall)
@@ -214,27 +222,20 @@ def run_loop(
             if isinstance(block, dict)
         }
         log.write({**final, **totals}, track=False)
-    return log.summary(run.describe(config), final, {**extra, **guard.summary()}, max(wall, final["wall_time_s"]))
-
-
-def _progress(run: Run):
-    """A progress bar on the writer when stdout is a terminal (quiet in CI and pipes)."""
-    if (
-        not run.writer
-        or os.environ.get("CI")
-        or os.environ.get("DPSGD_PROGRESS", "1" if sys.stdout.isatty() else "0") != "1"
-    ):
-        return nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("[bold]training"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"),
-        transient=True,
+    resumed_from = state.get("step") if resume else None  # the checkpoint's step (dpsgd.checkpoint), or a new run
+    return log.summary(
+        run.describe(config),
+        final,
+        {**extra, **guard.summary(), "resumed_from": resumed_from},
+        max(wall, final["wall_time_s"]),
     )
+
+
+def _planned(run: Run, config: RunConfig) -> str:
+    """What the planned steps are, for the progress display's first line."""
+    plan = run.plan
+    per_epoch = f"{plan.steps_per_epoch:,} steps of {plan.batch_size} samples"
+    return f"{run.comm.size} peers, {config.epochs:,} epochs of {per_epoch}"
 
 
 # --- real peers ---------------------------------------------------------------------------------
@@ -434,4 +435,9 @@ def train(comm: Communicator, config: RunConfig, out_dir: str | Path | None = No
             event = elastic.membership_record(Path(out_dir), state["step"], comm.size, state["elastic_from"])
     elif config.resume and out_dir is not None:
         state = checkpoint.load_latest(Path(out_dir), comm.rank, comm.size)
+        if state is None and config.resume is True:  # resume=auto starts over; the app said which (experiments.train)
+            raise RuntimeError(
+                f"resume=true, but {out_dir} holds no complete checkpoint of {comm.size} peers; pass resume=auto to "
+                "start over when there is none"
+            )
     return run_loop(run, config, out_dir, state, event)

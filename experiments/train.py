@@ -10,40 +10,44 @@ agree on one output folder before Hydra starts. With `elastic=true` a world that
 
 from __future__ import annotations
 
-import contextlib
+if __name__ == "__main__":  # SIGINT/SIGTERM while the imports below take seconds: the same one line as later
+    import os as _os
+    import signal as _signal
+
+    def _interrupted_early(signum, frame):
+        name = _signal.Signals(signum).name
+        _os.write(2, f"error: interrupted by {name} before the run started; nothing ran\n".encode())
+        _os._exit(128 + signum)
+
+    for _sig in (_signal.SIGINT, _signal.SIGTERM):
+        _signal.signal(_sig, _interrupted_early)
+
+import contextlib  # noqa: E402 - after the signal handling above
 import math
 import os
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from dpsgd import backends, calibration
+from dpsgd import backends, calibration, runfiles
 from dpsgd.backends import Backend, Interrupted, exit_on_signals, stop_on_signals
 from dpsgd.config import FaultsConfig, RunConfig, parse
 from dpsgd.divergence import Diverged
-from experiments import captions, overrides
+from experiments import captions, folders, overrides
 from experiments.table import format_table
-from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, check_same_run, validate
-
-RUN_FILES = ("metrics.jsonl", "checkpoints", "summary.json", "logs")  # a folder with any of these holds a run
+from experiments.validate import CONF_DIR, ConfigError, check_group_overrides, validate
 
 
-def fail(message: str, run_dir: Path | None = None, code: int = 2):
-    """One line on stderr. A run folder this invocation made and that holds nothing but Hydra's
-    own files is removed, so nothing that looks like a result is left behind; a folder holding
-    an earlier run's files (a resume) is never touched."""
-    if run_dir is not None and run_dir.exists():
-        ours = all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
-        if ours:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the date folder Hydra made for it, if now empty
-                run_dir.parent.rmdir()
+def fail(message: str, code: int = 2):
+    """One line on stderr, and the exit `code`. The folders this invocation made for a run that never started are
+    removed where they are still empty (experiments.folders), so nothing that looks like a result is left behind; a
+    folder holding files is never touched."""
+    folders.remove_made()
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -121,8 +125,8 @@ def resume_line(run: RunConfig, run_dir: Path, launcher: Backend | None) -> str:
     steps = checkpoint.complete_steps(run_dir, None if run.elastic else run.peers, verify=False)
     kept = f"the newest complete checkpoint is step {steps[-1]}" if steps else "no complete checkpoint yet"
     args = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir=", "hydra.job.name="))]
-    args = [a for a in args if a != "hydra.output_subdir=null"]
-    again = ["resume=true", f"hydra.run.dir={run_dir}"]
+    # with no checkpoint to continue from, resume=auto starts the run again in its folder
+    again = ["resume=true" if steps else "resume=auto", f"hydra.run.dir={run_dir}"]
     if launcher is not None and run.elastic:  # torchrun stops the workers when its world re-forms
         return f"stopped by {{signal}}; {kept}; an elastic world continues from it when the launcher re-forms it"
     if launcher is not None:  # the user's launcher command is not ours to repeat
@@ -142,7 +146,7 @@ def run(config: RunConfig, run_dir: Path, launcher: Backend | None) -> dict | No
         return backends.join(config, run_dir, save_config=True)
     config.save(run_dir / "config.yaml")
     try:
-        with stop_on_signals():
+        with stop_on_signals(lambda: resume_line(config, run_dir, launcher)):
             if config.elastic:
                 return relaunching(config, run_dir)
             return backends.get(config.backend.name).start(config, run_dir, PEER_ARGV + [str(run_dir)])
@@ -156,7 +160,7 @@ def run(config: RunConfig, run_dir: Path, launcher: Backend | None) -> dict | No
 
 
 PEER_ARGV = ["-m", "experiments.peer"]
-CHECKED = False  # main() validated the run (check_run) before Hydra started
+CHECKED = False  # start() validated the run (check_run) before Hydra started
 
 
 def relaunching(run: RunConfig, run_dir: Path) -> dict:
@@ -228,22 +232,25 @@ def hydra_main(cfg: DictConfig) -> float | None:
             )
         if note and rank == 0:
             print(f"note: {note}", file=sys.stderr, flush=True)
-        if not CHECKED:  # main() checked a plain run before Hydra made its folder
+        if not CHECKED:  # start() checked a plain run before Hydra made its folder
             validate(config, world_size, launched=launcher is not None)
-        # the run folder: judged by the driver, or by rank 0 alone (another rank could look after rank
-        # 0 has begun writing; if rank 0 refuses, the launcher stops the others)
-        # an elastic world continues the run in its folder (a re-formed world is started like the first)
-        continuing = config.resume or config.elastic
+        # the run folder: judged by the driver, or by rank 0 alone (another rank could look after rank 0 has begun
+        # writing; if rank 0 refuses, the launcher stops the others), with no file of it written before
         if rank == 0:
-            if not continuing and any((run_dir / f).exists() for f in RUN_FILES):
-                raise ConfigError(
-                    f"{run_dir} already holds a run; pass resume=true to continue it, or choose a new hydra.run.dir"
-                )
-            if continuing and (run_dir / "config.yaml").exists():
-                check_same_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")), config, run_dir)
+            runfiles.make_folder(run_dir)  # a sweep's job folder (a single run's: made before Hydra started)
+            folders.claim(run_dir)
+            for line in folders.judge(run_dir, config):
+                print(f"note: {line}", file=sys.stderr, flush=True)
+            folders.record_hydra(run_dir, cfg)
     except ConfigError as exc:
-        fail(str(exc), run_dir)
-    summary = run(config, run_dir, launcher)
+        fail(str(exc))
+    except OSError as exc:  # the folder cannot be written: a full disk, a read-only file system, no permission
+        fail(runfiles.describe(exc), code=1)
+    open_log(f"rank {rank} of {world_size or config.peers}: a run of {config.algorithm.name} in {run_dir}")
+    try:
+        summary = run(config, run_dir, launcher)
+    except OSError as exc:  # the driver's own files (config.yaml, logs/): one line, as a peer's are
+        fail(runfiles.describe(exc), code=1)
     if summary is None:
         return None
     described = {"config": {"algorithm._target_": config.algorithm.target}, "summary": summary}
@@ -256,6 +263,29 @@ def hydra_main(cfg: DictConfig) -> float | None:
         print(f"note: {who} at step {first['step']}: {first['what']}", file=sys.stderr)
         return math.nan  # Optuna: a failed trial
     return summary["test_accuracy"]
+
+
+def open_log(line: str) -> None:
+    """Hydra's log file of this process (RUN/train.log, or train_rank{r}.log under a launcher), opened with its first
+    line once the run is accepted: Hydra opens it lazily (conf/config.yaml), so a refused run never makes one. A log
+    that cannot be written (a full disk) is dropped, empty file and all: the run's own files say what failed."""
+    import logging
+
+    root = logging.getLogger()
+    record = logging.LogRecord("experiments.train", logging.INFO, __file__, 0, line, None, None)
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        try:
+            if handler.stream is None:
+                handler.stream = handler._open()
+            handler.stream.write(handler.format(record) + handler.terminator)
+            handler.stream.flush()
+        except OSError:
+            root.removeHandler(handler)
+            with contextlib.suppress(OSError):
+                handler.close()  # flushes again, and fails again
+            with contextlib.suppress(OSError):
+                if os.path.getsize(handler.baseFilename) == 0:
+                    os.unlink(handler.baseFilename)
 
 
 def expand_seeds(argv: list[str]) -> list[str]:
@@ -304,6 +334,10 @@ def check_sweep(argv: list[str]) -> None:
             runs.append(validate(fit_batch_size(parse(cfg))[0]))
         except ConfigError as exc:
             fail(f"sweep job {i} of {len(jobs)} ({' '.join(job)}): {exc}; nothing was run")
+    try:
+        folders.check_sweep_dir(argv, bool(runs) and all(r.resume for r in runs))
+    except ConfigError as exc:
+        fail(f"{exc}; nothing was run")
     inner = sorted({inner_optimizer(r) for r in runs})
     if len(inner) > 1:
         print(
@@ -322,13 +356,30 @@ def inner_optimizer(run: RunConfig) -> str:
 
 
 def main() -> None:
+    launcher = None
+    try:
+        # a signal before the run's own handling begins ends the same way: one line, the exit code a shell reports
+        with stop_on_signals(lambda: "interrupted by {signal} before the run started; nothing ran"):
+            launcher = launched()
+            start(launcher)
+    except Interrupted as exc:
+        folders.remove_made()
+        if launcher is None or launcher.world()[0] == 0:  # one line for a world, from rank 0
+            name = signal_name(exc.signum)
+            print(f"error: interrupted by {name} before the run started; nothing ran", file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(128 + exc.signum)
+    if launcher is not None:
+        launcher.exit()
+
+
+def start(launcher: Backend | None) -> None:
+    """Check the command line, fix the run folder, and hand the run to Hydra (hydra_main)."""
     try:
         argv = overrides.check(expand_seeds(sys.argv[1:]))  # Hydra's own errors, as one line
-        sys.argv[1:] = argv  # Hydra reads the command line itself
         check_group_overrides(argv)
     except ConfigError as exc:
         fail(str(exc))
-    launcher = launched()
     if launcher is None and ("-m" in argv or "--multirun" in argv):
         check_sweep(argv)
     elif launcher is None:
@@ -343,12 +394,14 @@ def main() -> None:
         if _elastic(argv):
             check_elastic_launcher(launcher, argv)
         agree_on_run_dir(launcher)
-        rank = launcher.world()[0]
-        # one .hydra/ folder (rank 0's) and one log file per rank
-        sys.argv += [f"hydra.job.name=train_rank{rank}"] + (["hydra.output_subdir=null"] if rank else [])
+        # one log file per rank (rank 0's .hydra/ is written once the run is accepted: experiments.folders)
+        argv += [f"hydra.job.name=train_rank{launcher.world()[0]}"]
+    try:
+        argv = folders.prepare(argv)
+    except OSError as exc:  # the folder cannot be made: a read-only file system, no permission, a full disk
+        fail(runfiles.describe(exc), code=1)
+    sys.argv[1:] = argv  # Hydra reads the command line itself
     hydra_main()
-    if launcher is not None:
-        launcher.exit()
 
 
 if __name__ == "__main__":

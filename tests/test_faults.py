@@ -429,6 +429,53 @@ def test_supervisor_hears_steps_and_deaths():
     assert not Path(sup.path).exists()
 
 
+def test_a_peers_error_line_reaches_the_driver_without_a_file(tmp_path, monkeypatch):
+    """A peer that can write no file (a full disk) sends its line through the supervisor's socket: the driver's
+    failure line is that line, with no rank{r}.error file in the logs."""
+    from dpsgd import supervisor
+
+    with Supervisor() as sup:
+        monkeypatch.setenv(supervisor.ENV, sup.path)
+        monkeypatch.setattr(supervisor, "_conn", None)
+        try:
+            supervisor.report_step(2, 5)
+            line = "rank 2: cannot write RUN/metrics.jsonl: No space left on device (errno 28); free space ..."
+            supervisor.report_error(2, line)
+            supervisor.report_error(2, "a second line: the first one stays")
+            deadline = time.monotonic() + 5
+            while 2 not in sup.errors and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            supervisor._conn[0].close()
+        assert sup.steps == {2: 5} and sup.errors[2][1] == line
+        seen = _Seen({0: 5, 1: 5, 2: 5}, {2: sup.errors[2][0] + 0.1})
+        seen.errors = sup.errors
+        assert first_line(tmp_path, seen, 1, 3) == line
+
+
+# mpiexec.gforker's account of its ranks (MPICH 5.0.2 from the wheel, 2026-12-06: `mpiexec.gforker -n 4 python S`
+# where S's rank 2 sends itself SIGKILL; gforker then stops the others with SIGINT and SIGQUIT, and exits 0)
+GFORKER_KILLED = """\
+[0]0:Return code = 0, signaled with Quit
+[0]1:Return code = 0, signaled with Quit
+[0]2:Return code = 0, signaled with Killed
+[0]3:Return code = 0, signaled with Quit
+"""
+
+
+def test_failure_cause_reads_gforkers_account_of_a_killed_rank(tmp_path):
+    from dpsgd.backends.launch import forker_exit
+
+    assert forker_exit(GFORKER_KILLED, 2) == "Killed (signal 9)"
+    assert forker_exit(GFORKER_KILLED) == "Quit (signal 3)"  # the first it names
+    assert forker_exit("[0]1:Return code = 5\n", 1) == "exit code 5" and forker_exit("done\n") is None
+    (tmp_path / "launcher.log").write_text(GFORKER_KILLED)
+    seen = _Seen({0: 9, 1: 9, 2: 8, 3: 9}, {2: 1000.0, 0: 1000.2, 1: 1000.2, 3: 1000.3})
+    assert first_line(tmp_path, seen, 1, 4).startswith(
+        "peer 2 died at step 8 without an error message (Killed (signal 9))"
+    )
+
+
 @pytest.mark.timeout(200)
 def test_mpi_rank_killed_from_outside_is_named(app, tmp_path):
     """No injection: `kill -9` of one rank (as the OOM killer would) mid-run."""

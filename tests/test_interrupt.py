@@ -90,6 +90,64 @@ def test_signal_stops_every_peer_and_says_how_to_resume(app, tmp_path, backend, 
     assert processes_of(run_dir) == [], "processes left behind"
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_as_timeout_sends_it_is_one_stop_and_one_line(app, tmp_path):
+    """coreutils' `timeout` sends SIGTERM to the program and then to the program's process group, which holds the
+    program (timeout.c: send_sig(pid), then send_sig(0)): one request, not a second signal, so the peers get their
+    grace period and the app ends with the documented line. (50 ms apart here, so that the app sees two.)"""
+    run_dir = tmp_path / "run"
+    proc = app.start(
+        ["backend=mpi", "peers=2", *ARGS], run_dir, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_checkpoint(run_dir, 2, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted by SIGTERM; the newest complete checkpoint"), err
+    assert "second signal" not in lines[0], err
+    time.sleep(0.2)
+    assert processes_of(run_dir) == [], "processes left behind"
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask.split()[1], 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_while_the_app_starts_is_one_line(app, tmp_path):
+    """SIGTERM in the seconds the app spends importing torch and Hydra (as `timeout 3` gives it): the app catches it
+    before torch is loaded, and ends with one line, exit 143, and no run folder."""
+    run_dir = tmp_path / "run"
+    proc = app.start(["backend=local"], run_dir, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "libtorch" not in maps  # caught from the app's first lines, not only once its imports are done
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip() == "error: interrupted by SIGTERM before the run started; nothing ran", err
+    assert out == "" and not run_dir.exists()
+
+
 @pytest.mark.slow  # make soak: each starts a world of peers (20-40 s on 2 loaded cores)
 @pytest.mark.timeout(120)
 def test_peers_die_with_a_killed_driver(app, tmp_path):
@@ -172,6 +230,9 @@ def test_second_signal_kills_at_once(app, tmp_path):
             proc.kill()
     print(f"\nsecond SIGINT: app ended {took:.2f} s after it")
     assert proc.returncode == 128 + signal.SIGINT
+    lines = [line for line in proc.stderr.read().splitlines() if line.strip()]  # the documented line, still
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted by SIGINT; "), lines
+    assert lines[0].endswith("(a second signal: every peer killed at once)"), lines
     assert took < 1
     time.sleep(0.3)
     assert processes_of(run_dir) == [], "processes left behind"

@@ -5,15 +5,18 @@ transport record (dpsgd.comm.transport) with these parts added, so the app asks 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from dpsgd import progress, runfiles
 from dpsgd.comm import transport
 from dpsgd.comm.transport import Transport
 from dpsgd.config import RunConfig
+from dpsgd.runfiles import RunFileError
 from dpsgd.supervisor import ENV, Supervisor
 
 from .hosts import placement
@@ -64,12 +67,12 @@ class Backend(Transport):
         n = config.peers if peers is None else peers
         launcher = dataclasses.asdict(config.launcher) if config.launcher.hosts else None
         logs = run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        runfiles.make_folder(logs)
         start = time.monotonic()
         codes: list = []  # each process's exit code when the first failure was seen, where `spawn` knows them
-        with Supervisor() as sup:
-            progress = "1" if sys.stdout.isatty() else "0"  # decided here: the peers' stdout is a pipe
-            env = {"DPSGD_PROGRESS": progress, ENV: sup.path}
+        with Supervisor() as sup, _without_empty_logs(logs):
+            # decided here, where stdout is the user's: a peer's may be a pipe to this process (dpsgd.progress)
+            env = {progress.ENV: progress.mode(), ENV: sup.path}
             # the watchdog stops the peers when none progresses (every one hung): spawn then returns
             with Watchdog(
                 config.comm.timeout_s, lambda: sup.last_progress, lambda _: stop_live(), sup.steps.copy
@@ -89,8 +92,23 @@ class Backend(Transport):
         return json.loads((run_dir / "summary.json").read_text())
 
 
+@contextlib.contextmanager
+def _without_empty_logs(logs: Path) -> Iterator[None]:
+    """The run's logs without the files of peers (or a launcher) that said nothing: an empty file under a final name
+    would read as one cut off. Removed once the run has ended, however it ended."""
+    try:
+        yield
+    finally:
+        for path in logs.glob("*.log"):
+            with contextlib.suppress(OSError):
+                if path.stat().st_size == 0:
+                    path.unlink()
+
+
 def error_line(rank: int, exc: BaseException) -> str:
     """'rank 2: PeerTimeoutError: neighbor_average timed out ... at step 41; ...': one line."""
     text = (str(exc).strip().splitlines() or [""])[0]
     text = text.removeprefix(f"rank {rank}: ")
+    if isinstance(exc, RunFileError):  # its line says what failed and what to do: no class name needed
+        return f"rank {rank}: {text}"
     return f"rank {rank}: {type(exc).__name__}: {text}"

@@ -1,6 +1,7 @@
 """Signals to the driver: the first SIGINT or SIGTERM raises `Interrupted` where the driver waits, so
 the code that started the peers stops them (dpsgd.backends.launch: SIGTERM, SIGKILL after a grace period) and
-the app ends with one line saying how to resume; a second signal kills every peer group at once.
+the app ends with one line saying how to resume; a second signal kills every peer group at once, after the same
+line. The same signal twice within REPEAT_S is one request (`timeout` signals the program and then its group).
 
 `timeout`, `kill`, systemd, container runtimes and Slurm's preemption send SIGTERM to the driver
 alone: without this the driver died and its peers (in their own sessions) ran on unsupervised.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 
 from . import launch
@@ -26,16 +28,28 @@ class Interrupted(BaseException):  # noqa: N818 - not an error: the user asked t
         self.signum = signum
 
 
+REPEAT_S = 0.2  # the same signal again within this long is the same request: `timeout` sends SIGTERM twice
+
+
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """In the main thread: SIGINT/SIGTERM raise Interrupted once; a second one kills every peer
-    process group the run started (dpsgd.backends.launch.LIVE) and this process, at once."""
-    seen: list[int] = []
+def stop_on_signals(line: Callable[[], str] | None = None) -> Iterator[None]:
+    """In the main thread: SIGINT/SIGTERM raise Interrupted once; a second one kills every peer process group the
+    run started (dpsgd.backends.launch.LIVE) and this process at once, printing `line()` first (the app's line, with
+    `{signal}` for the signal's name). The same signal again within REPEAT_S is not a second one: `timeout` sends
+    its SIGTERM to the program and again to the program's process group, which this process is in."""
+    seen: list[tuple[int, float]] = []
 
     def handler(signum, frame):
-        seen.append(signum)
+        now = time.monotonic()
+        if seen and seen[-1][0] == signum and now - seen[-1][1] < REPEAT_S:
+            return
+        seen.append((signum, now))
         if len(seen) > 1:
             launch.stop_live(signal.SIGKILL)
+            if line is not None:
+                with contextlib.suppress(Exception):  # the line is a courtesy: the exit must happen
+                    text = line().format(signal=signal.Signals(signum).name)
+                    os.write(2, f"error: {text} (a second signal: every peer killed at once)\n".encode())
             os._exit(128 + signum)
         raise Interrupted(signum)
 

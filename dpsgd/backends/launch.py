@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,10 +132,10 @@ def failure_cause(
     (a signal, the OOM killer), its rank and last step. With `hosts` (each rank's host, for a run on
     several hosts), a silent death names every peer of that host that died without a word too: a lost
     host takes all its peers."""
-    errors = {}
+    errors = dict(getattr(sup, "errors", {}))  # (when, line) each peer sent the driver as it failed
     for r in range(n):
         path = log_dir / ERROR_FILE.format(rank=r)
-        if path.exists():
+        if r not in errors and path.exists():
             errors[r] = (path.stat().st_mtime, path.read_text().strip())
     silent = min(((t, r) for r, t in dict(sup.ended).items() if r not in errors), default=None)  # (when, rank)
     signalled = [r for r, c in enumerate(codes or []) if c is not None and c < 0]  # torch: not by us, yet
@@ -147,7 +148,7 @@ def failure_cause(
     caused = first_error is not None and ": PeerFailedError: " in first_error[1]
     if silent is not None and (first_error is None or caused or signalled or silent[0] <= first_error[0]):
         rank = silent[1]
-        reason = _exit_reason(log_dir, codes[rank] if codes and codes[rank] else code)
+        reason = _exit_reason(log_dir, codes[rank] if codes and codes[rank] else code, rank)
         if hosts is not None:
             dead = (set(sup.ended) | set(signalled)) - set(errors)
             lost = sorted(r for r in dead if hosts[r] == hosts[rank])
@@ -177,7 +178,7 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _exit_reason(log_dir: Path, code: int) -> str:
+def _exit_reason(log_dir: Path, code: int, rank: int | None = None) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
     launcher = log_dir / "launcher.log"
@@ -185,6 +186,29 @@ def _exit_reason(log_dir: Path, code: int) -> str:
     for line in text.splitlines():  # MPICH: "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)"
         if "EXIT STRING:" in line:
             return line.split("EXIT STRING:", 1)[1].strip()
+    told = forker_exit(text, rank)  # mpiexec.gforker (dpsgd.backends.mpi): "[0]2:Return code = 0, signaled with Killed"
+    if told:
+        return told
     if launcher.exists():  # mpiexec did not say how the rank ended (another rank's exit reached it first)
         return f"its process ended; mpiexec exited with code {code}"
     return f"exit code {code}"
+
+
+# gforker's account of a rank it reaped ("[0]2:Return code = 0, signaled with Killed"): world, rank, code, signal
+_FORKER_EXIT = re.compile(r"\[\d+\](\d+):Return code = (-?\d+)(?:, signaled with (.+))?$")
+
+
+def forker_exit(text: str, rank: int | None = None) -> str | None:
+    """How MPICH's mpiexec.gforker says in its output `text` that rank `rank` (None: the first it names) ended
+    abnormally, as hydra's mpiexec says it ('Killed (signal 9)', 'exit code 3'); None where it says nothing."""
+    numbers = {signal.strsignal(s): int(s) for s in signal.valid_signals() if signal.strsignal(s)}
+    for line in text.splitlines():
+        m = _FORKER_EXIT.match(line.strip())
+        if m is None or (rank is not None and int(m.group(1)) != rank):
+            continue
+        name = m.group(3)
+        if name:
+            return f"{name} (signal {numbers[name]})" if name in numbers else f"signal {name}"
+        if int(m.group(2)):
+            return f"exit code {m.group(2)}"
+    return None

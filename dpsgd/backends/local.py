@@ -6,7 +6,7 @@ import time
 import traceback
 from pathlib import Path
 
-from dpsgd import supervisor
+from dpsgd import runfiles, supervisor
 from dpsgd.comm import CommError, LocalWorld, run_local
 from dpsgd.comm.local import LocalTransport
 from dpsgd.config import RunConfig
@@ -44,9 +44,11 @@ class LocalBackend(LocalTransport, Backend):
                 raise
             raise RunFailed(f"{dog.line}; all peers stopped after {time.monotonic() - start:.1f} s") from None
         except _PeerError as exc:  # the first peer that failed; the others were released at once
-            logs = run_dir / "logs"
-            logs.mkdir(exist_ok=True)
-            (logs / "traceback.log").write_text("".join(traceback.format_exception(exc.__cause__ or exc)))
-            raise RunFailed(
-                f"{exc}; all peers stopped after {time.monotonic() - start:.1f} s (traceback: {logs / 'traceback.log'})"
-            ) from None
+            where = run_dir / "logs" / "traceback.log"
+            try:
+                runfiles.make_folder(where.parent)
+                runfiles.write_atomic(where, "".join(traceback.format_exception(exc.__cause__ or exc)).encode())
+                kept = f" (traceback: {where})"
+            except OSError:  # the failure may be that nothing can be written there (a full disk)
+                kept = ""
+            raise RunFailed(f"{exc}; all peers stopped after {time.monotonic() - start:.1f} s{kept}") from None

@@ -1,5 +1,11 @@
-"""The `mpi` backend's driver: it starts `mpiexec -n peers` from the MPI wheel (here, or on `launcher.hosts`);
-under a user's mpiexec or srun every rank joins that world (dpsgd.comm.mpi)."""
+"""The `mpi` backend's driver: it starts the peers with the MPI wheel's launcher (here, or on `launcher.hosts`); under
+a user's mpiexec or srun every rank joins that world (dpsgd.comm.mpi).
+
+On one host the launcher is MPICH's fork-based `mpiexec.gforker`: it hands each rank its PMI connection as a socket
+pair and opens no TCP port. MPICH's usual mpiexec (hydra) listens for its proxies on every interface (0.0.0.0) at a
+random port for the whole run, and no option binds that socket elsewhere (`-iface` only chooses the address it
+advertises; hydra's listener binds INADDR_ANY): it is used only for ranks on several hosts, which need that port,
+and where no gforker is installed (another MPI). How it works: docs/guide/internals.md#launch."""
 
 from __future__ import annotations
 
@@ -26,6 +32,12 @@ def mpiexec() -> str:
     return found
 
 
+def forker() -> str | None:
+    """MPICH's mpiexec.gforker beside the mpiexec in use (see the module), or None where there is none."""
+    found = Path(mpiexec()).parent / "mpiexec.gforker"
+    return str(found) if found.exists() else None
+
+
 class MPIBackend(MPITransport, Backend):
     def missing(self) -> str | None:
         problem = super().missing()
@@ -38,8 +50,12 @@ class MPIBackend(MPITransport, Backend):
         return None
 
     def spawn(self, n, argv, timeout_s=None, env=None, log_dir=None, codes_out=None, launcher=None) -> int:
-        """One mpiexec process (no exit code per rank); with `log_dir`, rank r's stderr goes to
-        log_dir/rank{r}.log and mpiexec's own output (and the ranks' stdout) to log_dir/launcher.log."""
+        """One launcher process (no exit code per rank); with `log_dir`, rank r's stderr goes to log_dir/rank{r}.log
+        and the launcher's own output to log_dir/launcher.log (hydra's, with the ranks' stdout; gforker passes the
+        ranks' stdout through)."""
+        gforker = None if launcher else forker()
+        if gforker is not None:
+            return self._forked(gforker, n, argv, timeout_s, env, log_dir)
         if launcher:
             cmd, env = self._on_hosts(launcher, n, env)
         else:
@@ -52,6 +68,21 @@ class MPIBackend(MPITransport, Backend):
             cmd += ["-errfile-pattern", str(Path(log_dir) / "rank%r.log")]
         log = Path(log_dir) / "launcher.log" if log_dir is not None else None
         return launch.run_processes([([*cmd, sys.executable, *argv], env, log)], timeout_s, stdout_to_log=True)
+
+    @staticmethod
+    def _forked(gforker: str, n: int, argv: list[str], timeout_s, env, log_dir) -> int:
+        """The ranks on this host under gforker (see the module). A rank's stderr goes to its log by a shell that
+        then becomes the rank (exec: gforker still signals and reaps the rank itself). gforker exits 0 when ranks were
+        only killed by signals: its account in launcher.log makes that a failure (exit code 1)."""
+        command = [gforker, "-n", str(n)]
+        if log_dir is not None:
+            pattern = shlex.quote(str(Path(log_dir))) + '/rank"$PMI_RANK".log'
+            command += ["/bin/sh", "-c", f'exec "$0" "$@" 2>{pattern}']
+        log = Path(log_dir) / "launcher.log" if log_dir is not None else None
+        code = launch.run_processes([([*command, sys.executable, *argv], env, log)], timeout_s)
+        if code == 0 and log is not None and log.exists() and launch.forker_exit(log.read_text(errors="replace")):
+            return 1
+        return code
 
     def _on_hosts(self, launcher: dict, n: int, env: dict | None) -> tuple[list[str], dict]:
         """mpiexec's command line and environment for ranks on `launcher["hosts"]`: its proxies started on the

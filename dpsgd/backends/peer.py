@@ -5,11 +5,12 @@ line naming its rank, leaves it in RUN_DIR/logs for the driver and ends the whol
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 
-from dpsgd import supervisor
+from dpsgd import runfiles, supervisor
 from dpsgd.comm import Communicator, transport
 from dpsgd.config import RunConfig
 from dpsgd.training import train
@@ -32,10 +33,13 @@ def run_peer(comm: Communicator, config: RunConfig, run_dir: Path | None) -> dic
         summary = train(comm, config, run_dir)
     except Exception as exc:  # noqa: BLE001 - reported in one line, then the world is stopped
         line = error_line(comm.rank, exc)
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        supervisor.report_error(comm.rank, line)  # reaches the driver where no file can be written (a full disk)
+        with contextlib.suppress(OSError):
+            print(f"error: {line}", file=sys.stderr, flush=True)
         if run_dir is not None:
-            (Path(run_dir) / "logs").mkdir(exist_ok=True)
-            (Path(run_dir) / "logs" / ERROR_FILE.format(rank=comm.rank)).write_text(line + "\n")
+            with contextlib.suppress(OSError):  # whole or not at all: the driver has the line from the supervisor
+                runfiles.make_folder(Path(run_dir) / "logs")
+                runfiles.write_atomic(Path(run_dir) / "logs" / ERROR_FILE.format(rank=comm.rank), f"{line}\n".encode())
         if hasattr(comm, "abort"):
             comm.abort(1)  # MPI: other ranks may be blocked in a collective
         # no orderly shutdown: tearing down a process group whose peers are gone can block for

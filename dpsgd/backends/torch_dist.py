@@ -1,15 +1,18 @@
-"""The `torch` backend's driver: it spawns `peers` torch.distributed processes (here, or on `launcher.hosts`);
+"""The `torch` backend's driver: it spawns `peers` torch.distributed processes (here, meeting through a rendezvous file
+in a private folder with no TCP store, or on `launcher.hosts`, through a store bound to the first host's address);
 under torchrun (RANK, WORLD_SIZE) every rank joins that world (dpsgd.comm.torch_dist), and under a plain srun
 each task is a rank (dpsgd.backends.slurm)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from dpsgd import netif
-from dpsgd.comm.torch_dist import TorchTransport
+from dpsgd.comm.torch_dist import INIT_ENV, TorchTransport
 
 from . import hosts, launch, slurm
 from .driver import Backend
@@ -54,19 +57,25 @@ class TorchBackend(TorchTransport, Backend):
                 (hosts.remote(runner, host, {**base, **rank}, argv), env, log)
                 for host, rank, log in zip(where, ranks, logs)
             ]
-        else:
-            local = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-            ranks = _rank_envs("127.0.0.1", launch.free_port(), ["localhost"] * n)
+        else:  # one host: gloo on loopback, and a rendezvous file only this user can reach instead of a TCP store
+            folder = tempfile.mkdtemp(prefix="dpsgd-rendezvous-")  # mode 0700
+            local = {"GLOO_SOCKET_IFNAME": "lo", INIT_ENV: f"file://{folder}/store", **(env or {})}
+            ranks = _rank_envs("127.0.0.1", None, ["localhost"] * n)
             commands = [([sys.executable, *argv], {**local, **rank}, log) for rank, log in zip(ranks, logs)]
+            try:
+                return launch.run_processes(commands, timeout_s, codes_out)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
         return launch.run_processes(commands, timeout_s, codes_out)
 
 
-def _rank_envs(master: str, port: int, where: list[str]) -> list[dict]:
-    """torch.distributed's variables of each rank, `where[r]` the host of rank r (its local rank counted there)."""
+def _rank_envs(master: str, port: int | None, where: list[str]) -> list[dict]:
+    """torch.distributed's variables of each rank, `where[r]` the host of rank r (its local rank counted there);
+    no MASTER_PORT where `port` is None (a rendezvous of another kind)."""
     return [
         {
             "MASTER_ADDR": master,
-            "MASTER_PORT": str(port),
+            **({"MASTER_PORT": str(port)} if port is not None else {}),
             "WORLD_SIZE": str(len(where)),
             "RANK": str(r),
             "LOCAL_RANK": str(r - where.index(host)),

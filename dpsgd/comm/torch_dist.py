@@ -23,19 +23,27 @@ from .staging import HostStaging, check_mode
 from .store import master_store
 from .transport import Transport, register
 
+# a rendezvous the app's driver hands the peers it starts on one host: `file://` a file in a folder only this user can
+# read (dpsgd.backends.torch_dist), so no TCP store listens for the run (any local user could reach one)
+INIT_ENV = "DPSGD_TORCH_INIT"
+
 
 def _init_group(dist_backend: str, timeout_s: float, init_method: str | None = None) -> None:
     """The default process group, gloo and nccl bound to the interface on the route to the master (`lo` on one host)."""
     if "MASTER_ADDR" in os.environ:
         netif.set_torch_interface(os.environ["MASTER_ADDR"])
+    init_method = init_method or os.environ.get(INIT_ENV) or None
     store = None if init_method else master_store(timeout_s)  # bound to MASTER_ADDR, not every interface
+    timeout = timedelta(seconds=timeout_s)
     if store is not None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(
-            dist_backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group(dist_backend, store=store, rank=rank, world_size=world, timeout=timeout)
         return
-    dist.init_process_group(dist_backend, init_method=init_method or "env://", timeout=timedelta(seconds=timeout_s))
+    if init_method and "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a file:// rendezvous reads no env
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+        return
+    dist.init_process_group(dist_backend, init_method=init_method or "env://", timeout=timeout)
 
 
 class _Works(Exchange):
@@ -127,8 +135,10 @@ class TorchCommunicator(Communicator):
         if not dist.is_available():
             raise RuntimeError("this torch build has no torch.distributed; choose backend=local or backend=mpi")
         if not dist.is_initialized():
-            for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-                if init_method is None and var not in os.environ:
+            init_method = init_method or os.environ.get(INIT_ENV) or None
+            needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if init_method is None else ()
+            for var in needed:
+                if var not in os.environ:
                     raise RuntimeError(
                         f"backend=torch needs a launcher: {var} is not set. Start the peers with "
                         f"`torchrun --nproc-per-node N your_script.py` (the app: `torchrun --nproc-per-node N "

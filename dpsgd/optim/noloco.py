@@ -88,7 +88,7 @@ class NoLoCo(DistributedOptimizer):
             raise ValueError(f"NoLoCo gamma (the pull toward the group's anchors) must be >= 0, got {gamma}")
         self.period, self.group_size, self.gamma = period, size, gamma
         n = comm.size
-        self.pairing = NoLoCo.pairing(n, size)
+        self.groups = NoLoCo.pairing(n, size)
         self._make = make
         self._outer = OuterOptimizer.over(make, self.param_groups, "NoLoCo")
         self.outer_optimizer = self._outer.optimizer
@@ -110,7 +110,7 @@ class NoLoCo(DistributedOptimizer):
     def _outer_step(self, params: list[torch.Tensor]) -> None:
         anchors = self._outer.anchors
         k = len(params)
-        mixed = self.comm.mix([p - a for p, a in zip(params, anchors)] + list(anchors), self.pairing, self.step_count)
+        mixed = self.comm.mix([p - a for p, a in zip(params, anchors)] + list(anchors), self.groups, self.step_count)
         ratios = [
             (float(group["lr"]) if self.gamma is None else self.gamma) / float(group["lr"])
             for group in self._outer.optimizer.param_groups  # type: ignore[union-attr]
