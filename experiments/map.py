@@ -6,8 +6,8 @@ names any algorithm whose class declares how the cost model prices it, its `cost
 1. the steps to a target (a test accuracy to reach, or a test perplexity or loss to get under), over seeds, measured
    on the fleet (`backend=fleet`) at each peer count;
 2. the time those steps take in each cell of a grid (bandwidth x latency x peers per host x a straggler's slowdown),
-   from the emulator's cost model (`experiments.cost_model`) with the workload's compute time per step measured here
-   on one core: per cell the winner, its margin (the runner-up's time over the winner's) and whether the winner's
+   from the emulator's cost model (`experiments.cost_model`) with the workload's compute time per step on one core as
+   the emulator's clock takes it (calibrated once per workload on this machine, `dpsgd.calibration`): per cell the winner, its margin (the runner-up's time over the winner's) and whether the winner's
    and the runner-up's 95% intervals over seeds (`experiments.intervals`) are apart;
 3. checks against reality: at a few cells, the winner and the runner-up run for real (mpi peers with the network
    emulated in sleep mode: peers really wait), and their time to the target is set beside the prediction.
@@ -157,28 +157,18 @@ def pinned(workload: list[str]) -> list[str]:
     ]
 
 
-def measure_compute(cfg: dict, repeats: int = 30) -> tuple[float, int, int]:
-    """Median seconds of one peer's forward and backward pass on one batch (one core), the model's bytes and the
-    training set's size."""
-    import torch
-
-    from dpsgd import build, metrics
+def measure_compute(cfg: dict) -> tuple[float, int, int]:
+    """Seconds of one peer's forward and backward pass on its batch (one core), as the emulator's calibrated clock
+    takes them (dpsgd.calibration: measured once per workload on this machine and kept, so that the map's times do
+    not move with the load while it runs), the model's bytes and the training set's size."""
+    from dpsgd import build, calibration
     from dpsgd.config import parse
 
-    torch.set_num_threads(1)
     run = parse(cfg)
     split = build.load_data(run.data, run.seed, run.peers)
     model = build.build_model(run.model, split, run.seed, run.data.name)
-    loss_fn = metrics.loss_function(split.y_train)
-    x, y = split.x_train[: int(cfg["batch_size"])], split.y_train[: int(cfg["batch_size"])]
-    times = []
-    for _ in range(repeats + 3):
-        t0 = time.perf_counter()
-        model.zero_grad()
-        loss_fn(model(x), y).backward()
-        times.append(time.perf_counter() - t0)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return float(np.median(times[3:])), int(nbytes), len(split.x_train)
+    return calibration.calibrated(run), int(nbytes), len(split.x_train)
 
 
 def epochs_for(cfg: dict, n: int, train_size: int, min_steps: int, epochs: int | None = None) -> int:
