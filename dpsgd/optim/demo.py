@@ -31,18 +31,20 @@ class DeMo(DistributedOptimizer):
     """DeMo (Peng et al. 2024): each peer keeps its own momentum, sends only its fast components, steps on the
     sign of their mean.
 
-    At every step, with gamma the base lr and lambda the base's weight_decay of the parameter's group, beta =
-    `decay`:
+    At every step, with gamma the base lr and lambda the base's weight_decay of the parameter's group,
+    beta = `decay`:
     m_i <- beta m_i + gamma g_i;  c_i = TopK(DCT(m_i));  m_i <- m_i - IDCT(c_i);  C = the peers' c_j (an
     all-gather) combined per coefficient; x_i <- (1 - gamma lambda) x_i (decoupled weight decay, the
     reference's); then the base optimizer steps with sign(IDCT(C)) as the gradient and its weight_decay held
-    at 0 for that step (x_i <- x_i - gamma sign(IDCT(C)) with plain SGD, the reference's). `aggregate` says how C combines the peers' coefficients: "senders" (each
-    coefficient's mean over the peers that sent it, 0 where none did: bloc97/DeMo's scatter mean, the
-    default) or "mean" (their sum over all n peers divided by n, the paper's mean_j q_j written linearly;
-    since a coefficient sent by few peers is scaled down, sign(IDCT(C)) differs). DCT and top-k are per
-    block: 1-D tensors in chunks of c entries, matrices in c1 x c2 tiles, c the largest divisor of the
-    dimension <= `chunk`, the `topk` largest DCT coefficients of each block kept (dpsgd.optim.chunked; a
-    tensor of more than 2 dimensions as the matrix (shape[0], rest), which the reference does not take).
+    at 0 for that step (x_i <- x_i - gamma sign(IDCT(C)) with plain SGD, the reference's).
+
+    `aggregate` says how C combines the peers' coefficients: "senders" (each coefficient's mean over the peers
+    that sent it, 0 where none did: bloc97/DeMo's scatter mean, the default) or "mean" (their sum over all n
+    peers divided by n, the paper's mean_j q_j written linearly; a coefficient sent by few peers is scaled
+    down, so sign(IDCT(C)) differs). DCT and top-k are per block: 1-D tensors in chunks of c entries,
+    matrices in c1 x c2 tiles, c the largest divisor of the dimension <= `chunk`, the `topk` largest DCT
+    coefficients of each block kept (dpsgd.optim.chunked; a tensor of more than 2 dimensions as the matrix
+    (shape[0], rest), which the reference does not take).
     The peers' models stay equal (they all apply the same sign). A message is each kept coefficient's position
     in its block (log2 of the block size, in bits) and its value (32 bits); the topology is ignored.
     Defaults are the reference's (bloc97/DeMo demo.py: decay 0.999, topk 32, chunk 64, the senders' mean);

@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-
 import common
+import numpy as np
 
 SEED, STEPS, SHAPES = 0, 5, ((96, 80), (96,))
 NUMEL = sum(int(np.prod(s)) for s in SHAPES)
