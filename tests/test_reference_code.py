@@ -229,3 +229,61 @@ def test_sparseloco_templar_check_fails_with_a_default_changed(name, change):
     meta, ref = fixture("sparseloco_templar")
     anchors, _ = sparseloco_fleet(meta, name, **change)
     assert np.abs(anchors - ref[f"{name}_anchors"]).max() > 1e-4, change
+
+
+# --- NoLoCo: gensyn-ai/noloco SparseOptimizerC -----------------------------------------------------------------
+NOLOCO_SHAPES, NOLOCO_STEPS = ((8, 12), (12,)), 12
+
+
+def scaled_inputs(shapes, steps: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """x0 = default_rng(0).normal, c = default_rng(1).normal(size=(steps, n, numel)) * (1 + i), float32 (the
+    harnesses' inputs where peer i's targets are scaled by 1 + i)."""
+    numel = sum(int(np.prod(s)) for s in shapes)
+    x0 = np.random.default_rng(0).normal(size=numel).astype(np.float32)
+    c = np.random.default_rng(1).normal(size=(steps, n, numel))
+    return x0, (c * (1 + np.arange(n))[None, :, None]).astype(np.float32)
+
+
+def noloco_fleet(meta: dict, name: str, **change) -> np.ndarray:
+    """(steps, n, numel) under dpsgd's NoLoCo with the reference's options: inner Adam, period 3, pairs, outer
+    SGD lr 0.7 momentum 0.5."""
+    from dpsgd.optim import NoLoCo
+
+    o, n = meta["options"], meta["cases"][name]["peers"]
+    x0, c = scaled_inputs(NOLOCO_SHAPES, NOLOCO_STEPS, n)
+    params = as_params(x0, NOLOCO_SHAPES, (n,))
+    options = {
+        "period": o["number_of_local_steps"],
+        "group_size": o["local_group_size"],
+        "outer": lambda ps: torch.optim.SGD(ps, lr=o["outer_lr"], momentum=o["outer_momentum"]),
+    }
+    opt = NoLoCo(torch.optim.Adam(params, lr=o["lr"]), comm=FleetCommunicator(n), **{**options, **change})
+    out = []
+    for t in range(NOLOCO_STEPS):
+        set_grads(params, flat(params, 1) - c[t], NOLOCO_SHAPES)
+        opt.step()
+        out.append(flat(params, 1))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("name", ["n2", "n4"])
+def test_noloco_equals_gensyn_noloco(name):
+    """2 and 4 peers, pairs drawn by the reference's step-seeded permutation, 4 outer steps of 3 inner Adam
+    steps: every peer's parameters after every step are the reference's to float32 rounding."""
+    meta, ref = fixture("noloco_gensyn")
+    got = noloco_fleet(meta, name)
+    np.testing.assert_allclose(got, ref[f"{name}_x"], rtol=0, atol=2e-6)
+    before = ref[f"{name}_x"][-2]  # after step 11: two inner steps since the last outer step
+    assert np.abs(before - before.mean(0)).max() > 1e-3  # the peers' gradients differ (Adam moves lr a step)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"gamma": 0.0}, {"outer": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9)}],
+    ids=["no-pull", "momentum-0.9"],
+)
+def test_noloco_check_fails_with_a_default_changed(change):
+    """Not vacuous: gamma 0 (no pull toward the partner's anchor, where the reference pulls with alpha), and
+    DiLoCo's outer momentum 0.9 for NoLoCo's 0.5."""
+    meta, ref = fixture("noloco_gensyn")
+    assert np.abs(noloco_fleet(meta, "n4", **change) - ref["n4_x"]).max() > 1e-3
