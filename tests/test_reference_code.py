@@ -287,3 +287,73 @@ def test_noloco_check_fails_with_a_default_changed(change):
     DiLoCo's outer momentum 0.9 for NoLoCo's 0.5."""
     meta, ref = fixture("noloco_gensyn")
     assert np.abs(noloco_fleet(meta, "n4", **change) - ref["n4_x"]).max() > 1e-3
+
+
+# --- LocalSGD: torch's post-local SGD averagers ------------------------------------------------------------------
+LOCAL_SHAPES, LOCAL_STEPS = ((8, 12), (12,)), 12
+# torch's warm-up W all-reduces the gradients for W steps; its averager then averages right after the first local
+# step, which with plain SGD is an all-reduce step (the mean of x - lr g_i is x - lr mean g_i): dpsgd's W + 1
+TORCH_TO_DPSGD = {
+    "periodic": {"period": 3, "warmup_steps": 3},
+    "hierarchical": {"period": 2, "group_size": 2, "global_period": 4, "warmup_steps": 5},
+    "hierarchical_w2": {"period": 2, "group_size": 2, "global_period": 4, "warmup_steps": 3},
+}
+
+
+def local_sgd_fleet(meta: dict, name: str, **change) -> np.ndarray:
+    from dpsgd.optim import LocalSGD
+
+    n = meta["cases"][name]["peers"]
+    x0, c = scaled_inputs(LOCAL_SHAPES, LOCAL_STEPS, n)
+    params = as_params(x0, LOCAL_SHAPES, (n,))
+    opt = LocalSGD(
+        torch.optim.SGD(params, lr=meta["lr"]), comm=FleetCommunicator(n), **{**TORCH_TO_DPSGD[name], **change}
+    )
+    out = []
+    for t in range(LOCAL_STEPS):
+        set_grads(params, flat(params, 1) - c[t], LOCAL_SHAPES)
+        opt.step()
+        out.append(flat(params, 1))
+    return np.array(out)
+
+
+def averaged(x: np.ndarray) -> list[str]:
+    """Per step (1-based), what the peers' parameters show: "all" equal, "pairs" (0 = 1, 2 = 3) equal, or "-"."""
+    out = []
+    for step in x:
+        if all(np.array_equal(step[0], s) for s in step):
+            out.append("all")
+        elif np.array_equal(step[0], step[1]) and np.array_equal(step[2], step[3]):
+            out.append("pairs")
+        else:
+            out.append("-")
+    return out
+
+
+@pytest.mark.parametrize("name", ["periodic", "hierarchical"])
+def test_local_sgd_equals_torchs_post_local_sgd(name):
+    """4 peers, plain SGD, torch's DDP post_localSGD_hook with PeriodicModelAverager (period 3, warm-up 2) or
+    HierarchicalModelAverager (pairs every 2 steps, all every 4, warm-up 4): every peer's parameters after every
+    step are torch's to float32 rounding, with dpsgd's warm-up one step longer (see TORCH_TO_DPSGD)."""
+    meta, ref = fixture("local_sgd_torch")
+    np.testing.assert_allclose(local_sgd_fleet(meta, name), ref[f"{name}_x"], rtol=0, atol=1e-6)
+
+
+def test_torchs_hierarchical_averager_counts_the_absolute_step():
+    """The documented difference: torch's HierarchicalModelAverager averages at 0-based step u >= warm-up when u
+    % period == 0 (the absolute step), dpsgd when (t - warm-up) % period == 0. At a warm-up that is a multiple of
+    the global period the two agree (above); at warm-up 2 torch averages pairs right after it, where dpsgd can
+    only all-reduce, and from then on the two alternate out of phase."""
+    meta, ref = fixture("local_sgd_torch")
+    torch_steps = averaged(ref["hierarchical_w2_x"])
+    assert torch_steps == ["all", "all", "pairs", "-", "all", "-", "pairs", "-", "all", "-", "pairs", "-"]
+    dpsgd_steps = averaged(local_sgd_fleet(meta, "hierarchical_w2"))
+    assert dpsgd_steps == ["all", "all", "all", "-", "pairs", "-", "all", "-", "pairs", "-", "all", "-"]
+    assert averaged(ref["hierarchical_x"]) == averaged(local_sgd_fleet(meta, "hierarchical"))
+
+
+@pytest.mark.parametrize("change", [{"warmup_steps": 2}, {"period": 4}], ids=["torch-warmup", "period-4"])
+def test_local_sgd_check_fails_with_a_default_changed(change):
+    """Not vacuous: torch's warm-up count taken as dpsgd's, and another period."""
+    meta, ref = fixture("local_sgd_torch")
+    assert np.abs(local_sgd_fleet(meta, "periodic", **change) - ref["periodic_x"]).max() > 1e-3
