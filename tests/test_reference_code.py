@@ -357,3 +357,55 @@ def test_local_sgd_check_fails_with_a_default_changed(change):
     """Not vacuous: torch's warm-up count taken as dpsgd's, and another period."""
     meta, ref = fixture("local_sgd_torch")
     assert np.abs(local_sgd_fleet(meta, "periodic", **change) - ref["periodic_x"]).max() > 1e-3
+
+
+# --- SlowMo: fairscale's SlowMoDistributedDataParallel ------------------------------------------------------------
+def slowmo_fleet(meta: dict, **change) -> np.ndarray:
+    """dpsgd's SlowMo with fairscale's two frequencies: a plain average of all peers every localsgd_frequency steps
+    (group_size n, period), the slow momentum step every slowmo_frequency steps (global_period)."""
+    from dpsgd.optim import SlowMo
+
+    o, n = meta["options"], meta["cases"]["init_first"]["peers"]
+    x0, c = scaled_inputs(LOCAL_SHAPES, LOCAL_STEPS, n)
+    params = as_params(x0, LOCAL_SHAPES, (n,))
+    options = {
+        "period": o["localsgd_frequency"],
+        "group_size": n,
+        "global_period": o["slowmo_frequency"],
+        "outer": lambda ps: torch.optim.SGD(ps, lr=o["slowmo_lr"], momentum=o["slowmo_momentum"]),
+    }
+    opt = SlowMo(torch.optim.SGD(params, lr=meta["lr"]), comm=FleetCommunicator(n), **{**options, **change})
+    out = []
+    for t in range(LOCAL_STEPS):
+        set_grads(params, flat(params, 1) - c[t], LOCAL_SHAPES)
+        opt.step()
+        out.append(flat(params, 1))
+    return np.array(out)
+
+
+def test_slowmo_equals_fairscales_slowmo():
+    """4 peers, plain SGD, local averaging every 3 steps and the slow momentum step (beta 0.5, alpha 1) every 6,
+    fairscale's anchor taken at the start: every peer's parameters after every step are fairscale's to float32
+    rounding.
+
+    The documented difference: used as its docstring shows (perform_slowmo after each step, nothing before),
+    fairscale takes its first anchor after the first local step, each of its n slices of the flattened
+    parameters from the peer that keeps that slice's slow state (peer r's model for slice r). The first slow
+    step does not see the anchor (with a zero momentum it lands on the average), so the two agree through step
+    11 and part from the second slow step, at 12."""
+    meta, ref = fixture("slowmo_fairscale")
+    got = slowmo_fleet(meta)
+    np.testing.assert_allclose(got, ref["init_first_x"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[:11], ref["as_documented_x"][:11], rtol=0, atol=1e-6)
+    assert np.abs(got[11] - ref["as_documented_x"][11]).max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"outer": lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9)}, {"group_size": None, "global_period": None}],
+    ids=["momentum-0.9", "one-frequency"],
+)
+def test_slowmo_check_fails_with_a_default_changed(change):
+    """Not vacuous: another slow momentum, and the slow step at every averaging (one frequency, dpsgd's default)."""
+    meta, ref = fixture("slowmo_fairscale")
+    assert np.abs(slowmo_fleet(meta, **change) - ref["init_first_x"]).max() > 1e-3
