@@ -409,3 +409,38 @@ def test_slowmo_check_fails_with_a_default_changed(change):
     """Not vacuous: another slow momentum, and the slow step at every averaging (one frequency, dpsgd's default)."""
     meta, ref = fixture("slowmo_fairscale")
     assert np.abs(slowmo_fleet(meta, **change) - ref["init_first_x"]).max() > 1e-3
+
+
+# --- SGP: facebookresearch/stochastic_gradient_push ---------------------------------------------------------------
+def sgp_fleet(meta: dict, topology: str = "one_peer_directed_exponential") -> np.ndarray:
+    """(steps, n, numel): dpsgd's SGP, plain SGD, on the reference's default graph (each peer pushes half its mass
+    to i + 2^(k mod log2 n), the other half it keeps: topologies' one_peer_directed_exponential)."""
+    import topologies
+    from dpsgd.optim import SGP
+
+    n = meta["peers"]
+    x0, c = scaled_inputs(LOCAL_SHAPES, LOCAL_STEPS, n)
+    params = as_params(x0, LOCAL_SHAPES, (n,))
+    opt = SGP(torch.optim.SGD(params, lr=meta["lr"]), topology=topologies.make(topology, n), comm=FleetCommunicator(n))
+    out = []
+    for t in range(LOCAL_STEPS):
+        set_grads(params, flat(params, 1) - c[t], LOCAL_SHAPES)
+        opt.step()
+        out.append(flat(params, 1))
+    return np.array(out)
+
+
+def test_sgp_equals_facebooks_stochastic_gradient_push():
+    """4 peers, plain SGD, GossipDataParallel's defaults (NPeerDynamicDirectedExponentialGraph, one peer per
+    iteration, UniformMixing, push-sum with lazy mixing on its regular graph): every peer's de-biased model after
+    every step is the reference's to float32 rounding."""
+    meta, ref = fixture("sgp_facebook")
+    np.testing.assert_allclose(sgp_fleet(meta), ref["x"], rtol=0, atol=1e-6)
+    assert np.abs(ref["x"][-1] - ref["x"][-1].mean(0)).max() > 1e-2  # the peers disagree: gossip, not an average
+
+
+def test_sgp_check_fails_with_another_graph():
+    """Not vacuous: the static directed exponential graph (every peer to i + 1 and i + 2 at once) in place of the
+    reference's one peer per step."""
+    meta, ref = fixture("sgp_facebook")
+    assert np.abs(sgp_fleet(meta, "directed_exponential") - ref["x"]).max() > 1e-3
