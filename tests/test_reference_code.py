@@ -444,3 +444,73 @@ def test_sgp_check_fails_with_another_graph():
     reference's one peer per step."""
     meta, ref = fixture("sgp_facebook")
     assert np.abs(sgp_fleet(meta, "directed_exponential") - ref["x"]).max() > 1e-3
+
+
+# --- Choco-SGD: epfml/ChocoSGD convex_code ------------------------------------------------------------------------
+CHOCO_CODECS = {  # the code's quantization -> dpsgd's compressor options
+    "top": lambda o: {"compressor": "top_k", "ratio": o["coordinates_to_keep"] / 30},
+    "random-biased": lambda o: {"compressor": "random_k", "ratio": o["coordinates_to_keep"] / 30},
+    "qsgd-biased": lambda o: {"compressor": "qsgd", "levels": o["num_levels"], "rescale": True},
+    "qsgd-unbiased": lambda o: {"compressor": "qsgd", "levels": o["num_levels"], "rescale": False},
+}
+
+
+def choco_run(meta: dict, ref: dict, name: str, monkeypatch, **change) -> np.ndarray:
+    """(steps, machines, features): dpsgd's Choco on the code's logistic regression, ring and inputs, each
+    machine's gradient at its sampled row (ref[name_sample]) and the compressor's draws the code made (patched into
+    dpsgd's codecs, keyed by (sender, step)), ordered and started as the code does."""
+    import topologies
+    from dpsgd.comm import codecs
+    from dpsgd.optim import Choco
+
+    case, n, d = meta["cases"][name], 4, 30
+    A = np.random.default_rng(0).normal(size=(40, d))
+    y = np.sign(np.random.default_rng(1).normal(size=40))
+    x0 = np.random.default_rng(2).normal(size=d) * 0.1
+    if f"{name}_positions" in ref:
+        positions = ref[f"{name}_positions"]
+        monkeypatch.setattr(
+            codecs.RandomK, "indices", lambda self, numel, key, device: torch.from_numpy(positions[key[1], key[0]])
+        )
+    if f"{name}_uniforms" in ref:
+        uniforms = ref[f"{name}_uniforms"]
+        monkeypatch.setattr(
+            codecs.QSGD, "uniforms", lambda self, numel, key, dtype, device: torch.from_numpy(uniforms[key[1], key[0]])
+        )
+    x = torch.nn.Parameter(torch.from_numpy(np.tile(x0, (n, 1))))
+    options = {**CHOCO_CODECS[case["quantization"]](case), "gamma": meta["consensus_lr"]}
+    options.update(order="gossip_first", copies_start="model")
+    opt = Choco(
+        torch.optim.SGD([x], lr=meta["lr"]), topology=topologies.make("ring", n), comm=FleetCommunicator(n),
+        **{**options, **change},
+    )  # fmt: skip
+    out = []
+    for rows in ref[f"{name}_sample"]:
+        a, label = A[rows], y[rows]  # (machines, features), (machines,)
+        margin = (a * x.detach().numpy()).sum(1)
+        minus_grad = label[:, None] * a * (1 / (1 + np.exp(label * margin)))[:, None]
+        x.grad = torch.from_numpy(-minus_grad)
+        opt.step()
+        out.append(x.detach().numpy().copy())
+    return np.array(out)
+
+
+@pytest.mark.parametrize("name", ["top", "random_biased", "qsgd_biased", "qsgd_unbiased"])
+def test_choco_equals_epfml_chocosgd(name, monkeypatch):
+    """4 machines on a ring, logistic regression, 10 steps, each of the code's compressors (top-k, random-k,
+    QSGD rescaled and not) with its own random draws: every machine's model after every step equals the code's to
+    float64 rounding, with Choco's `order: gossip_first` and `copies_start: model` (the code's form)."""
+    meta, ref = fixture("choco_epfml")
+    np.testing.assert_allclose(choco_run(meta, ref, name, monkeypatch), ref[f"{name}_x"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name, change",
+    [("top", {"order": "compress_first"}), ("top", {"copies_start": "zero"}), ("qsgd_biased", {"rescale": False})],
+    ids=["paper-order", "zero-copies", "qsgd-unscaled"],
+)
+def test_choco_check_fails_with_a_default_changed(name, change, monkeypatch):
+    """Not vacuous: dpsgd's default order (the ICML 2019 paper's) and start of the copies, each differs from the
+    code's; and QSGD without its rescaling."""
+    meta, ref = fixture("choco_epfml")
+    assert np.abs(choco_run(meta, ref, name, monkeypatch, **change) - ref[f"{name}_x"]).max() > 1e-4
