@@ -514,3 +514,41 @@ def test_choco_check_fails_with_a_default_changed(name, change, monkeypatch):
     code's; and QSGD without its rescaling."""
     meta, ref = fixture("choco_epfml")
     assert np.abs(choco_run(meta, ref, name, monkeypatch, **change) - ref[f"{name}_x"]).max() > 1e-4
+
+
+# --- QGM: epfml/quasi-global-momentum ------------------------------------------------------------------------------
+def qgm_fleet(meta: dict, **change) -> np.ndarray:
+    """(steps, n, numel): dpsgd's QGM (order atc, beta 0.9, mu = beta) on the code's ring (1/3 each), plain SGD."""
+    import topologies
+    from dpsgd.optim import QGM
+
+    n = meta["peers"]
+    x0, c = scaled_inputs(LOCAL_SHAPES, LOCAL_STEPS, n)
+    params = as_params(x0, LOCAL_SHAPES, (n,))
+    options = {"beta": meta["momentum"], **change}
+    opt = QGM(
+        torch.optim.SGD(params, lr=meta["lr"]),
+        topology=topologies.make("ring", n),
+        comm=FleetCommunicator(n),
+        **options,
+    )
+    out = []
+    for t in range(LOCAL_STEPS):
+        set_grads(params, flat(params, 1) - c[t], LOCAL_SHAPES)
+        opt.step()
+        out.append(flat(params, 1))
+    return np.array(out)
+
+
+def test_qgm_equals_epfml_quasi_global_momentum():
+    """4 peers on a ring, beta 0.9 and the code's buffer factor 0.1 (mu = 0.9): every peer's parameters after every
+    step equal the code's to float32 rounding."""
+    meta, ref = fixture("qgm_epfml")
+    np.testing.assert_allclose(qgm_fleet(meta), ref["x"], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("change", [{"mu": 0.5}, {"order": "cta"}], ids=["mu-0.5", "cta"])
+def test_qgm_check_fails_with_a_default_changed(change):
+    """Not vacuous: another buffer factor, and the other order."""
+    meta, ref = fixture("qgm_epfml")
+    assert np.abs(qgm_fleet(meta, **change) - ref["x"]).max() > 1e-3
