@@ -552,3 +552,41 @@ def test_qgm_check_fails_with_a_default_changed(change):
     """Not vacuous: another buffer factor, and the other order."""
     meta, ref = fixture("qgm_epfml")
     assert np.abs(qgm_fleet(meta, **change) - ref["x"]).max() > 1e-3
+
+
+# --- ClippedGossip: epfml/byzantine-robust-decentralized-optimizer -------------------------------------------------
+def clipped_gossip_fleet(meta: dict, name: str, **rule) -> np.ndarray:
+    """(steps, n, numel): dpsgd's D-PSGD (order atc: the local step, then the mix, as the reference's trainer) on a
+    ring of 5 (1/3 each, the reference's Metropolis weights) with robust=clipped_gossip, plain SGD."""
+    import topologies
+    from dpsgd.comm import robust
+    from dpsgd.optim import DPSGD
+
+    n = meta["peers"]
+    x0, c = scaled_inputs(((108,),), 12, n)
+    (x,) = as_params(x0, ((108,),), (n,))
+    comm = robust.wrap(
+        FleetCommunicator(n), {"name": "clipped_gossip", "byzantine": 1, "tau": meta["cases"][name], **rule}
+    )
+    opt = DPSGD(torch.optim.SGD([x], lr=meta["lr"]), topology=topologies.make("ring", n), comm=comm, order="atc")
+    out = []
+    for t in range(12):
+        x.grad = (x.detach() - torch.from_numpy(c[t])).clone()
+        opt.step()
+        out.append(x.detach().numpy().copy())
+    return np.array(out)
+
+
+@pytest.mark.parametrize("name", ["adaptive", "tau05"])
+def test_clipped_gossip_equals_epfmls_self_centered_clipping(name):
+    """5 workers on a ring, the adaptive radius (the second largest distance to a neighbour: byzantine 1) and a fixed
+    tau 0.5: every worker's model after every step equals the reference's to float32 rounding."""
+    meta, ref = fixture("clipped_gossip_epfml")
+    np.testing.assert_allclose(clipped_gossip_fleet(meta, name), ref[f"{name}_x"], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("name, rule", [("adaptive", {"byzantine": 0}), ("tau05", {"tau": 1.0})], ids=["b0", "tau1"])
+def test_clipped_gossip_check_fails_with_a_default_changed(name, rule):
+    """Not vacuous: the adaptive radius at the farthest distance (byzantine 0: nothing clipped), another tau."""
+    meta, ref = fixture("clipped_gossip_epfml")
+    assert np.abs(clipped_gossip_fleet(meta, name, **rule) - ref[f"{name}_x"]).max() > 1e-3
