@@ -590,3 +590,58 @@ def test_clipped_gossip_check_fails_with_a_default_changed(name, rule):
     """Not vacuous: the adaptive radius at the farthest distance (byzantine 0: nothing clipped), another tau."""
     meta, ref = fixture("clipped_gossip_epfml")
     assert np.abs(clipped_gossip_fleet(meta, name, **rule) - ref[f"{name}_x"]).max() > 1e-3
+
+
+# --- D2 and gradient tracking: epfml/quasi-global-momentum ----------------------------------------------------------
+def d2_gt_fleet(meta: dict, name: str, **change) -> np.ndarray:
+    """(steps, n, numel): dpsgd's D2 or GradientTracking on the code's ring of 5 (1/3 each), plain SGD."""
+    import topologies
+    from dpsgd.optim import D2, GradientTracking
+
+    n = meta["peers"]
+    x0, c = scaled_inputs(LOCAL_SHAPES, LOCAL_STEPS, n)
+    params = as_params(x0, LOCAL_SHAPES, (n,))
+    make = {"d2": D2, "gradient_tracking": GradientTracking}[name]
+    opt = make(
+        torch.optim.SGD(params, lr=meta["lr"]), topology=topologies.make("ring", n), comm=FleetCommunicator(n), **change
+    )
+    out = []
+    for t in range(LOCAL_STEPS):
+        set_grads(params, flat(params, 1) - c[t], LOCAL_SHAPES)
+        opt.step()
+        out.append(flat(params, 1))
+    return np.array(out)
+
+
+def test_d2_equals_epfmls_decentralized_d2():
+    """5 peers on a ring, plain SGD: every peer's parameters after every step equal the code's to float32
+    rounding, which 2 x - x_prev lets grow to a few units in the sixth digit by step 12 (its first step plain, then
+    x <- W (2 x - x_prev - lr (g - g_prev)))."""
+    meta, ref = fixture("d2_gt_epfml")
+    np.testing.assert_allclose(d2_gt_fleet(meta, "d2"), ref["d2_x"], rtol=0, atol=1e-5)
+
+
+def test_d2_check_fails_with_lazy_mixing():
+    """Not vacuous: D2 with (I + W) / 2 (lazy_mixing, its option for rings of even size) is another trajectory."""
+    meta, ref = fixture("d2_gt_epfml")
+    assert np.abs(d2_gt_fleet(meta, "d2", lazy_mixing=True) - ref["d2_x"]).max() > 1e-3
+
+
+def test_gradient_tracking_differs_from_epfmls_code_in_where_it_mixes_the_tracker():
+    """The documented difference: epfml's code steps x <- W x - lr y with its own tracker y (then mixes y), dpsgd the
+    paper's (Pu & Nedic 2021) x <- W (x - lr y), which mixes the step too; they part at the first step already,
+    by lr (y_i - sum_j W[i,j] y_j), and the reference's own numbers follow its form (checked here in numpy)."""
+    meta, ref = fixture("d2_gt_epfml")
+    n, lr = meta["peers"], meta["lr"]
+    x0, c = scaled_inputs(LOCAL_SHAPES, LOCAL_STEPS, n)
+    import topologies
+
+    W = topologies.make("ring", n).mixing_matrix(0).astype(np.float32)
+    x, y, g_prev, want = np.tile(x0, (n, 1)), None, None, []
+    for t in range(LOCAL_STEPS):  # the code's form, restated: y_t = W y_{t-1} + g_t - g_{t-1}; x <- W x - lr y_t
+        g = x - c[t]
+        y = g.copy() if y is None else W @ y + g - g_prev
+        x, g_prev = W @ x - lr * y, g
+        want.append(x)
+    np.testing.assert_allclose(np.array(want), ref["gradient_tracking_x"], rtol=0, atol=2e-5)
+    assert np.abs(d2_gt_fleet(meta, "gradient_tracking") - ref["gradient_tracking_x"])[0].max() > 1e-3
