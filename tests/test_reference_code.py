@@ -412,16 +412,18 @@ def test_slowmo_check_fails_with_a_default_changed(change):
 
 
 # --- SGP: facebookresearch/stochastic_gradient_push ---------------------------------------------------------------
-def sgp_fleet(meta: dict, topology: str = "one_peer_directed_exponential") -> np.ndarray:
+def sgp_fleet(meta: dict, topology="one_peer_directed_exponential") -> np.ndarray:
     """(steps, n, numel): dpsgd's SGP, plain SGD, on the reference's default graph (each peer pushes half its mass
-    to i + 2^(k mod log2 n), the other half it keeps: topologies' one_peer_directed_exponential)."""
+    to i + 2^(k mod log2 n), the other half it keeps: topologies' one_peer_directed_exponential), or on a given
+    Topology."""
     import topologies
     from dpsgd.optim import SGP
 
     n = meta["peers"]
     x0, c = scaled_inputs(LOCAL_SHAPES, LOCAL_STEPS, n)
     params = as_params(x0, LOCAL_SHAPES, (n,))
-    opt = SGP(torch.optim.SGD(params, lr=meta["lr"]), topology=topologies.make(topology, n), comm=FleetCommunicator(n))
+    graph = topologies.make(topology, n) if isinstance(topology, str) else topology
+    opt = SGP(torch.optim.SGD(params, lr=meta["lr"]), topology=graph, comm=FleetCommunicator(n))
     out = []
     for t in range(LOCAL_STEPS):
         set_grads(params, flat(params, 1) - c[t], LOCAL_SHAPES)
@@ -439,11 +441,37 @@ def test_sgp_equals_facebooks_stochastic_gradient_push():
     assert np.abs(ref["x"][-1] - ref["x"][-1].mean(0)).max() > 1e-2  # the peers disagree: gossip, not an average
 
 
+def nonregular(meta: dict, phases=(0, 1)):
+    """The fixture's non-regular graph as dpsgd's column stochastic schedule: at phase k, sender j keeps half its
+    mass and pushes half to its k-th out-peer (UniformMixing with one peer per iteration)."""
+    import topologies
+
+    graph, n = {int(r): peers for r, peers in meta["nonregular_graph"].items()}, meta["peers"]
+    matrices = []
+    for k in phases:
+        w = np.eye(n) * 0.5
+        for j in range(n):
+            w[graph[j][k], j] += 0.5
+        matrices.append(w)
+    return topologies.from_matrix(matrices, directed=True, name="nonregular")
+
+
+def test_sgp_push_sum_equals_the_reference_on_a_nonregular_graph():
+    """On the default graph every peer receives as many messages as it sends, so the push-sum weights stay 1 and
+    x / w never divides by anything but 1. On the fixture's graph of unequal in-degrees (handed to the reference
+    as `graph=`, which then mixes on transfer, not lazily) the weights move: every peer's de-biased model after
+    every step is the reference's to float32 rounding."""
+    meta, ref = fixture("sgp_facebook")
+    np.testing.assert_allclose(sgp_fleet(meta, nonregular(meta)), ref["nonregular_x"], rtol=0, atol=1e-6)
+    assert np.abs(ref["nonregular_x"] - ref["x"]).max() > 1e-2  # the graph matters
+
+
 def test_sgp_check_fails_with_another_graph():
     """Not vacuous: the static directed exponential graph (every peer to i + 1 and i + 2 at once) in place of the
     reference's one peer per step."""
     meta, ref = fixture("sgp_facebook")
     assert np.abs(sgp_fleet(meta, "directed_exponential") - ref["x"]).max() > 1e-3
+    assert np.abs(sgp_fleet(meta, nonregular(meta, (1, 0))) - ref["nonregular_x"]).max() > 1e-3  # phases swapped
 
 
 # --- Choco-SGD: epfml/ChocoSGD convex_code ------------------------------------------------------------------------

@@ -1,6 +1,13 @@
 """facebookresearch/stochastic_gradient_push's SGP (gossip/distributed.py GossipDataParallel with its default
 graph, NPeerDynamicDirectedExponentialGraph, UniformMixing and PushSum) on 4 gloo processes: every peer's model.
 
+Two cases: "x", the default graph (regular: every peer receives as many messages as it sends, so the push-sum
+weights stay 1 and the wrapper mixes lazily), and "nonregular_x", a graph given to the wrapper (`graph=`) whose
+in-degrees differ, so that the weights move and the de-biasing x / w is exercised: a GraphManager subclass whose
+phone book (an input, not the rule) is 0: [1, 3], 1: [0, 2], 2: [0, 3], 3: [2, 1], one peer per iteration, rotated
+every step as the reference rotates a dynamic graph (in-degrees 2, 1, 1, 0 at phone-book index 0; it says
+is_regular_graph False, so the wrapper mixes on transfer, not lazily).
+
 Usage: python tools/fidelity/sgp_facebook.py SGP_CHECKOUT tests/fixtures/sgp_facebook.npz
 (SGP_CHECKOUT: a clone of https://github.com/facebookresearch/stochastic_gradient_push.)
 
@@ -43,7 +50,10 @@ class NoStream:
         pass
 
 
-def peer(rank, n, port, checkout, tmp):
+NONREGULAR = {0: [1, 3], 1: [0, 2], 2: [0, 3], 3: [2, 1]}  # each rank's out-peers, one per iteration in turn
+
+
+def peer(rank, n, port, checkout, tmp, case):
     import torch
 
     common.init(rank, n, port)
@@ -54,6 +64,24 @@ def peer(rank, n, port, checkout, tmp):
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # graph_manager.Edge's warm-up all-reduce of a [1]
     sys.path.insert(0, checkout)
     from gossip import GossipDataParallel
+    from gossip.graph_manager import GraphManager
+
+    class NonRegular(GraphManager):
+        def _make_graph(self):
+            for r in range(self.world_size):
+                self._add_peers(r, NONREGULAR[r])
+
+        def is_regular_graph(self):
+            return False
+
+        def is_bipartite_graph(self):
+            return False
+
+        def is_passive(self, rank=None):
+            return False
+
+        def is_dynamic_graph(self, graph_type=None):
+            return True
 
     GossipDataParallel.scatter = lambda self, inputs, kwargs, device_ids: ((inputs,), (kwargs,))
     x0, c = inputs()
@@ -71,7 +99,8 @@ def peer(rank, n, port, checkout, tmp):
         def forward(self, x):
             return torch.cat([self.w.reshape(-1), self.b]) + 0 * x
 
-    model = GossipDataParallel(Flat(), device_ids=[0], rank=rank, world_size=n)
+    graph = NonRegular(rank, n) if case == "nonregular_x" else None
+    model = GossipDataParallel(Flat(), device_ids=[0], rank=rank, world_size=n, graph=graph)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     seen = []
     for t in range(STEPS + 1):
@@ -83,16 +112,18 @@ def peer(rank, n, port, checkout, tmp):
         (0.5 * (out - torch.from_numpy(c[t, rank])).pow(2).sum()).backward()
         opt.step()
         model.transfer_params()
-    np.save(f"{tmp}.rank{rank}.npy", np.array(seen[1:]))
+    np.save(f"{tmp}.{case}.rank{rank}.npy", np.array(seen[1:]))
     os._exit(0)  # the gossip thread is a daemon waiting on its flag
 
 
 if __name__ == "__main__":
     checkout, out = sys.argv[1], sys.argv[2]
-    common.spawn(peer, N, checkout, out)
-    arrays = {"x": np.stack([np.load(f"{out}.rank{r}.npy") for r in range(N)], axis=1)}
-    for r in range(N):
-        os.remove(f"{out}.rank{r}.npy")
+    arrays = {}
+    for case in ("x", "nonregular_x"):
+        common.spawn(peer, N, checkout, out, case)
+        arrays[case] = np.stack([np.load(f"{out}.{case}.rank{r}.npy") for r in range(N)], axis=1)
+        for r in range(N):
+            os.remove(f"{out}.{case}.rank{r}.npy")
     meta = {
         "repo": "https://github.com/facebookresearch/stochastic_gradient_push",
         "file": "gossip/distributed.py (GossipDataParallel), gossip/gossiper.py (PushSum), gossip/graph_manager.py",
@@ -100,6 +131,7 @@ if __name__ == "__main__":
         "inputs": __doc__.split("Inputs: ")[1].strip(),
         "lr": LR,
         "peers": N,
+        "nonregular_graph": {str(r): peers for r, peers in NONREGULAR.items()},
         "stubbed": __doc__.split("Stubbed, ")[1].split("\nInputs")[0].strip(),
     }
     common.write(out, meta, arrays)
