@@ -544,6 +544,53 @@ def test_choco_check_fails_with_a_default_changed(name, change, monkeypatch):
     assert np.abs(choco_run(meta, ref, name, monkeypatch, **change) - ref[f"{name}_x"]).max() > 1e-4
 
 
+def choco_sign_fleet(meta: dict, name: str, **change) -> np.ndarray:
+    """(steps, n, numel): dpsgd's Choco with the scaled sign compressor on the code's ring (1/3 each), plain SGD,
+    in the form of epfml/ChocoSGD's ParallelCHOCO (consensus step first, copies from zero)."""
+    import topologies
+    from dpsgd.optim import Choco
+
+    n, shapes = meta["peers"], [tuple(s) for s in meta["shapes"][name]]
+    x0, c = scaled_inputs(shapes, LOCAL_STEPS, n)
+    params = as_params(x0, shapes, (n,))
+    options = {"compressor": "sign", "gamma": meta["consensus_stepsize"], "order": "gossip_first"}
+    options["copies_start"] = "zero"
+    opt = Choco(
+        torch.optim.SGD(params, lr=meta["lr"]), topology=topologies.make("ring", n), comm=FleetCommunicator(n),
+        **{**options, **change},
+    )  # fmt: skip
+    out = []
+    for t in range(LOCAL_STEPS):
+        set_grads(params, flat(params, 1) - c[t], shapes)
+        opt.step()
+        out.append(flat(params, 1))
+    return np.array(out)
+
+
+def test_choco_sign_equals_epfml_chocosgd_dl_code():
+    """4 peers on the code's ring, plain SGD, 12 steps, the sign compressor of epfml/ChocoSGD's deep-learning code
+    (each tensor's signs scaled by its L1 norm over its size, packed by the bit2byte extension): with one parameter
+    tensor, every peer's parameters after every step are the code's to float32 rounding.
+
+    The documented difference: dpsgd compresses the model as one flat vector, one scale for all of it, the code
+    one scale per tensor; with two tensors (W and b) they part at the second step."""
+    meta, ref = fixture("choco_sign_epfml")
+    np.testing.assert_allclose(choco_sign_fleet(meta, "one_tensor"), ref["one_tensor_x"], rtol=0, atol=5e-6)
+    two = choco_sign_fleet(meta, "two_tensors")
+    np.testing.assert_array_equal(two[0], ref["two_tensors_x"][0])  # the copies start at 0: the first step agrees
+    assert np.abs(two[1] - ref["two_tensors_x"][1]).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "change", [{"order": "compress_first"}, {"copies_start": "model"}], ids=["paper-order", "model-copies"]
+)
+def test_choco_sign_check_fails_with_a_default_changed(change):
+    """Not vacuous: the paper's order (compress, then the consensus step), and copies that start at the model (the
+    convex code's start, not this code's)."""
+    meta, ref = fixture("choco_sign_epfml")
+    assert np.abs(choco_sign_fleet(meta, "one_tensor", **change) - ref["one_tensor_x"]).max() > 1e-3
+
+
 # --- QGM: epfml/quasi-global-momentum ------------------------------------------------------------------------------
 def qgm_fleet(meta: dict, **change) -> np.ndarray:
     """(steps, n, numel): dpsgd's QGM (order atc, beta 0.9, mu = beta) on the code's ring (1/3 each), plain SGD."""

@@ -36,7 +36,8 @@ class Choco(DistributedOptimizer):
     x_hat_i is bit for bit the copy its neighbours hold. The model is compressed as one flat vector (top-k is
     global). Since W is column stochastic, sum_i (s_i - x_hat_i) = 0: the consensus step never moves the average
     model. With both set to the code's form, the trajectory equals epfml/ChocoSGD's convex code for top-k, random-k
-    and QSGD (tests/test_reference_code.py).
+    and QSGD, and with `order` "gossip_first" its deep-learning code's sign compressor on a one-tensor model (that
+    code scales each tensor's signs apart; tests/test_reference_code.py).
 
     Options: the compressor Q, a name of `codecs.CODECS` with `ratio`, `levels`, `rescale`, `seed` (random
     codecs draw from (seed, sender rank, step)) or a Codec, or else the codec of a compressing communicator
