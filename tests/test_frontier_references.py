@@ -95,6 +95,23 @@ def sparse(x, chunk, topk, dct, bits=None, sigmas=6.0):
     return np.concatenate(out)
 
 
+def senders_mean(xs, chunk, topk):
+    """DeMo's combination of the peers' flat momenta xs (N, DIM) (bloc97/DeMo): each peer's topk DCT coefficients
+    per block, each coefficient's mean over the peers that sent it (0 where none did), inverse DCT."""
+    out = []
+    for parts in zip(*(tensors(x) for x in xs)):
+        coeffs = [blocks(t, chunk, dct=True) for t in parts]
+        total, count = np.zeros_like(coeffs[0]), np.zeros_like(coeffs[0])
+        rows = np.arange(coeffs[0].shape[0])[:, None]
+        for b in coeffs:
+            idx = np.argsort(-np.abs(b), axis=1)[:, : min(topk, b.shape[1])]
+            total[rows, idx] += b[rows, idx]
+            count[rows, idx] += 1
+        mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+        out.append(unblock(mean, parts[0].shape, chunk, dct=True).reshape(-1))
+    return np.concatenate(out)
+
+
 def ref_noloco(A, b, x0, period, outer, gamma=None):
     alpha, beta = outer.keywords["lr"], outer.keywords["momentum"]
     gamma = alpha if gamma is None else gamma
@@ -116,17 +133,19 @@ def ref_noloco(A, b, x0, period, outer, gamma=None):
     return np.array(out)
 
 
-def ref_demo(A, b, x0, decay, topk, chunk, lrs=None, lr_in_momentum=True):
+def ref_demo(A, b, x0, decay, topk, chunk, lrs=None, lr_in_momentum=True, aggregate="senders", weight_decay=0.0):
     """lrs: the base's lr at each step (default fp.LR throughout); DeMo's gamma is the step's lr
-    (lr_in_momentum=False: left out of the momentum, a wrong rule, for the tests' contrast)."""
+    (lr_in_momentum=False: left out of the momentum, a wrong rule, for the tests' contrast). aggregate "senders":
+    bloc97/DeMo's per-coefficient mean over the peers that sent it; "mean": the all-peer mean of the q_i."""
     lrs = [fp.LR] * fp.STEPS if lrs is None else lrs
     x = np.tile(x0, (N, 1))
     m, out = np.zeros_like(x), []
     for t in range(fp.STEPS):
         m = decay * m + (lrs[t] if lr_in_momentum else 1.0) * grads(A, b, x)
         q = np.stack([sparse(m[i], chunk, topk, dct=True) for i in range(N)])
+        combined = senders_mean(m, chunk, topk) if aggregate == "senders" else q.mean(0)
         m = m - q
-        x = x - lrs[t] * np.sign(q.mean(0))
+        x = x * (1 - lrs[t] * weight_decay) - lrs[t] * np.sign(combined)
         out.append(x.copy())
     return np.array(out)
 
@@ -210,8 +229,8 @@ def expected(case):
     A, b, x0 = fp.problem(N)
     if name == "noloco":
         return ref_noloco(A, b, x0, options["period"], options["outer"], options.get("gamma"))
-    if name == "demo":
-        return ref_demo(A, b, x0, **options)
+    if name == "demo":  # the base's weight decay, which DeMo applies decoupled
+        return ref_demo(A, b, x0, **options, weight_decay=fp.WEIGHT_DECAY if kind == "sgd_decay" else 0.0)
     if name == "sparseloco":
         return ref_sparseloco(A, b, x0, **options, momentum=0.9 if kind == "sgd_momentum" else 0.0)
     return ref_desloc(A, b, x0, **options)
@@ -225,6 +244,7 @@ BYTES = {
     # the 8 x 6 matrix: 4 tiles of 4 x 3, 3 kept each: 12 indices of 4 bits (6 bytes) + 12 values (96);
     # the 12-vector: 3 chunks of 4, 3 kept each: 9 indices of 2 bits (3 bytes) + 9 values (72); to 3 peers
     "demo": 12 * 3 * (6 + 96 + 3 + 72),
+    "demo-mean": 12 * 3 * (6 + 96 + 3 + 72),
     # as DeMo's, but 2-bit codes (3 and 3 bytes) and a table of shift + 4 centroids (40 bytes) per tensor
     "sparseloco": 4 * 3 * (6 + 3 + 40 + 3 + 3 + 40),
     # 2 kept per block: 8 indices (4 bytes) + 64, 6 indices (2 bytes) + 48; 6 outer steps
@@ -482,3 +502,12 @@ def test_desloc_averages_the_moments_exactly_under_compression():
                     )  # fmt: skip
     # not vacuous: the parameters' average at step 2 was encoded (top-k keeps a quarter of the entries)
     assert (got[1] == 0).mean() >= 0.5 and (got[0] == 0).mean() == 0
+
+
+def test_demo_combinations_differ_on_these_peers():
+    """Not vacuous: on this problem the senders' mean (bloc97/DeMo's) and the all-peer mean step differently, so
+    the two demo cases above tell the combinations apart."""
+    A, b, x0 = fp.problem(N)
+    _, _, options = fp.CASES["demo"]
+    senders, mean = ref_demo(A, b, x0, **options), ref_demo(A, b, x0, **options, aggregate="mean")
+    assert np.abs(senders - mean).max() > 1e-3

@@ -18,12 +18,14 @@ def no_drawing(monkeypatch, request):
         monkeypatch.setattr(_text, "plot_curves", lambda *args, **kwargs: args[3])  # the four draw through _text
 
 
-def config(algorithm: str, period: int | None = None, **summary) -> Configuration:
+def config(algorithm: str, period: int | None = None, aggregate: str | None = None, **summary) -> Configuration:
     """One setting's measured means (half widths as KEY_ci95) with a one-point curve, as load_runs reads a run."""
     summary = {"steps": 250, "seeds": 3, "peers": 8, **summary}
     setting = {"algorithm": algorithm, "algorithm.name": algorithm}
     if period is not None:
         setting["algorithm.period"] = period
+    if aggregate is not None:
+        setting["algorithm.aggregate"] = aggregate
     run = {"dir": "run", "summary": summary, "config": dict(setting), "overrides": None}
     return Configuration(setting, summary, [{**run, "metrics": [{"step": 250, **summary}]}])
 
@@ -60,15 +62,33 @@ def test_demo2024_decides_on_comparable_perplexity_and_bytes(tmp_path, demo_ppl,
     assert finding.holds is holds and finding.verdict.startswith(OPENING[holds])
 
 
-@pytest.mark.parametrize(("ratio", "sparse_ppl", "holds"), [(100, 9.0, True), (40, 9.0, None), (40, 10.0, False)])
-def test_sparseloco2025_decides_on_perplexity_at_every_h_and_the_ratio(tmp_path, ratio, sparse_ppl, holds):
+@pytest.mark.parametrize(
+    ("ratio", "mean_ppl", "templar_ppl", "holds"),
+    [
+        (100, 9.0, 9.0, True),
+        (40, 9.0, 9.0, None),
+        (40, 10.0, 10.0, False),
+        (100, 10.0, 9.0, None),
+        (40, 10.0, 9.0, None),
+    ],
+)
+def test_sparseloco2025_decides_on_perplexity_at_every_h_and_the_ratio_for_each_aggregation(
+    tmp_path, ratio, mean_ppl, templar_ppl, holds
+):
     configs = {
-        "sparseloco": [config("sparseloco", h, **ppl(sparse_ppl, 4.0 / h)) for h in (15, 30, 50)],
+        "sparseloco": [config("sparseloco", h, **ppl(mean_ppl, 4.0 / h)) for h in (15, 30, 50)],
+        "sparseloco_templar": [
+            config("sparseloco", h, **ppl(templar_ppl, 4.0 / h), aggregate="templar") for h in (15, 30, 50)
+        ],
         "diloco": [config("diloco", h, **ppl(9.0, 4.0 * ratio / h)) for h in (15, 30, 50)],
     }
     finding = sparseloco2025.analyze(configs, tmp_path)
     assert finding.holds is holds and finding.verdict.startswith(OPENING[holds])
     assert f"{ratio:.1f}x" in finding.verdict
+    for value, name in ((mean_ppl, "the paper's mean"), (templar_ppl, "templar's aggregation")):
+        arm = {(True, True): "holds", (False, False): "does not hold"}.get((value <= 9.0, ratio >= 97), "partly holds")
+        assert f"with {name} it {arm}," in finding.verdict
+    assert "| 15 | templar |" in finding.table and "| 15 | mean |" in finding.table
 
 
 @pytest.mark.parametrize(("h50_ppl", "holds"), [(9.1, True), (12.0, None)])

@@ -207,13 +207,17 @@ class QSGD(Codec):
     def nbytes(self, numel, dtype):
         return dtype.itemsize + math.ceil(numel * self.width / 8)
 
+    def uniforms(self, numel: int, key: Key, dtype: torch.dtype, device) -> torch.Tensor:
+        """The uniform draws that round each entry up or down, from (seed, key)."""
+        return torch.rand(numel, generator=_generator(self.seed, key, torch.device("cpu")), dtype=dtype).to(device)
+
     def encode(self, v, key=(0, 0)):
         v = v.detach().reshape(-1)
         s = self.levels
         norm = v.norm().reshape(1)
         scaled = v.abs() / norm * s if norm.item() > 0 else torch.zeros_like(v)
         low = scaled.floor()
-        u = torch.rand(v.numel(), generator=_generator(self.seed, key, torch.device("cpu")), dtype=v.dtype).to(v.device)
+        u = self.uniforms(v.numel(), key, v.dtype, v.device)
         level = (low + (u < scaled - low).to(v.dtype)).clamp_(0, s).to(torch.int64)
         codes = torch.where(v < 0, -level, level) + s
         return torch.cat([_bytes_of(norm), pack_bits(codes, self.width)])

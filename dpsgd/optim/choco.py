@@ -10,6 +10,9 @@ from topologies import Topology
 
 from .base import DistributedOptimizer
 
+ORDERS = ("compress_first", "gossip_first")  # when the consensus step reads the public copies (see Choco)
+COPIES_STARTS = ("zero", "model")  # what the public copies start as (see Choco)
+
 
 class Choco(DistributedOptimizer):
     """CHOCO-SGD (Koloskova et al. 2019): gossip on compressed differences to public copies.
@@ -24,10 +27,17 @@ class Choco(DistributedOptimizer):
         x_i     = x_i^{+} + gamma (s_i - x_hat_i)
 
     x_hat and s start at 0; s is the memory-efficient variant of the paper's appendix (i never stores its
-    neighbours' copies). q_i travels as the exact bytes of `Q.encode` (`Compressed.gossip`), so the bytes
-    counted are a real network's, and each peer decodes its own message too, so x_hat_i is bit for bit the
-    copy its neighbours hold. The model is compressed as one flat vector (top-k is global). Since W is
-    column stochastic, sum_i (s_i - x_hat_i) = 0: the consensus step never moves the average model.
+    neighbours' copies). `order` "gossip_first" is the later form of the rule (Koloskova, Lin, Stich & Jaggi, ICLR
+    2020, Algorithm 1, and epfml/ChocoSGD's code): x_i = x_i^{+} + gamma (s_i - x_hat_i) with the copies as they
+    stand, then q_i = Q(x_i - x_hat_i), x_hat_i += q_i, s_i += sum_j W[i,j] q_j. `copies_start` "model" starts
+    x_hat_i at the peer's initial model and s_i at sum_j W[i,j] x_j^0 (one exact exchange; none when every peer
+    starts from rank 0's model), as epfml/ChocoSGD's convex code does. q_i travels as the exact bytes of `Q.encode`
+    (`Compressed.gossip`), so the bytes counted are a real network's, and each peer decodes its own message too, so
+    x_hat_i is bit for bit the copy its neighbours hold. The model is compressed as one flat vector (top-k is
+    global). Since W is column stochastic, sum_i (s_i - x_hat_i) = 0: the consensus step never moves the average
+    model. With both set to the code's form, the trajectory equals epfml/ChocoSGD's convex code for top-k, random-k
+    and QSGD, and with `order` "gossip_first" its deep-learning code's sign compressor on a one-tensor model (that
+    code scales each tensor's signs apart; tests/test_reference_code.py).
 
     Options: the compressor Q, a name of `codecs.CODECS` with `ratio`, `levels`, `rescale`, `seed` (random
     codecs draw from (seed, sender rank, step)) or a Codec, or else the codec of a compressing communicator
@@ -52,10 +62,17 @@ class Choco(DistributedOptimizer):
         levels: int | None = None,
         rescale: bool = True,
         seed: int = 0,
+        order: str = "compress_first",
+        copies_start: str = "zero",
         **common,
     ):
         super().__init__(base, topology=topology, **common)
         self.require_topology()
+        if order not in ORDERS:
+            raise ValueError(f"Choco order must be one of {ORDERS}, got {order!r}")
+        if copies_start not in COPIES_STARTS:
+            raise ValueError(f"Choco copies_start must be one of {COPIES_STARTS}, got {copies_start!r}")
+        self.order, self.copies_start = order, copies_start
         comm = self.comm
         codec: codecs.Codec | codecs.PowerSGD | str | None = compressor
         if isinstance(comm, codecs.Compressed):  # compression= names the codec
@@ -92,19 +109,35 @@ class Choco(DistributedOptimizer):
 
     def update(self) -> None:
         params = self.params()
+        if self.x_hat is None or self.s is None:
+            self._start_copies(params)
+        assert self.x_hat is not None and self.s is not None
         self.base.step()  # p = x^{t+1/2}
         x = self.comm.flatten(params)
-        if self.x_hat is None or self.s is None:
-            self.x_hat, self.s = torch.zeros_like(x), torch.zeros_like(x)
         if not isinstance(self.comm, codecs.Compressed):
             self.comm = codecs.Compressed(self.comm, self.compressor)  # its gossip sends the codec's bytes
+        if self.order == "gossip_first":
+            x.add_(self.s - self.x_hat, alpha=self.gamma)
         q, mixed = self.comm.gossip(x - self.x_hat, self.topology, self.step_count)
         self.x_hat.add_(q)
         self.s.add_(mixed)
-        x.add_(self.s - self.x_hat, alpha=self.gamma)
+        if self.order == "compress_first":
+            x.add_(self.s - self.x_hat, alpha=self.gamma)
         for p, value in zip(params, self.comm.unflatten(x, params)):
             p.copy_(value)
         self.step_count += 1
+
+    def _start_copies(self, params: list[torch.Tensor]) -> None:
+        x = self.comm.flatten(params)
+        if self.copies_start == "zero":
+            self.x_hat, self.s = torch.zeros_like(x), torch.zeros_like(x)
+            return
+        self.x_hat = x.clone()
+        if self.broadcast_initial:  # every peer holds rank 0's model: sum_j W[i,j] x_j^0 = x_i^0
+            self.s = x.clone()
+        else:
+            (mixed,) = self.comm.exact.mix([x], self.topology, self.step_count)
+            self.s = mixed.clone()
 
     def algorithm_state(self):
         return {

@@ -4,8 +4,10 @@ target chunk, as DeMo's reference does), optionally turned into orthonormal DCT-
 and only the k entries of largest magnitude of each block are kept. A peer's message holds their positions
 in the block (ceil(log2(block size)) bits each) and their values: 32-bit floats, or b-bit codes with a
 shift and a table of 2^b centroids per tensor (SparseLoCo's statistical quantization). Every peer's message
-reaches every other one (an all-gather: n - 1 messages sent and received per peer), and each peer sums them
-in rank order. Tensors may carry leading peer axes (a fleet's): every peer's message is computed at once.
+reaches every other one (an all-gather: n - 1 messages sent and received per peer), and each peer combines them
+in rank order: the mean over all peers, or each entry's mean over the peers that sent it (the reference codes'),
+optionally after clipping each peer's values to the median norm (templar's). Tensors may carry leading peer
+axes (a fleet's): every peer's message is computed at once.
 """
 
 from __future__ import annotations
@@ -169,17 +171,32 @@ class ChunkedTopK:
             out.append(blocks.decode(b.scatter_(-1, part.index, part.values)))
         return out
 
-    def mean(self, messages: Sequence[list[Part]]) -> list[torch.Tensor]:
-        """(1/n) sum_j of the peers' messages, summed in rank order, decoded once (the DCT is linear)."""
+    def mean(self, messages: Sequence[list[Part]], senders: bool = False, clip: bool = False) -> list[torch.Tensor]:
+        """The peers' messages combined entry by entry, summed in rank order and decoded once (the DCT is linear).
+
+        senders=False: (1/n) sum_j of the n messages (an entry no peer sent counts as 0 for all of them).
+        senders=True: each entry's mean over the peers that sent it, 0 where none did (bloc97/DeMo's and templar's
+        `scatter_reduce(..., reduce="mean", include_self=False)` over the gathered messages).
+        clip=True: first each peer's values of a tensor are scaled by min(1, med / (||v_j|| + 1e-8)), med the
+        median over peers of ||v_j|| (the lower middle one for an even count, as torch.median; templar's
+        `batch_decompress(clip_norm=True)`)."""
         out = []
         for i, blocks in enumerate(self.blocks):
             first = messages[0][i]
             total = torch.zeros(*first.index.shape[:-1], blocks.numel, dtype=first.values.dtype)
             total = total.to(first.values.device)
-            for msg in messages:
-                b = torch.zeros_like(total).scatter_(-1, msg[i].index, msg[i].values)
-                total += b
-            out.append(blocks.decode(total / len(messages)))
+            count = torch.zeros_like(total) if senders else None
+            values = [msg[i].values for msg in messages]
+            if clip:
+                norms = torch.stack([v.norm() for v in values])
+                med = norms.median()
+                values = [v * torch.clamp(med / (norm + 1e-8), max=1) for v, norm in zip(values, norms)]
+            for msg, v in zip(messages, values):
+                total += torch.zeros_like(total).scatter_(-1, msg[i].index, v)
+                if count is not None:
+                    count += torch.zeros_like(total).scatter_(-1, msg[i].index, torch.ones_like(v))
+            combined = total / len(messages) if count is None else torch.where(count > 0, total / count.clamp(min=1), 0)
+            out.append(blocks.decode(combined))
         return out
 
     # --- the wire ---------------------------------------------------------------------------------
@@ -246,9 +263,11 @@ def all_gather(comm: Communicator, code: ChunkedTopK, message: list[Part]) -> li
     return [message if r == comm.rank else by_rank[r] for r in range(n)]
 
 
-def gathered_mean(comm: Communicator, code: ChunkedTopK, message: list[Part]) -> list[torch.Tensor]:
-    """The mean over peers of every peer's message, shaped like the encoded tensors (peer axes included)."""
-    mean = code.mean(all_gather(comm, code, message))
+def gathered_mean(
+    comm: Communicator, code: ChunkedTopK, message: list[Part], senders: bool = False, clip: bool = False
+) -> list[torch.Tensor]:
+    """Every peer's message combined (`ChunkedTopK.mean`), shaped like the encoded tensors (peer axes included)."""
+    mean = code.mean(all_gather(comm, code, message), senders=senders, clip=clip)
     return [m.expand(*comm.peer_shape, *m.shape).contiguous() if comm.peer_shape else m for m in mean]
 
 

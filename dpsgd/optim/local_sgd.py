@@ -51,7 +51,10 @@ class LocalSGD(DistributedOptimizer):
     deltas x_a - x_i as encoded, error-fed messages, and x_avg = x_a - mean_i delta_i; group averagings, the
     first anchor and averaged inner states stay exact (`comm.exact`: error feedback could turn Adam's second
     moments negative). Unlike torch's PeriodicModelAverager, which averages right after the first local
-    step (t - 1 - warmup_steps a multiple of H), this averages after H local steps, as the papers do.
+    step (t - 1 - warmup_steps a multiple of H), this averages after H local steps, as the papers do: with
+    plain SGD torch's warm-up W is this one's W + 1. torch's HierarchicalModelAverager tests the absolute step
+    (t % period), this the local steps since the warm-up (s % period): the two schedules agree only when the
+    warm-up is a multiple of the global period (tests/test_reference_code.py shows both).
 
     outer: None (plain model averaging), a factory params -> torch.optim.Optimizer such as
     functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True) (in a config, a `_target_` dict);
@@ -225,7 +228,12 @@ class LocalSGD(DistributedOptimizer):
 
 class SlowMo(LocalSGD):
     """SlowMo (Wang et al. 2020) over local SGD: outer SGD with slow momentum beta = 0.5 and slow lr alpha = 1
-    (fairscale's SlowMoDistributedDataParallel defaults), scaled by the base lr as in the paper."""
+    (fairscale's SlowMoDistributedDataParallel defaults), scaled by the base lr as in the paper.
+
+    fairscale has two frequencies, a plain average of all peers every `localsgd_frequency` steps and the slow
+    momentum step every `slowmo_frequency`: here `period` = localsgd_frequency with `group_size` = the number of
+    peers, and `global_period` = slowmo_frequency. The default (neither set) takes the slow step at every
+    averaging, every `period` steps, as the paper's algorithm."""
 
     label = "SlowMo"
     knobs = {"outer.lr": (0.5, 1.0, 1.5, 2.0)}

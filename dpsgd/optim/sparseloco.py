@@ -11,6 +11,7 @@ from .chunked import ChunkedTopK, gathered_mean, refuse_compression
 from .outer import OuterOptimizer, factory, saved_outer
 
 SPARSELOCO = functools.partial(torch.optim.SGD, lr=1.0)  # the paper's outer step: x_a <- x_a - mean_j s_j
+AGGREGATES = ("mean", "templar")  # how the peers' s_j combine (see SparseLoCo)
 
 
 class SparseLoCo(DistributedOptimizer):
@@ -28,6 +29,14 @@ class SparseLoCo(DistributedOptimizer):
     within `sigmas` standard deviations, decoded as the mean of the values sharing a code;
     dpsgd.optim.chunked.quantize), null for 32-bit values. The anchor starts as the peers' common model (a
     mean when broadcast_initial is off). The inner optimizer's state is kept; the topology is ignored.
+
+    `aggregate` says how the peers' s_j combine: "mean" (the paper's mean_j s_j over all n peers) or "templar"
+    (tplr-ai/templar's, the code that trained its large models: each peer's values of a tensor clipped to the
+    median over peers of their norms, min(1, med / (||s_j|| + 1e-8)), med the lower middle for an even count,
+    then each entry's mean over the peers that sent it). With "templar" and outer SGD lr alpha this equals
+    templar at lr sqrt(alpha): templar adds alpha Delta_i to its error feedback and steps with lr alpha again
+    (the same at its default alpha = 1); templar also rounds an odd topk down to even (and to at least 2), this
+    keeps `topk` as given (tests/test_reference_code.py checks both against templar's own numbers).
     """
 
     uses_topology = False
@@ -46,6 +55,7 @@ class SparseLoCo(DistributedOptimizer):
         bits: int | None = 2,
         sigmas: float = 6.0,
         outer=SPARSELOCO,
+        aggregate: str = "mean",
         **common,
     ):
         super().__init__(base, **common)
@@ -54,10 +64,12 @@ class SparseLoCo(DistributedOptimizer):
             raise ValueError(f"SparseLoCo period must be an integer >= 1, got {period!r}")
         if not 0 <= decay <= 1:
             raise ValueError(f"SparseLoCo decay (of the error feedback) must be in [0, 1], got {decay}")
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"SparseLoCo aggregate must be one of {AGGREGATES}, got {aggregate!r}")
         make = factory(outer, "SparseLoCo")
         if make is None:
             raise ValueError("SparseLoCo needs an outer optimizer (its default: SGD with lr 1); got outer=None")
-        self.period, self.decay = period, float(decay)
+        self.period, self.decay, self.aggregate = period, float(decay), aggregate
         self._layout = (make, chunk, topk, bits, sigmas)
         self._lay_out()
 
@@ -88,7 +100,9 @@ class SparseLoCo(DistributedOptimizer):
             message = self.code.encode(self.errors)
             for e, sent in zip(self.errors, self.code.dense(message)):
                 e.sub_(sent)
-            self._outer.step(list[torch.Tensor | None](gathered_mean(self.comm, self.code, message)))
+            templar = self.aggregate == "templar"
+            combined = gathered_mean(self.comm, self.code, message, senders=templar, clip=templar)
+            self._outer.step(list[torch.Tensor | None](combined))
             for p, anchor in zip(params, self._outer.anchors):
                 p.copy_(anchor)
 
@@ -107,5 +121,6 @@ class SparseLoCo(DistributedOptimizer):
     def __repr__(self) -> str:
         outer = repr(self.outer_optimizer).replace("\n", " ")
         return (
-            f"SparseLoCo({self.base!r}, period={self.period}, decay={self.decay}, bits={self.code.bits}, outer={outer})"
+            f"SparseLoCo({self.base!r}, period={self.period}, decay={self.decay}, bits={self.code.bits}, "
+            f"aggregate={self.aggregate!r}, outer={outer})"
         )

@@ -25,6 +25,7 @@ CASES = {  # name -> (algorithm, base optimizer, options)
         {"period": 2, "gamma": 0.2, "outer": functools.partial(torch.optim.SGD, lr=0.9, momentum=0.3)},
     ),
     "demo": ("demo", "sgd", {"decay": 0.9, "topk": 3, "chunk": 4}),
+    "demo-mean": ("demo", "sgd_decay", {"decay": 0.9, "topk": 3, "chunk": 4, "aggregate": "mean"}),
     "sparseloco": (
         "sparseloco",
         "sgd_momentum",
@@ -59,10 +60,14 @@ def problem(n: int, seed: int = 0):
     return rng.normal(size=(n, ROWS, DIM)), rng.normal(size=(n, ROWS)), rng.normal(size=DIM)
 
 
+WEIGHT_DECAY = 0.5  # of the "sgd_decay" base
+
+
 def base(kind: str, params):
     if kind == "adam":
         return torch.optim.Adam(params, lr=LR)
-    return torch.optim.SGD(params, lr=LR, momentum=0.9 if kind == "sgd_momentum" else 0.0)
+    decay = WEIGHT_DECAY if kind == "sgd_decay" else 0.0
+    return torch.optim.SGD(params, lr=LR, momentum=0.9 if kind == "sgd_momentum" else 0.0, weight_decay=decay)
 
 
 def _params(x0: np.ndarray, lead: tuple[int, ...]) -> list[torch.nn.Parameter]:
