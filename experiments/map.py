@@ -7,7 +7,8 @@ names any algorithm whose class declares how the cost model prices it, its `cost
    on the fleet (`backend=fleet`) at each peer count;
 2. the time those steps take in each cell of a grid (bandwidth x latency x peers per host x a straggler's slowdown),
    from the emulator's cost model (`experiments.cost_model`) with the workload's compute time per step on one core as
-   the emulator's clock takes it (calibrated once per workload on this machine, `dpsgd.calibration`): per cell the winner, its margin (the runner-up's time over the winner's) and whether the winner's
+   the emulator's clock takes it (calibrated once per workload on this machine, `dpsgd.calibration`): per cell
+   the winner, its margin (the runner-up's time over the winner's) and whether the winner's
    and the runner-up's 95% intervals over seeds (`experiments.intervals`) are apart;
 3. checks against reality: at a few cells, the winner and the runner-up run for real (mpi peers with the network
    emulated in sleep mode: peers really wait), and their time to the target is set beside the prediction.
