@@ -31,8 +31,10 @@ def _strict(text: str):
 
 
 def _outputs_clean(run_dir: Path) -> dict:
-    """Every output of the run is strict JSON and every checkpoint is finite; returns the summary."""
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    """Every output of the run is strict JSON and every checkpoint is finite; returns the summary. A run stopped
+    before its first record has no metrics.jsonl (no empty file is left: dpsgd.runfiles)."""
+    metrics = run_dir / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
         _strict(line)
     for pt in run_dir.glob("checkpoints/*/rank*.pt"):
         state = torch.load(pt, weights_only=True)

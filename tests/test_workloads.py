@@ -187,6 +187,7 @@ def test_report_shows_the_distances(tmp_path, capsys):
         cfg = config(algorithm, 4, 1.0, 12)
         OmegaConf.save(OmegaConf.create(cfg), run_dir / "config.yaml")
         train_fleet(parse(cfg), run_dir)
+    capsys.readouterr()  # the runs' progress lines
     assert report.main([str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert "dist to x* (avg model)" in table[0] and "dist to x* (peers, rms)" in table[0]
