@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import allreduce_vs_ddp, comm_overhead, fleet_vs_batch, harness, regression, waiter_cost
+from experiments.bench import allreduce_vs_ddp, cli, comm_overhead, fleet_vs_batch, harness, regression, waiter_cost
 
 BENCH_DIR = Path(harness.__file__).parent
-NOT_BENCHMARKS = {"__init__", "__main__", "harness", "ranks", "steps", "regression"}
+NOT_BENCHMARKS = {"cli", "__init__", "__main__", "harness", "ranks", "steps", "regression"}
 
 
 def test_the_registry_names_every_benchmark_module_and_only_those():
@@ -30,7 +30,7 @@ def test_the_registry_names_every_benchmark_module_and_only_those():
 
 
 def test_list_names_each_benchmark_and_what_it_compares(capsys):
-    assert harness.main(["--list"]) == 0
+    assert cli.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [b.name for b in harness.BENCHES]
     assert "against raw mpi4py and torch.distributed" in lines[0]
@@ -38,7 +38,7 @@ def test_list_names_each_benchmark_and_what_it_compares(capsys):
 
 def test_an_unknown_benchmark_or_option_is_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
-        harness.main(["nope"])
+        cli.main(["nope"])
     assert str(exc.value).startswith("error: no benchmark 'nope'; the benchmarks: comm_overhead, ")
     with pytest.raises(SystemExit) as exc:
         harness.run_bench("comm_overhead", ["--nope"])
@@ -187,6 +187,6 @@ def test_make_bench_runs_each_benchmark_of_its_set_through_the_harness(monkeypat
         return argparse.Namespace(returncode=1 if cmd[3] == "overlap" else 0)
 
     monkeypatch.setattr(harness.subprocess, "run", fake_run)
-    assert harness.main(["--all", "--quick"]) == 1  # a broken benchmark: exit 1, the others still ran
+    assert cli.main(["--all", "--quick"]) == 1  # a broken benchmark: exit 1, the others still ran
     assert ran == [b.name for b in harness.BENCHES if b.in_make_bench]
     assert capsys.readouterr().out.strip().endswith("broken: overlap")

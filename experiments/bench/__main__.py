@@ -1,5 +1,5 @@
-"""`python -m experiments.bench`: the benchmarks' one command line (experiments.bench.harness)."""
+"""`python -m experiments.bench`: the benchmarks' one command line (experiments.bench.cli)."""
 
-from experiments.bench.harness import main
+from experiments.bench.cli import main
 
 raise SystemExit(main())

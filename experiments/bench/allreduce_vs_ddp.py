@@ -21,7 +21,7 @@ DDP and one large-batch SGD on the union of the peers' batches give the same par
 from __future__ import annotations
 
 from dpsgd.comm.netem import ring_allreduce_bytes
-from experiments.bench import harness, ranks, steps
+from experiments.bench import cli, harness, ranks, steps
 from experiments.bench.steps import flat_params, train_step
 
 LIMIT = 1.05  # without overlap, against DDP without overlap (one bucket)
@@ -254,7 +254,7 @@ def run(args) -> harness.Result:
     return harness.Result(res, targets)
 
 
-main = harness.entry("allreduce_vs_ddp")
+main = cli.entry("allreduce_vs_ddp")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from experiments.bench import harness
+from experiments.bench import cli, harness
 from experiments.bench.time_to_accuracy import digits_compute_time, ratio, to_target
 
 METHODS = (  # label, overrides
@@ -63,7 +63,7 @@ def run(args) -> harness.Result:
     return harness.Result({"compute_s": compute, "target_accuracy": args.target, "rows": rows})
 
 
-main = harness.entry("bytes_to_accuracy")
+main = cli.entry("bytes_to_accuracy")
 
 if __name__ == "__main__":
     raise SystemExit(main())

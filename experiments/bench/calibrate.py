@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.bench import harness, ranks
+from experiments.bench import cli, harness, ranks
 from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -123,7 +123,7 @@ def run(args) -> harness.Result:
     return harness.Result({"rate": args.rate, "one_way_s": times, "alpha_s": alpha, "beta_bytes_per_s": beta})
 
 
-main = harness.entry("calibrate")
+main = cli.entry("calibrate")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from dpsgd import checkpoint, elastic
 from dpsgd.backends import free_port
-from experiments.bench import harness
+from experiments.bench import cli, harness
 from experiments.bench.harness import ROOT, records
 
 POLL_S = 0.1
@@ -318,7 +318,7 @@ def run(args) -> harness.Result:
     return harness.Result({"plan": events, "runs": [o.__dict__ for pair in pairs for o in pair]}, problems=found)
 
 
-main = harness.entry("chaos")
+main = cli.entry("chaos")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -17,7 +17,7 @@ the bytes one rank sends divided by the loopback bandwidth measured in the same 
 from __future__ import annotations
 
 from dpsgd.comm.netem import ring_allreduce_bytes
-from experiments.bench import harness, ranks
+from experiments.bench import cli, harness, ranks
 
 SMALL_LIMIT, LARGE_LIMIT, LARGE_MB = 1.20, 1.05, 11  # toolkit / raw: below 11 MiB, and from 11 MiB up
 
@@ -311,7 +311,7 @@ def run(args) -> harness.Result:
     return harness.Result(res, targets, problems)
 
 
-main = harness.entry("comm_overhead")
+main = cli.entry("comm_overhead")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments.bench import harness, ranks, steps
+from experiments.bench import cli, harness, ranks, steps
 from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -294,7 +294,7 @@ def run(args) -> harness.Result:
     return harness.Result({"spec": args.spec, "calibration": calibrations, "rows": rows})
 
 
-main = harness.entry("emulator_vs_link")
+main = cli.entry("emulator_vs_link")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -32,7 +32,7 @@ from dpsgd.build import build_peer
 from dpsgd.comm import run_local
 from dpsgd.config import RunConfig
 from dpsgd.sim import Fleet
-from experiments.bench import harness
+from experiments.bench import cli, harness
 
 RATIO_TARGET, RATE_TARGET, N_TARGET = 10.0, 10.0, 8192
 
@@ -191,7 +191,7 @@ def run(args) -> harness.Result:
     return harness.Result(result, targets)
 
 
-main = harness.entry("fleet")
+main = cli.entry("fleet")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from experiments.bench import harness
+from experiments.bench import cli, harness
 
 
 def config(peers: int, batch_size: int, device: str, samples: int) -> dict:
@@ -119,7 +119,7 @@ def run(args) -> harness.Result:
     return harness.Result(result)
 
 
-main = harness.entry("fleet_gpu")
+main = cli.entry("fleet_gpu")
 
 if __name__ == "__main__":
     raise SystemExit(main())

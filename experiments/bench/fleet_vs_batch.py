@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dpsgd.sim import Fleet
-from experiments.bench import harness
+from experiments.bench import cli, harness
 
 MODELS = ("mlp", "cnn", "resnet20", "transformer")
 BATCH = {"mlp": 16, "cnn": 8, "resnet20": 8, "transformer": 8}  # samples per peer per step
@@ -423,7 +423,7 @@ def targets(rows: list[dict]) -> list[harness.Target]:
     return [as_target(r) for r in rows if r["target"] is not None]
 
 
-main = harness.entry("fleet_vs_batch")
+main = cli.entry("fleet_vs_batch")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench import harness
+from experiments.bench import cli, harness
 from experiments.bench.harness import ROOT, BenchError
 
 DRY = os.environ.get("GPU_CHECK_DRY") == "1"
@@ -293,7 +293,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-main = harness.entry("gpu_check")
+main = cli.entry("gpu_check")
 
 if __name__ == "__main__":
     raise SystemExit(main())

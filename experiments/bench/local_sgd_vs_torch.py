@@ -25,7 +25,7 @@ loopback bandwidth measured in the same run.
 
 from __future__ import annotations
 
-from experiments.bench import harness, ranks
+from experiments.bench import cli, harness, ranks
 from experiments.bench.allreduce_vs_ddp import POOL, batches, finish, make_model  # allreduce_vs_ddp's task
 from experiments.bench.steps import flat_params, train_step
 
@@ -223,7 +223,7 @@ def run(args) -> harness.Result:
     return harness.Result(res, targets)
 
 
-main = harness.entry("local_sgd_vs_torch")
+main = cli.entry("local_sgd_vs_torch")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ stated as the exposed fraction 1 - hidden <= 0.2.
 
 from __future__ import annotations
 
-from experiments.bench import harness, ranks, steps
+from experiments.bench import cli, harness, ranks, steps
 
 HIDDEN = [480, 480]  # 0.27 M parameters on 64 inputs
 INPUTS, BATCH = 64, 32
@@ -118,7 +118,7 @@ def run(args) -> harness.Result:
     return harness.Result({"rows": rows, "hidden": summary, "floor": result["floor"]}, targets)
 
 
-main = harness.entry("overlap")
+main = cli.entry("overlap")
 
 if __name__ == "__main__":
     raise SystemExit(main())

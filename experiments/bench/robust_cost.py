@@ -16,7 +16,7 @@ import torch
 
 from dpsgd import divergence
 from dpsgd.comm.robust import RULES, Rule
-from experiments.bench import harness
+from experiments.bench import cli, harness
 
 
 def check_cost(model: str, data: str, rounds: int) -> dict:
@@ -76,7 +76,7 @@ def run(args) -> harness.Result:
     return harness.Result({"divergence_check": checks, "combine": combines})
 
 
-main = harness.entry("robust_cost")
+main = cli.entry("robust_cost")
 
 if __name__ == "__main__":
     raise SystemExit(main())

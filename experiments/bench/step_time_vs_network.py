@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from experiments.bench import harness, ranks, steps
+from experiments.bench import cli, harness, ranks, steps
 from experiments.bench.harness import Target
 
 PRESETS = ("datacenter_100g", "ethernet_10g", "ethernet_1g", "wan")
@@ -234,7 +234,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-main = harness.entry("step_time_vs_network")
+main = cli.entry("step_time_vs_network")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.bench import harness
+from experiments.bench import cli, harness
 from experiments.targets import ADPSGD_TARGET, ALLREDUCE_PACE_RANGE, slow_peer_pace
 
 
@@ -111,7 +111,7 @@ def run(args) -> harness.Result:
     return harness.Result(result, targets)
 
 
-main = harness.entry("stragglers")
+main = cli.entry("stragglers")
 
 if __name__ == "__main__":
     raise SystemExit(main())

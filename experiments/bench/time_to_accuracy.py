@@ -15,7 +15,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from experiments.bench import harness, steps
+from experiments.bench import cli, harness, steps
 
 ALGORITHMS = (  # label, overrides
     ("allreduce", ["algorithm=allreduce"]),
@@ -106,7 +106,7 @@ def run(args) -> harness.Result:
     return harness.Result({"compute_s": compute, "target_accuracy": args.target, "rows": rows}, targets)
 
 
-main = harness.entry("time_to_accuracy")
+main = cli.entry("time_to_accuracy")
 
 if __name__ == "__main__":
     raise SystemExit(main())

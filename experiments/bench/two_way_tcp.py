@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from experiments.bench import harness
+from experiments.bench import cli, harness
 from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -139,7 +139,7 @@ def run(args) -> harness.Result:
     return harness.Result({"rate": args.rate, "rows": [dict(zip(columns, r)) for r in rows]})
 
 
-main = harness.entry("two_way_tcp")
+main = cli.entry("two_way_tcp")
 
 if __name__ == "__main__":
     raise SystemExit(main())

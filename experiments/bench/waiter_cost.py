@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from experiments.bench import harness, ranks
+from experiments.bench import cli, harness, ranks
 
 LIMIT = 1.05
 MODES = ("asleep", "toolkit", "mpi_blocking")
@@ -119,7 +119,7 @@ def run(args) -> harness.Result:
     return harness.Result(res, [target])
 
 
-main = harness.entry("waiter_cost")
+main = cli.entry("waiter_cost")
 
 
 if __name__ == "__main__":

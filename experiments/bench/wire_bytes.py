@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.bench import harness
+from experiments.bench import cli, harness
 from experiments.bench.harness import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -146,7 +146,7 @@ def run(args) -> harness.Result:
     return harness.Result({"rows": rows})
 
 
-main = harness.entry("wire_bytes")
+main = cli.entry("wire_bytes")
 
 if __name__ == "__main__":
     raise SystemExit(main())
