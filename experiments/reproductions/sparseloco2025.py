@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiments.reproduce import Configuration, Finding
-from experiments.reproductions._text import INNER, WORKLOAD, curves
+from experiments.reproductions._text import INNER, WORDS, WORKLOAD, curves
 from experiments.reproductions._verdicts import compare, overall
 
 PAPER = "Sarfi, Thérien, Lidin & Belilovsky 2025, Communication Efficient LLM Pre-training with SparseLoCo"
@@ -50,7 +50,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             + ", ".join(f"{r:.1f}x" for r in ratios)
             + " fewer bytes than DiLoCo's all-reduce |",
             "",
-            f"Ours: {peers} peers on data=text_corpus (transformer), {steps} steps, inner AdamW for both, {seeds} "
+            f"Ours: {peers} peers on {WORDS}, {steps} steps, inner AdamW for both, {seeds} "
             "seeds. SparseLoCo: error feedback decay 0.95, 64 kept per tile of up to 64 x 64 (1.6% of a 64 x 64 "
             "matrix; vectors of 64 and fewer entries go whole), 2-bit values, outer SGD lr 1. DiLoCo: outer "
             "Nesterov, lr 0.7, momentum 0.9, exact 32-bit all-reduce.",
@@ -83,7 +83,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         name = "SparseLoCo" if c.runs[0]["config"]["algorithm.name"] == "sparseloco" else "DiLoCo"
         return f"{name}, H = {period(c)}"
 
-    title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
+    title = f"{peers} peers, shakespeare, {seeds} seeds, 95% bands"
     by_steps, by_bytes = curves([*sparse, *dense], ("test_perplexity", "test perplexity"), out, title, label)
     plots = [by_bytes, by_steps]
     return Finding(table, verdict, overall(parts), plots)
