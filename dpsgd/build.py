@@ -30,7 +30,16 @@ from dpsgd.stepping import StepOptions, Stepper, TrainStep
 
 # what the app hands every distributed optimizer itself: never an option of its config
 SET_HERE = ("base", "topology", "comm", "module", "buffers")
-_DATA_OPTIONS = ("root", "num_samples", "num_features", "num_classes", "seq_len", "samples_per_peer", "heterogeneity")
+_DATA_OPTIONS = (
+    "root",
+    "num_samples",
+    "num_features",
+    "num_classes",
+    "seq_len",
+    "samples_per_peer",
+    "heterogeneity",
+    "test_samples",
+)
 
 
 def build_topology(topology: Choice, n: int) -> topologies.Topology:
@@ -84,10 +93,10 @@ def build_model(model: Choice, split: data.Split, seed: int, dataset: str) -> to
         with models.seeded(seed):
             built = cls(**options)
     else:
-        if not split.x_train.is_floating_point() and model.name != "transformer":  # a text dataset's token ids
+        if not split.x_train.is_floating_point() and model.name not in models.LANGUAGE_MODELS:  # token ids (text)
             raise ValueError(
                 f"model {model.name} takes real-valued features, but data {dataset} gives token ids (text); "
-                f"use model=transformer"
+                f"use model=transformer, model=char_gpt or model=char_gpt_small"
             )
         if (
             model.name in models.OPTIONS
@@ -165,13 +174,14 @@ class Plan:
     samples_per_epoch: int
     total_samples: int
     seed: int
+    augment: str = "none"  # data.augment: the batches' random crops and flips
 
     def batches(self, rank: int, device: torch.device | str = "cpu") -> data.Batches:
         """Peer `rank`'s minibatches of its share on `device`, in the order that peer draws them (every kind of
         run of the config draws the same)."""
         share = self.shares[rank]
         x, y = self.split.x_train[share].to(device), self.split.y_train[share].to(device)
-        return data.Batches(x, y, self.batch_size, seed=batch_seed(self.seed, rank))
+        return data.Batches(x, y, self.batch_size, seed=batch_seed(self.seed, rank), augment=self.augment)
 
     def epoch(self, samples: float) -> float:
         """The epochs `samples` training samples (by all peers together) make."""
@@ -207,6 +217,7 @@ def plan(run: RunConfig, peers: int | None = None) -> Plan:
         samples_per_epoch=samples_per_epoch,
         total_samples=run.epochs * samples_per_epoch,
         seed=run.seed,
+        augment=d.augment,
     )
 
 

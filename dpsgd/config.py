@@ -79,11 +79,13 @@ class DataConfig:
     shards_per_peer: int = 2  # shards: shards per peer
     split_seed: int | None = None  # seed of the test (and validation) split; None: the run's seed
     validation_fraction: float = 0.0  # > 0: this share of the training split is evaluated in the test split's place
-    root: str | None = None  # the folder of a file-based dataset (mnist, cifar10)
+    root: str | None = None  # the folder of a file-based dataset (mnist, cifar10; fashion_mnist: Debian's by default)
     num_samples: int | None = None  # generated datasets: their size
     num_features: int | None = None
     num_classes: int | None = None
     seq_len: int | None = None  # text: tokens per sample
+    test_samples: int | None = bound(">= 1", None)  # held-out samples every record scores, evenly spaced; None: all
+    augment: str = "none"  # none, or crop_flip: random 4-pixel crops and mirror flips of each image batch
     image_shape: list[int] | None = None  # synthetic: samples shaped as images
     samples_per_peer: int | None = None  # heterogeneous_regression
     heterogeneity: float | None = None  # heterogeneous_regression

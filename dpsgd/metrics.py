@@ -105,11 +105,15 @@ def gather_objects(comm: Communicator, value) -> list:
 
 
 def language_metrics(test_loss: float, y: torch.Tensor) -> dict:
-    """For token sequences (a language model's targets): the perplexity, exp of the mean per-token
-    cross-entropy of the averaged model. Nothing for other targets."""
+    """For token sequences (a language model's targets): the perplexity, exp of the mean per-token cross-entropy
+    of the averaged model, and that cross-entropy in bits (the datasets here are character level: bits per
+    character, the figure character-level language modelling reports). Nothing for other targets."""
     if y.is_floating_point() or y.dim() < 2:
         return {}
-    return {"test_perplexity": math.exp(min(test_loss, 700.0))}  # capped: a diverged run stays a finite number
+    return {
+        "test_perplexity": math.exp(min(test_loss, 700.0)),  # capped: a diverged run stays a finite number
+        "test_bits_per_character": test_loss / math.log(2),
+    }
 
 
 def optimum_distances(
@@ -146,6 +150,7 @@ def squared_optimum_distances(
 
 class _WorkloadKeys(TypedDict, total=False):
     test_perplexity: float  # a language model's (token sequences) only
+    test_bits_per_character: float  # likewise: the test loss in bits (log2 of the perplexity)
     optimum_distance: float | None  # where the data's minimizer x* is known (optimum_distances)
     peer_optimum_distance: float | None
 

@@ -2,12 +2,16 @@
 
 - `linear`: multinomial logistic (or linear) regression, a convex problem.
 - `mlp`: fully connected with ReLU, `hidden` widths.
-- `cnn`: two 3x3 conv blocks (conv, GroupNorm, ReLU, max-pool) and a linear head; any image size.
+- `cnn`: two 3x3 conv blocks (conv, GroupNorm, ReLU, max-pool), an adaptive average pool to `pool` x `pool` and a
+  head of `hidden` widths (none: one linear layer); any image size.
 - `resnet20`: He et al. 2016's CIFAR ResNet-20 (0.27 M parameters), with GroupNorm by default, as in
   the decentralized literature (Hsieh et al. 2020): batch statistics are local to a peer and do not
   average meaningfully; `norm="batch"` gives the original BatchNorm (running statistics per peer).
 - `transformer`: a small causal transformer language model over token ids (pre-norm encoder
   layers with a causal mask, learned positions, no dropout so that peers stay deterministic).
+- `char_gpt`: a character-level GPT in the shape of nanoGPT's `shakespeare_char` (Karpathy; conf/model/char_gpt:
+  6 layers, 6 heads, 384 wide, no biases, the output layer tied to the embedding), and conf/model/char_gpt_small,
+  the CPU variant of nanoGPT's README (4 layers, 4 heads, 128 wide); its context is the data's `seq_len`.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer")
+MODELS = ("linear", "mlp", "cnn", "resnet20", "transformer", "char_gpt")
+LANGUAGE_MODELS = ("transformer", "char_gpt")  # over token ids (text data)
 # the options each model reads (build's keywords); any other is refused by name (dpsgd.build.build_model)
 OPTIONS = {
     "linear": (),
     "mlp": ("hidden",),
-    "cnn": ("width", "groups"),
+    "cnn": ("width", "groups", "pool", "hidden"),
     "resnet20": ("norm", "groups"),
     "transformer": ("dim", "layers", "heads"),
+    "char_gpt": ("dim", "layers", "heads"),
 }
 NORMS = ("group", "batch")  # resnet20's normalization layers
 _init_lock = threading.Lock()  # local-backend peers are threads sharing torch's global RNG
@@ -55,6 +61,7 @@ def build(
     layers: int = 2,
     heads: int = 4,
     norm: str = "group",
+    pool: int = 2,
 ) -> nn.Module:
     """Every peer calls this with the same seed and gets the same initial parameters.
     `num_outputs` is the class count (1 for regression; the vocabulary size for a language model)."""
@@ -62,9 +69,9 @@ def build(
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
     if norm not in NORMS:
         raise ValueError(f"model.norm must be one of {', '.join(NORMS)}, got {norm!r}")
-    if name == "transformer" and len(input_shape) != 1:
+    if name in LANGUAGE_MODELS and len(input_shape) != 1:
         raise ValueError(
-            "model transformer needs token sequences (data=tiny_text or data=text_corpus), "
+            f"model {name} needs token sequences (data=tiny_text, data=text_corpus or data=shakespeare), "
             f"got inputs of shape {input_shape}"
         )
     if name in ("cnn", "resnet20") and len(input_shape) != 3:
@@ -76,9 +83,11 @@ def build(
         if name in ("linear", "mlp"):
             return _mlp(prod(input_shape), list(hidden or [64]) if name == "mlp" else [], num_outputs)
         if name == "cnn":
-            return _cnn(input_shape, num_outputs, width, groups)
+            return _cnn(input_shape, num_outputs, width, groups, pool, list(hidden or []))
         if name == "transformer":
             return TinyTransformer(num_outputs, input_shape[0], dim, layers, heads)
+        if name == "char_gpt":
+            return CharGPT(num_outputs, input_shape[0], dim, layers, heads)
         return ResNet20(input_shape[0], num_outputs, groups, norm)
 
 
@@ -91,12 +100,16 @@ def _mlp(inputs: int, hidden: list[int], outputs: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _cnn(input_shape, outputs: int, width: int, groups: int) -> nn.Module:
+def _cnn(input_shape, outputs: int, width: int, groups: int, pool: int, hidden: list[int]) -> nn.Module:
     channels = input_shape[0]
     layers: list[nn.Module] = []
     for c_in, c_out in ((channels, width), (width, 2 * width)):
         layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.GroupNorm(groups, c_out), nn.ReLU(), nn.MaxPool2d(2)]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(2 * width * 4, outputs))
+    widths = [2 * width * pool * pool, *hidden]
+    head: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        head += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(pool), nn.Flatten(), *head, nn.Linear(widths[-1], outputs))
 
 
 def _norm(kind: str, groups: int, channels: int) -> nn.Module:
@@ -172,3 +185,48 @@ def _causal_attention(attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Ten
     q, k, v = qkv.reshape(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # each (b, heads, t, d / heads)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * t, d)
     return F.linear(out, attn.out_proj.weight, attn.out_proj.bias).reshape(b, t, d)
+
+
+class CharGPT(nn.Module):
+    """A character-level GPT (Radford et al. 2019's layout, as nanoGPT writes it for `shakespeare_char`): token and
+    learned position embeddings, `layers` pre-norm blocks of causal self-attention (`heads` heads) and a 4x GELU
+    MLP, a final LayerNorm, and the logits through the embedding's own weights (tied). No biases (nanoGPT's
+    `bias=False`) and no dropout (peers stay deterministic; nanoGPT's full config uses 0.2). Initial weights as
+    GPT-2's: normal(0, 0.02), the projections into the residual stream scaled by 1 / sqrt(2 * layers)."""
+
+    def __init__(self, vocab: int, block: int, dim: int = 384, layers: int = 6, heads: int = 6):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"model char_gpt: dim {dim} must be a multiple of heads {heads}")
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Embedding(block, dim)
+        self.blocks = nn.ModuleList(_GPTBlock(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / (2 * layers) ** 0.5 if name.endswith("out.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.position.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h, self.heads)
+        return F.linear(self.norm(h), self.embed.weight)
+
+
+class _GPTBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim, bias=False), nn.LayerNorm(dim, bias=False)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.attn_out = nn.Linear(dim, dim, bias=False)
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.mlp_out = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, h, heads: int):
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).reshape(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        h = h + self.attn_out(attended)
+        return h + self.mlp_out(F.gelu(self.up(self.norm2(h))))

@@ -9,6 +9,12 @@ def batch_seed(seed: int, rank: int) -> int:
     return seed * 1000 + rank + 1
 
 
+def augment_seed(shuffle_seed: int, position: int) -> int:
+    """The random crops and flips (data.augment) of minibatch number `position` of the peer whose shuffling seed is
+    `shuffle_seed` (batch_seed)."""
+    return shuffle_seed * 1_000_033 + position
+
+
 def reshuffle_seed(seed: int, rank: int, step: int) -> int:
     """Peer `rank`'s shuffling of its new data share after an elastic world re-formed at `step`."""
     return batch_seed(seed, rank) * 1_000_003 + step

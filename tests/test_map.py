@@ -152,6 +152,14 @@ def test_the_language_model_preset_composes_for_every_algorithm_with_one_inner_o
         gossip_map.main(["text_lm_peers", "--check-algorithms", "adpsgd", "dpsgd ring"])  # AD-PSGD is not checked
 
 
+def test_the_fashion_mnist_preset_maps_on_iid_shares_with_its_cnn():
+    workload = gossip_map.workload_overrides("fashion_mnist_peers")
+    assert gossip_map.pinned(workload) == ["data.partition=iid"]  # the map's own sweep keeps the preset's first shares
+    assert gossip_map.TARGETS["fashion_mnist_peers"] == ("test_accuracy", 0.85)
+    cfg = gossip_map.compose([*workload, "algorithm=diloco", "peers=16"])
+    assert (cfg.data.name, cfg.model.name, cfg.model.pool, list(cfg.model.hidden)) == ("fashion_mnist", "cnn", 7, [128])
+
+
 def _touching(spread: float, a: float = 1.0) -> tuple[list[float], float]:
     """Winner times [a - spread, a + spread] and the runner-up's centre b at which the two 95% Student-t intervals
     touch: b - h and a + h the same float, h each one's half width (equal spreads, exact deviations). h is the

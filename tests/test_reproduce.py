@@ -13,7 +13,9 @@ pytestmark = pytest.mark.processes  # the sweeps run as `experiments.train -m` s
 
 def test_lian2017_runs_reports_and_reuses(tmp_path, capsys):
     out = tmp_path / "lian"
-    args = ["lian2017", "--seeds", "2", "--out", str(out), "epochs=1", "peers=4"]
+    # Fashion-MNIST cut to 512 training and 200 test images: 8 steps of 4 peers
+    args = ["lian2017", "--seeds", "2", "--out", str(out), "epochs=1", "peers=4", "data.num_samples=512"]
+    args += ["data.test_samples=200"]
     assert reproduce.main(args) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["runs"] == 4 and result["seeds"] == 2

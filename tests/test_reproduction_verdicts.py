@@ -31,7 +31,7 @@ def test_lian2017_holds_when_dpsgd_is_within_the_intervals_of_allreduce(tmp_path
 
 
 def lin_configs(mnist_drops: dict[str, float], peer_drops: dict[str, float] | None = None) -> dict:
-    """lin2021's four sweeps with no drop on digits and the given accuracy drops (alpha 10 -> 0.1) on MNIST;
+    """lin2021's four sweeps with no drop on digits and the given accuracy drops (alpha 10 -> 0.1) on Fashion-MNIST;
     the peers' own models drop by `peer_drops` (default the same)."""
     peer_drops = peer_drops or mnist_drops
 
@@ -51,8 +51,8 @@ def lin_configs(mnist_drops: dict[str, float], peer_drops: dict[str, float] | No
     return {
         "allreduce": [cell("allreduce", a, none) for a in lin2021.ALPHAS],
         "gossip": [cell(g, a, none) for g in ("dpsgd", "qgm") for a in lin2021.ALPHAS],
-        "mnist_allreduce": [cell("allreduce", a, mnist_drops) for a in ("10", "0.1")],
-        "mnist_gossip": [cell(g, a, mnist_drops) for g in ("dpsgd", "qgm") for a in ("10", "0.1")],
+        "fashion_allreduce": [cell("allreduce", a, mnist_drops) for a in ("10", "0.1")],
+        "fashion_gossip": [cell(g, a, mnist_drops) for g in ("dpsgd", "qgm") for a in ("10", "0.1")],
     }
 
 

@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
         # text gives token ids: a model of real-valued features crashed mid-run with a dtype traceback
         (["data=tiny_text"], "model mlp takes real-valued features, but data tiny_text gives token ids"),
         (["data=tiny_text", "model=cnn"], "use model=transformer"),
-        (["model=transformer"], "needs token sequences (data=tiny_text or data=text_corpus)"),
+        (["model=transformer"], "needs token sequences (data=tiny_text, data=text_corpus or data=shakespeare)"),
         pytest.param(
             ["backend=mpi", "faults.drop_messages=0.1"],
             "faults.drop_messages works on backend=local only",

@@ -223,6 +223,7 @@ class Fleet:
             run.shares,
             run.batch_size,
             config.seed,
+            config.data.augment,
         )
         self.model = build_model(config.model, run.split, config.seed, config.data.name).to(self.device)
         check_model(self.model)

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from experiments.reproduce import Configuration, Finding
-from experiments.reproductions._text import INNER, WORKLOAD, curves, mb_to_reach
+from experiments.reproductions._text import INNER, WORDS, WORKLOAD, curves, mb_to_reach
 from experiments.reproductions._verdicts import overall
 
 PAPER = "Peng, Quesnelle & Kingma 2024, DeMo: Decoupled Momentum Optimization"
@@ -53,7 +53,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             + (f"{to_target:.1f}x fewer" if to_target else "not reached by every seed")
             + " |",
             "",
-            f"Ours: {peers} peers on data=text_corpus (transformer), {steps} steps, {seeds} seeds. DeMo: its sign step "
+            f"Ours: {peers} peers on {WORDS}, {steps} steps, {seeds} seeds. DeMo: its sign step "
             "(lr 0.003), local momentum decay 0.999, top 32 DCT coefficients of each 64-chunk (tiles of up to "
             "64 x 64), a kept coefficient sent as its position and 32-bit value (all-gather). AdamW: lr 0.003, "
             "weight decay 0.1, gradients all-reduced every step.",
@@ -82,7 +82,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         + " (an order of magnitude or more is what 'far fewer' is taken to mean; the paper's 85x is for its "
         "models' tensor shapes and topk)."
     )
-    title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
+    title = f"{peers} peers, shakespeare, {seeds} seeds, 95% bands"
 
     def label(c: Configuration) -> str:
         return "DeMo" if c.runs[0]["config"]["algorithm.name"] == "demo" else "AdamW, all-reduce"

@@ -1,4 +1,4 @@
-"""Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=text_corpus.
+"""Douillard et al. 2023 (DiLoCo) rerun on a real language: the H sweep of douillard2023 on data=shakespeare.
 
 Its DiLoCo runs are sparseloco2025's (the same sweep: H = 15, 30, 50 on the same workload and seeds), read from
 that reproduction's folder beside this one's (and run there first if it is not complete)."""
@@ -19,12 +19,12 @@ from experiments.reproduce import (
     fleet_threads,
 )
 from experiments.reproductions import sparseloco2025
-from experiments.reproductions._text import INNER, WORKLOAD, curves
+from experiments.reproductions._text import INNER, WORDS, WORKLOAD, curves
 from experiments.reproductions._verdicts import compare, overall
 from experiments.reproductions.douillard2023 import bytes_fall_as_1_over_h, near_synchronous
 from experiments.sweeps import finished, run_sweep
 
-PAPER = "Douillard et al. 2023, DiLoCo (rerun on text: next-character prediction on the King James Version)"
+PAPER = "Douillard et al. 2023, DiLoCo (rerun on text: next-character prediction on Shakespeare)"
 CLAIM = (
     "Workers that take H inner AdamW steps alone and then one outer Nesterov step on the averaged change reach about "
     "the loss of fully synchronous data-parallel training, while they communicate H times less; plain model "
@@ -86,8 +86,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             f"{averaging.mean('test_loss'):.4f} against DiLoCo's {diloco[-1].mean('test_loss'):.4f} at H = "
             f"{periods[-1]} |",
             "",
-            f"Ours: {peers} peers on data=text_corpus (transformer), {steps} steps, inner AdamW for all, "
-            f"{seeds} seeds.",
+            f"Ours: {peers} peers on {WORDS}, {steps} steps, inner AdamW for all, {seeds} seeds.",
             "",
             "| method | test loss (vs synchronous) | test perplexity | MB sent per peer |",
             "|---|---|---|---|",
@@ -122,6 +121,6 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         return f"{'DiLoCo' if name == 'diloco' else 'averaging'}, H = {period(c)}"
 
     every = [sync, *diloco, averaging]
-    title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
+    title = f"{peers} peers, shakespeare, {seeds} seeds, 95% bands"
     plots = list(curves(every, ("test_loss", "test loss (averaged model)"), out, title, label))
     return Finding(table, verdict, overall(parts), plots)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dpsgd.comm.netem import Link
 from experiments.reproduce import Configuration, Finding, find
-from experiments.reproductions._text import INNER, WORKLOAD, curves
+from experiments.reproductions._text import INNER, WORDS, WORKLOAD, curves
 from experiments.reproductions._verdicts import compare, overall
 
 PAPER = "Kolehmainen et al. 2025, NoLoCo: No-all-reduce Low Communication Training Method for Large Models"
@@ -59,7 +59,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             + ", ".join(f"{n} replicas: {s:.0f}x" for (n, _, _), s in zip(times, speedups))
             + " (emulated, wan link) |",
             "",
-            f"Ours: {peers} peers on data=text_corpus (transformer), {steps} steps, H = {PERIOD} for both, inner "
+            f"Ours: {peers} peers on {WORDS}, {steps} steps, H = {PERIOD} for both, inner "
             f"AdamW for all, {seeds} seeds; NoLoCo in pairs (outer SGD lr 0.7, momentum 0.5), DiLoCo's outer "
             "Nesterov (lr 0.7, momentum 0.9).",
             "",
@@ -95,7 +95,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         + f"{noloco.mean('mb_sent_per_peer') / diloco.mean('mb_sent_per_peer'):.2f}x DiLoCo's bytes "
         + "(2M to its partner against a ring all-reduce's 2 (n - 1) / n M)."
     )
-    title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
+    title = f"{peers} peers, shakespeare, {seeds} seeds, 95% bands"
 
     def label(c: Configuration) -> str:
         return {"noloco": "NoLoCo", "diloco": "DiLoCo", "allreduce": "all-reduce"}[

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiments.reproduce import Configuration, Finding
-from experiments.reproductions._text import INNER, WORKLOAD, curves
+from experiments.reproductions._text import INNER, WORDS, WORKLOAD, curves
 from experiments.reproductions._verdicts import compare, overall
 
 PAPER = "Sarfi, Thérien, Lidin & Belilovsky 2025, Communication Efficient LLM Pre-training with SparseLoCo"
@@ -26,7 +26,7 @@ SWEEPS = {
 RUNS = {"sparseloco": len(PERIODS), "sparseloco_templar": len(PERIODS), "diloco": len(PERIODS)}
 CLAIMED_RATIO = 97
 ARMS = {"sparseloco": "the paper's mean", "sparseloco_templar": "templar's aggregation"}
-WORDS = {1: "worse beyond the intervals", 0: "intervals overlap", -1: "better beyond the intervals"}
+ORDER_WORDS = {1: "worse beyond the intervals", 0: "intervals overlap", -1: "better beyond the intervals"}
 
 
 def period(c: Configuration) -> int:
@@ -66,7 +66,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             + ", ".join(f"{r:.1f}x" for r in ratios["sparseloco"])
             + " fewer bytes than DiLoCo's all-reduce (either aggregation: the same messages) |",
             "",
-            f"Ours: {peers} peers on data=text_corpus (transformer), {steps} steps, inner AdamW for both, {seeds} "
+            f"Ours: {peers} peers on {WORDS}, {steps} steps, inner AdamW for both, {seeds} "
             "seeds. SparseLoCo: error feedback decay 0.95, 64 kept per tile of up to 64 x 64 (1.6% of a 64 x 64 "
             "matrix; vectors of 64 and fewer entries go whole), 2-bit values, outer SGD lr 1; its s_j combined by "
             "the paper's mean over all peers, or by templar's (each peer's values of a tensor clipped to the median "
@@ -78,7 +78,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             "|---|---|---|---|---|---|---|---|",
             *(
                 f"| {period(s)} | {aggregate(s)} | {s.text('test_perplexity', 3)} | {d.text('test_perplexity', 3)} | "
-                f"{WORDS[o]} | {s.mean('mb_sent_per_peer'):.3f} | {d.mean('mb_sent_per_peer'):.3f} | {r:.1f}x |"
+                f"{ORDER_WORDS[o]} | {s.mean('mb_sent_per_peer'):.3f} | {d.mean('mb_sent_per_peer'):.3f} | {r:.1f}x |"
                 for arm in ARMS
                 for s, d, o, r in zip(arms[arm], dense, order[arm], ratios[arm])
             ),
@@ -96,7 +96,8 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         + "; ".join(
             f"with {ARMS[arm]} it {names[holds[arm]]}, SparseLoCo's test perplexity against DiLoCo's "
             + ", ".join(
-                f"{s.mean('test_perplexity'):.3f} vs {d.mean('test_perplexity'):.3f} at H = {period(s)} ({WORDS[o]})"
+                f"{s.mean('test_perplexity'):.3f} vs {d.mean('test_perplexity'):.3f} at H = {period(s)} "
+                f"({ORDER_WORDS[o]})"
                 for s, d, o in zip(arms[arm], dense, order[arm])
             )
             for arm in ARMS
@@ -112,7 +113,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             return f"DiLoCo, H = {period(c)}"
         return f"SparseLoCo ({aggregate(c)}), H = {period(c)}"
 
-    title = f"{peers} peers, text_corpus, {seeds} seeds, 95% bands"
+    title = f"{peers} peers, shakespeare, {seeds} seeds, 95% bands"
     by_steps, by_bytes = curves(
         [*arms["sparseloco"], *arms["sparseloco_templar"], *dense],
         ("test_perplexity", "test perplexity"),
