@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Protocol, cast
@@ -175,6 +176,8 @@ def run_loop(
     last: dict = {}
     logged = None
     shown = progress.show(run.total_steps, run.step_count, _planned(run, config)) if run.writer else progress.Off()
+    if run.writer and (unsynced := _never_combines(config, run.total_steps)):
+        print(f"note: {unsynced}", file=sys.stderr, flush=True)
     status = ""
     try:
         with divergence.ending(out_dir, lambda: run.describe(config), lambda: last):
@@ -236,6 +239,18 @@ def _planned(run: Run, config: RunConfig) -> str:
     plan = run.plan
     per_epoch = f"{plan.steps_per_epoch:,} steps of {plan.batch_size} samples"
     return f"{run.comm.size} peers, {config.epochs:,} epochs of {per_epoch}"
+
+
+def _never_combines(config: RunConfig, total_steps: int) -> str | None:
+    """A periodic algorithm whose period is longer than the run: its peers train alone, and a comparison would
+    credit their independent models to the algorithm. None where the run combines at least once."""
+    period = config.algorithm.options.get("period")
+    if isinstance(period, int) and not isinstance(period, bool) and period > total_steps:
+        return (
+            f"algorithm.period={period} is more than the run's {total_steps} steps: its peers never combine their "
+            "models; give more epochs or a smaller algorithm.period"
+        )
+    return None
 
 
 # --- real peers ---------------------------------------------------------------------------------

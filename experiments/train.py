@@ -310,6 +310,12 @@ def check_run(argv: list[str]) -> bool:
         jobs = overrides.sweep_jobs(argv)
     except Exception:  # noqa: BLE001 - a composition Hydra refuses: left to Hydra's own run to report
         return False
+    if jobs and len(jobs) > 1:  # a comma list without -m: Hydra would end in its traceback
+        listed = [a for a in argv if "," in a.partition("=")[2] and not a.partition("=")[2].startswith("[")]
+        fail(
+            f"{' '.join(listed) or 'the command line'} describes {len(jobs)} runs but -m is not given: add -m to "
+            "run each, or write a list value as key=[a,b] and a string with a comma as key='a,b'"
+        )
     if not jobs or len(jobs) != 1:
         return False
     try:

@@ -113,6 +113,7 @@ def test_single_peer_runs(app, tmp_path):
         (["algorithm._target_=nope.Foo"], ["algorithm._target_='nope.Foo' cannot be imported"]),
         (["topology.name=nope", "backend=local"], ["topology 'nope'", "ring"]),
         (["topology=one_peer_exponential", "peers=6", "topology.name=hypercube"], ["hypercube", "power of 2"]),
+        (["algorithm=allreduce,dpsgd", "backend=fleet"], ["algorithm=allreduce,dpsgd describes 2 runs", "add -m"]),
     ],
 )
 def test_bad_input_one_line_and_no_outputs(app, args, words, tmp_path):

@@ -187,6 +187,21 @@ def test_a_run_at_chance_is_marked_not_learning(tmp_path):
     assert summary["status"] == "not_learning" and summary["diverged"]["peer"] is None
 
 
+@pytest.mark.parametrize("period, said", [(50, True), (5, False)])
+def test_a_period_longer_than_the_run_is_said(tmp_path, capsys, period, said):
+    """NoLoCo at H=50 on a run of fewer steps never combines: its peers' independent models would pass for the
+    algorithm's in a comparison, so the run says so in one note (and says nothing where it combines)."""
+    cfg = {**runs.experiment(runs.algorithm("noloco"), backend="fleet"), "epochs": 2, "peers": 4}
+    cfg["algorithm"] = {**cfg["algorithm"], "period": period}
+    from dpsgd.sim import train_fleet
+
+    summary = train_fleet(parse(cfg), tmp_path)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "never combine" in line]
+    assert len(notes) == (1 if said else 0), notes
+    if said:
+        assert f"algorithm.period={period} is more than the run's {summary['steps']} steps" in notes[0]
+
+
 # --- evaluation that scales ---------------------------------------------------------------------------------------
 def test_a_sampled_evaluation_is_one_seeded_subset_and_the_last_record_scores_all():
     x, y = torch.arange(100.0).reshape(50, 2), torch.arange(50)
