@@ -50,7 +50,8 @@ def test_the_simulator_writes_the_plugins_summary_block(tmp_path):
 @pytest.mark.processes
 def test_the_plugin_runs_under_mpiexec(app, tmp_path):
     run_dir = tmp_path / "run"
-    args = ["algorithm=adpsgd", *(f"+algorithm.{k}={v}" for k, v in PLUGIN.items() if k != "name")]
+    # adpsgd's yaml names its class: the plugin's replaces it; its own option is new to the config (+)
+    args = ["algorithm=adpsgd", f"algorithm._target_={PLUGIN['_target_']}", f"+algorithm.weight={PLUGIN['weight']}"]
     args += ["algorithm.name=partial_gossip", "backend=mpi", "peers=2", "epochs=2", "log_every=10"]
     env = {**app.env(), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     import subprocess
