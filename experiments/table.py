@@ -39,6 +39,7 @@ OPTIONAL = {
     "time_to_target_s",
     "mb_to_target",
 }
+TO_TARGET = {"steps_to_target", "time_to_target_s", "mb_to_target"}  # shown ("-") wherever a target was asked for
 
 
 def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -46,7 +47,12 @@ def _cells(summaries: list[dict], extra: list[str]) -> tuple[list[str], list[lis
     columns = [
         (h, key, fmt)
         for h, key, fmt in COLUMNS
-        if h not in extra and (key not in OPTIONAL or any(s.get(key) not in (None, "ok") for s in summaries))
+        if h not in extra
+        and (
+            key not in OPTIONAL
+            or any(s.get(key) not in (None, "ok") for s in summaries)
+            or (key in TO_TARGET and any("reached" in s for s in summaries))
+        )
     ]
     header = list(extra) + [h for h, _, _ in columns]
     rows = []

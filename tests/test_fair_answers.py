@@ -85,6 +85,10 @@ def test_the_report_shows_time_to_target_with_the_reached_count(tmp_path, capsys
     assert "To the target test_accuracy >= 0.85" in (tmp_path / "report.md").read_text()
     assert "| 15 ± " in (tmp_path / "report.md").read_text()  # steps 20 and 10: mean 15
     assert report.main([str(tmp_path), "--target", "test_perplexity=9"]) == 2  # no record has it: one line
+    capsys.readouterr()
+    assert report.main([str(tmp_path), "--target", "test_accuracy=0.95"]) == 0  # no seed reaches it
+    header, _, row = capsys.readouterr().out.splitlines()[:3]
+    assert "0/3" in row and "steps to target" in header and "MB to target" in header  # shown as "-", not left out
 
 
 # --- clocks free of the machine's load -----------------------------------------------------------------------------
