@@ -148,8 +148,10 @@ def test_straggler_slows_only_itself():
 
     steps = run_local(4, peer)
     fast = [s for r, s in enumerate(steps) if r != 1]
-    assert min(fast) >= 0.5 * 0.4 / 0.01, steps  # about 40 each: the straggler did not hold them back
-    assert steps[1] <= 0.45 * max(fast), steps  # about a quarter
+    # side by side, not against the clock (a loaded machine slows every peer): about 4x on a quiet one; a
+    # straggler that held the others back (a synchronous step) would leave them all near its count
+    assert min(fast) >= 1.5 * steps[1], steps
+    assert steps[1] <= 0.45 * max(fast), steps
 
 
 def test_compute_slowdown_waits_for_the_floor():

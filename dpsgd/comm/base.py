@@ -524,6 +524,22 @@ class Communicator(ABC):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
 
+class MessagelessCommunicator(Communicator):
+    """The communicator of simulated peers that act on their tensors directly (the fleet's stacked operations, the
+    event simulator's scheduled exchanges): no message to start, no one to wait for at a barrier."""
+
+    instead = "its operations act on the peers' tensors directly"  # what it does instead, for the error
+
+    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+        raise NotImplementedError(f"{type(self).__name__} sends no point-to-point messages: {self.instead}")
+
+    def _start_allreduce_sum(self, buf) -> Pending:
+        raise NotImplementedError(f"{type(self).__name__} runs no collectives: {self.instead}")
+
+    def barrier(self) -> None:
+        return None
+
+
 class _Done(Pending):
     def wait(self, deadline: float) -> None:
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -402,13 +402,8 @@ class AsynchronousOptimizer(Protocol):
     staleness: int  # exchanges applied to x_i since the snapshot the next gradient is taken at
     wait_s: float  # time its steps waited for x_i (locked by an exchange in flight)
 
-    def set_budget(
-        self,
-        steps: int | None = None,
-        samples: int | None = None,
-        seconds: float | None = None,
-        samples_per_step: int | None = None,
-    ) -> None: ...
+    set_budget: Callable[..., None]  # (steps=, samples=, seconds=, samples_per_step=): ADPSGD.set_budget
+
     def step(self, closure=None) -> Any: ...  # the simulator calls it too (DistributedOptimizer's, around update())
     def start(self, threads: bool = True) -> None: ...
     def should_stop(self) -> bool: ...

@@ -268,10 +268,9 @@ class BMUF(LocalSGD):
         base: torch.optim.Optimizer,
         *,
         comm: Communicator,
-        period: int = 4,
         outer=None,
         scale_by_base_lr: bool = True,
-        **options,
+        **options,  # LocalSGD's (period, warmup_steps, ...) and the common ones
     ):
         block_momentum = 1.0 - 1.0 / comm.size
         if outer is None:
@@ -280,4 +279,4 @@ class BMUF(LocalSGD):
             isinstance(outer, functools.partial) and "momentum" in outer.keywords and outer.keywords["momentum"] is None
         ):
             outer = functools.partial(outer.func, *outer.args, **{**outer.keywords, "momentum": block_momentum})
-        super().__init__(base, comm=comm, period=period, outer=outer, scale_by_base_lr=scale_by_base_lr, **options)
+        super().__init__(base, comm=comm, outer=outer, scale_by_base_lr=scale_by_base_lr, **options)

@@ -19,7 +19,7 @@ from torch.func import functional_call, grad_and_value
 
 from dpsgd import placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan
-from dpsgd.comm.base import Communicator
+from dpsgd.comm.base import MessagelessCommunicator
 from dpsgd.comm.netem import NetworkEmulator
 from dpsgd.config import Choice, NetworkConfig, RunConfig
 from dpsgd.metrics import loss_function
@@ -66,7 +66,7 @@ class ComputeTimes:
         return self.mean_s * self.scales.get(rank, 1.0) * factor
 
 
-class SimulatedCommunicator(Communicator):
+class SimulatedCommunicator(MessagelessCommunicator):
     """Peer `rank` of a simulated world: its `clock` is the simulator's virtual time and `tally` every peer's
     samples (a samples budget is known at once); it has no messages of its own, the simulator carrying the
     exchanges in virtual time."""
@@ -76,18 +76,10 @@ class SimulatedCommunicator(Communicator):
     def __init__(self, rank: int, size: int, clock, tally: dict):
         super().__init__(rank=rank, size=size)
         self.clock, self.tally = clock, tally
+        self.instead = "the simulator carries the exchanges it schedules (request, serve) in virtual time"
 
     def duplicate(self) -> SimulatedCommunicator:
         return SimulatedCommunicator(self.rank, self.size, self.clock, self.tally)
-
-    def _start_exchange(self, buf, send_to, recv_from, tag):
-        raise NotImplementedError("the event simulator carries only the exchanges it schedules (request, serve)")
-
-    def _start_allreduce_sum(self, buf):
-        raise NotImplementedError("the event simulator has no collectives: its peers run at their own pace")
-
-    def barrier(self) -> None:
-        return None
 
 
 class Simulation:

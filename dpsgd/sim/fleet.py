@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpsgd import metrics, placement
 from dpsgd.build import build_model, build_optimizer, build_topology, plan, schedule, step_options
-from dpsgd.comm.base import Communicator, Handle, _Done, ring_allreduce_bytes
+from dpsgd.comm.base import Handle, MessagelessCommunicator, _Done, ring_allreduce_bytes
 from dpsgd.config import RunConfig
 from dpsgd.stepping import Stepper, TrainStep
 from topologies import Topology
@@ -99,7 +99,7 @@ def mixing(w, dtype: torch.dtype, device, gather: bool | None = None) -> Mixing:
     return Mixing(torch.as_tensor(dense, dtype=dtype, device=device), sends, recvs)
 
 
-class FleetCommunicator(Communicator):
+class FleetCommunicator(MessagelessCommunicator):
     """The communication of n peers whose tensors carry a leading peer axis."""
 
     backend = "fleet"
@@ -110,16 +110,6 @@ class FleetCommunicator(Communicator):
         self.bytes_sent = torch.zeros(n, dtype=torch.float64)
         self.bytes_received = torch.zeros(n, dtype=torch.float64)
         self._mixings: dict[tuple, Mixing] = {}
-
-    # no messages: the operations below act on the stacked tensors directly
-    def _start_exchange(self, buf, send_to, recv_from, tag):
-        raise NotImplementedError("the fleet has no point-to-point messages; use its stacked operations")
-
-    def _start_allreduce_sum(self, buf):
-        raise NotImplementedError("the fleet has no messages; use its stacked operations")
-
-    def barrier(self) -> None:
-        return None
 
     def _done(self, op: str, result: list[torch.Tensor], started: float) -> Handle:
         if self._counting:
