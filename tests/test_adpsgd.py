@@ -86,6 +86,7 @@ def test_no_deadlock_in_200_random_local_runs():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow  # soak: make test keeps the random runs on gloo processes
 @pytest.mark.timeout(120)
 def test_no_deadlock_in_20_random_runs_on_mpi_processes(tmp_path):
     """One mpiexec launch of 4 ranks runs 20 episodes with fresh draws (startup is the cost)."""

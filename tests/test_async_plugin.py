@@ -47,6 +47,7 @@ def test_the_simulator_writes_the_plugins_summary_block(tmp_path):
     assert summary["test_accuracy"] > 0.5
 
 
+@pytest.mark.slow  # soak: make test keeps the plugin on local peers
 @pytest.mark.processes
 def test_the_plugin_runs_under_mpiexec(app, tmp_path):
     run_dir = tmp_path / "run"

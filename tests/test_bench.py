@@ -25,6 +25,7 @@ def load(path, benchmark):
     return res
 
 
+@pytest.mark.slow  # soak: every regression figure measured (test_bench_harness keeps the harness in make test)
 def test_bench_quick_dry_run(tmp_path, capsys):
     """`make bench-quick ARGS=--dry`: comm_overhead (1 and 11 MiB), allreduce_vs_ddp, waiter_cost and fleet_vs_batch
     at tiny sizes through the harness, each result checked (the toolkit computes what raw MPI / torch.distributed
@@ -72,6 +73,7 @@ def test_bench_quick_dry_run(tmp_path, capsys):
     assert "PASS, " in printed and "recorded 1.44-1.83 (benchmarks.md, 2026-12-04)" in printed
 
 
+@pytest.mark.slow  # soak: a benchmark's dry run
 def test_local_sgd_vs_torch(tmp_path):
     out = tmp_path / "local_sgd_vs_torch.json"
     assert (
@@ -112,6 +114,7 @@ def test_local_sgd_vs_torch(tmp_path):
     assert params["holds"]
 
 
+@pytest.mark.slow  # soak: a benchmark's dry run
 def test_step_time_vs_network(tmp_path):
     """Two real mpi ranks, the small model, the WAN preset: every emulated step time equals the closed
     form for the synchronous algorithms (the emulated clock is exact in model mode)."""
@@ -134,6 +137,7 @@ def test_step_time_vs_network(tmp_path):
             assert abs(r["vs_closed_form"] - 1) < 1e-9, r
 
 
+@pytest.mark.slow  # soak: a benchmark's dry run
 def test_overlap(tmp_path):
     from experiments.bench import overlap
 

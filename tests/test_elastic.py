@@ -96,6 +96,7 @@ def test_elastic_config_checks(hydra_config):
         elastic.check_world(parse(hydra_config("topology=hypercube", "peers=8")).topology, 5)
 
 
+@pytest.mark.slow  # soak: a kill, a timeout and a relaunch of 4 processes
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_mpi_peer_killed_the_driver_relaunches_the_survivors(app, tmp_path):

@@ -25,6 +25,7 @@ pytestmark = [
 RATE_BYTES_PER_S = 1e9 / 8  # the 1gbit cap
 
 
+@pytest.mark.slow  # soak: real capped links in namespaces
 def test_emulator_against_a_capped_link(tmp_path, capsys):
     out = tmp_path / "result.json"
     argv = ["--rates", "1gbit", "--algorithms", "allreduce", "--steps", "4", "--rounds", "1", "--out", str(out)]

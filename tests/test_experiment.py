@@ -74,7 +74,13 @@ def local_reference(app, tmp_path_factory):
     return summary(run_dir)
 
 
-@pytest.mark.parametrize("launch", list(LAUNCHES))
+# soak (`make soak`): mpiexec by hand and torch's self-spawn; make test keeps the app's own mpiexec and torchrun by hand
+SOAK_LAUNCHES = ("mpi-user", "torch-self")
+
+
+@pytest.mark.parametrize(
+    "launch", [pytest.param(k, marks=pytest.mark.slow) if k in SOAK_LAUNCHES else k for k in LAUNCHES]
+)
 def test_same_numbers_on_every_backend(app, launch, local_reference, tmp_path):
     args, launcher = LAUNCHES[launch]
     run_dir = tmp_path / "run"

@@ -173,7 +173,7 @@ def test_at_chance_after_the_stated_epochs_is_not_learning():
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("lr", ["10000", "50"])
+@pytest.mark.parametrize("lr", ["10000", pytest.param("50", marks=pytest.mark.slow)])  # soak: the slower blow-up
 def test_an_exploding_run_ends_in_one_line_exit_1(app, tmp_path, lr):
     proc = app(["backend=fleet", f"optimizer.lr={lr}"], tmp_path / "run", timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr

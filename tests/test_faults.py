@@ -77,11 +77,12 @@ def test_no_fault_configured_changes_nothing(config):
     cfg = config("peers=4")
     plain = run_local(4, train, parse(cfg), None)[0]
     delayed = run_local(
-        4, train, parse(config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.01", "faults.at_step=3")), None
+        4, train, parse(config("peers=4", "faults.delay_peer=1", "faults.delay_s=0.05", "faults.at_step=3")), None
     )[0]
     for key in ("test_accuracy", "train_loss", "consensus_distance", "mb_sent_per_peer"):
         assert plain[key] == delayed[key], key  # a slow peer slows the run, never its numbers
-    assert delayed["wall_time_s"] > plain["wall_time_s"]
+    # the delay was slept before each step from step 3: a floor load cannot break (plain's time can pass it)
+    assert delayed["wall_time_s"] >= 0.05 * (delayed["steps"] - 2), delayed  # 1 s: 4x plain's whole run
 
 
 def test_delay_past_the_timeout_names_the_slow_peer(config):
@@ -208,7 +209,7 @@ def test_process_fault_ends_the_run_with_one_line(cli, backend, mode, words, tmp
     assert f"logs: {run_dir / 'logs'}" in line
     fault_at = (run_dir / "logs" / "rank1.log").stat().st_mtime  # its last line is the fault's
     assert "fault: peer 1" in (run_dir / "logs" / "rank1.log").read_text()
-    assert ended - fault_at < 2 * timeout_s, ended - fault_at
+    assert ended - fault_at < 4 * timeout_s, ended - fault_at  # 2x on a quiet machine: room for a loaded one
 
 
 # --- checkpoints: torn ones are skipped ---------------------------------------------------------
@@ -294,6 +295,7 @@ class _RunsCode:
 # --- resume after a crash: the numbers of an uninterrupted run ------------------------------------
 
 
+@pytest.mark.slow  # soak: make test keeps the killed run's resume and the torn checkpoint (test_run_folders)
 @pytest.mark.timeout(200)
 def test_local_peer_killed_then_torn_checkpoint_then_resume_gives_same_numbers(cli, tmp_path):
     args = ["backend=local", "epochs=12", "log_every=10", "checkpoint.every=10"]
@@ -476,6 +478,7 @@ def test_failure_cause_reads_gforkers_account_of_a_killed_rank(tmp_path):
     )
 
 
+@pytest.mark.slow  # soak: make test keeps the process faults on mpi
 @pytest.mark.timeout(200)
 def test_mpi_rank_killed_from_outside_is_named(app, tmp_path):
     """No injection: `kill -9` of one rank (as the OOM killer would) mid-run."""

@@ -56,6 +56,7 @@ def test_local_backend_equals_the_fleet(fleet):
     assert (noloco - noloco.mean(0)).abs().max() > 1e-4  # pairs leave the peers apart: not trivially equal
 
 
+@pytest.mark.slow  # soak: make test keeps the local backend against the fleet
 def test_mpi_processes_equal_the_fleet(fleet, tmp_path):
     code = spawn("mpi", N, [SCRIPT, "mpi", str(tmp_path)], timeout_s=240)
     assert code == 0, f"mpi peers exited with {code}"

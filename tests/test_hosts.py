@@ -65,6 +65,7 @@ def _run_on_hosts(hosts, app, commands: dict[int, list[str]]) -> dict[int, subpr
     return out
 
 
+@pytest.mark.slow  # soak: make test keeps the app's spawner on two hosts
 def test_torchrun_two_hosts_c10d_rendezvous(hosts, app, tmp_path, local_reference):
     run_dir = tmp_path / "run"
     endpoint = f"{hosts.address(1)}:29400"
@@ -120,6 +121,7 @@ def test_interface_is_the_one_on_the_route_to_the_master(hosts, app):
     assert r.returncode != 0 and "no route to the master address 192.0.2.9" in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # soak: make test keeps the app's spawner on two hosts
 def test_mpiexec_two_hosts(hosts, app, tmp_path, local_reference):
     """MPICH's hydra starts its proxy on host 2 through tools/netns_exec.sh where it would use ssh;
     UCX over tcp on eth0 only: shared memory (the single-host default UCX_TLS=self,sm) reaches across

@@ -63,7 +63,7 @@ def signal_after_checkpoint(proc, run_dir, sig, timeout_s: float, before=None) -
     "backend, sig",
     [
         ("local", signal.SIGINT),
-        ("torch", signal.SIGTERM),
+        pytest.param("torch", signal.SIGTERM, marks=pytest.mark.slow),  # soak: the same stop through gloo
         ("mpi", signal.SIGTERM),
         pytest.param("mpi", signal.SIGINT, marks=pytest.mark.slow),  # the same path as SIGTERM
     ],

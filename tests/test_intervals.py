@@ -75,6 +75,7 @@ def test_seeds_is_one_override():
             expand_seeds(bad)
 
 
+@pytest.mark.slow  # soak: make test keeps test_report's seed sweeps
 def test_report_of_a_seed_sweep(app, tmp_path):
     sweep = tmp_path / "sweep"
     args = ["seeds=3", "algorithm=allreduce,dpsgd", "backend=fleet", "epochs=2", f"hydra.sweep.dir={sweep}"]

@@ -21,6 +21,7 @@ def sweep(app, launcher: str, sweep_dir: Path, *extra: str, timeout: int = 300):
     return app(args, timeout=timeout)
 
 
+@pytest.mark.slow  # soak: a whole sweep through submitit
 def test_submitit_local_runs_a_sweep(app, tmp_path):
     proc = sweep(app, "local_submitit", tmp_path, "backend=local")
     assert proc.returncode == 0, proc.stderr

@@ -136,6 +136,7 @@ def test_local_backend_matches_reference():
     check(run_local(N, peer.all_trajectories))
 
 
+@pytest.mark.slow  # soak: make test keeps test_algorithms' mpi processes against the reference
 def test_mpi_processes_match_reference(tmp_path):
     code = spawn("mpi", N, [PEER_SCRIPT, "mpi", str(tmp_path)], timeout_s=120)
     assert code == 0, f"mpi peers exited with {code}"

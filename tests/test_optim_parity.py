@@ -38,7 +38,7 @@ def test_local_backend_matches_reference():
     check(run_local(N, q.all_trajectories))
 
 
-@pytest.mark.parametrize("backend", ["mpi", "torch"])
+@pytest.mark.parametrize("backend", ["mpi", pytest.param("torch", marks=pytest.mark.slow)])  # soak: torch's
 def test_real_processes_match_reference(backend, tmp_path):
     code = spawn(backend, N, [PEER_SCRIPT, backend, str(tmp_path)], timeout_s=120)
     assert code == 0, f"{backend} peers exited with {code}"

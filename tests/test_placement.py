@@ -151,6 +151,7 @@ def test_bad_staging_and_device_are_refused_in_one_line(app, tmp_path):
         assert words in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # soak: the whole device check, app runs and all (its parts run in make test on their own)
 @pytest.mark.timeout(300)
 def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     """`make gpu-check` with GPU_CHECK_DRY=1: the prepared device check's own script, on CPU tensors."""

@@ -88,6 +88,7 @@ def test_readmes_sweep_on_real_peers(app, tmp_path):
     assert not (sweep / "optimum_vs_steps.png").exists()  # digits has no known optimum
 
 
+@pytest.mark.slow  # soak: make test keeps the README's sweep on real peers
 def test_seeds_on_the_fleet(app, tmp_path):
     """Two seeds of all-reduce and D-PSGD on the fleet: ± explained, the simulator's wall clock named, the bands'
     edges in range, four panels in a 2 x 2 grid a page wide."""

@@ -11,6 +11,7 @@ from experiments.report import load_runs
 pytestmark = pytest.mark.processes  # the sweeps run as `experiments.train -m` subprocesses
 
 
+@pytest.mark.slow  # soak: a whole reproduction
 def test_lian2017_runs_reports_and_reuses(tmp_path, capsys):
     out = tmp_path / "lian"
     # Fashion-MNIST cut to 512 training and 200 test images: 8 steps of 4 peers

@@ -57,6 +57,7 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
 # --- resume says what it resumed ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # soak: make test keeps the torn newest checkpoint
 def test_resume_with_every_checkpoint_corrupt_is_refused_in_one_line(app, finished, tmp_path):
     run_dir = copy_of(finished, tmp_path)
     for f in (run_dir / "checkpoints").rglob("*"):
@@ -172,6 +173,7 @@ def damaged_files(folder: Path) -> list[str]:
     return bad
 
 
+@pytest.mark.slow  # soak: a whole run on a filled tmpfs
 @pytest.mark.timeout(600)
 def test_a_full_disk_is_one_line_and_leaves_no_torn_file(app, tmp_path):
     """The base run into a 200 KB tmpfs filled to several levels, so that the disk fills while writing the config,

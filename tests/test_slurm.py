@@ -97,6 +97,7 @@ FAKE_SRUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # soak: a whole sbatch recipe
 def test_sbatch_recipe_dry_run_on_cpu_with_gloo(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -47,6 +47,7 @@ def test_in_process_backends_listen_nowhere(app, tmp_path, backend):
     assert _listeners_of_a_run(app, tmp_path, backend) == []
 
 
+@pytest.mark.slow  # soak: a socket audit of a whole run
 @pytest.mark.timeout(200)
 def test_torch_listens_on_loopback_only_and_has_no_store(app, tmp_path):
     """4 peers: one gloo listener each (GLOO_SOCKET_IFNAME=lo) and nothing else: they meet through a rendezvous file
@@ -56,6 +57,7 @@ def test_torch_listens_on_loopback_only_and_has_no_store(app, tmp_path):
     assert len({s["port"] for s in found}) == 4, found  # a gloo listener per peer, no store
 
 
+@pytest.mark.slow  # soak: a socket audit of a whole run
 @pytest.mark.timeout(200)
 def test_mpi_listens_nowhere_on_one_host(app, tmp_path):
     """4 peers under mpiexec.gforker: its PMI runs over socket pairs and UCX over shared memory, so no process of the

@@ -181,6 +181,7 @@ def test_accumulated_micro_batches_give_the_whole_batchs_step():
     torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # soak: make test keeps the options' numbers in process
 @pytest.mark.processes
 def test_options_run_in_the_app_with_the_same_numbers_on_local_mpi_and_the_fleet(app, tmp_path):
     args = ["peers=2", "epochs=1", "log_every=5", "schedule=cosine", "schedule.warmup_steps=10"]

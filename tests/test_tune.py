@@ -49,6 +49,7 @@ def test_fixed_split_seed_keeps_one_test_split_across_seeds(hydra_config):
     assert not split("seed=1").x_test.equal(tests[0])  # by default the seed moves the split
 
 
+@pytest.mark.slow  # soak: a whole tuning sweep
 def test_tune_selects_on_validation_then_runs_seeds(tmp_path):
     out = tmp_path / "tune"
     args = ["--algorithms", "local_sgd", "--lr-factors", "0.3,3", "--knob-values", "2,8", "--seeds", "2"]

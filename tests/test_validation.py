@@ -199,6 +199,7 @@ def test_app_never_overwrites_a_finished_run(app, tmp_path):
     assert (run_dir / "summary.json").read_text() == "{}"
 
 
+@pytest.mark.slow  # soak: make test keeps the world size check under mpiexec
 @pytest.mark.timeout(120)
 def test_torchrun_world_size_must_agree(app, tmp_path):
     launcher = [

@@ -27,6 +27,7 @@ def test_across_share_of_a_ring_and_of_hierarchical_groups():
     assert wire_bytes.across_share("complete", 4, 2) == pytest.approx(2 / 3)
 
 
+@pytest.mark.slow  # soak: make test keeps the flat topologies' wire bytes
 def test_wire_bytes_match_the_toolkit_count_on_hierarchical(tmp_path):
     with testhosts.TestHosts(2) as hosts:
         row = wire_bytes.measure("torch", "hierarchical", (1, 2), hosts, tmp_path)

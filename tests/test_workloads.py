@@ -200,6 +200,7 @@ def _train_local(comm, cfg):
     return train(comm, parse(cfg))
 
 
+@pytest.mark.slow  # soak: make test keeps the local peers against the fleet
 def test_mpi_peers_give_the_fleets_numbers(app, hydra_config, tmp_path):
     """4 real peers under mpiexec (the app's own launch) record the same trajectory as the fleet: D-PSGD, whose
     peers stay apart on this problem, so that every record's consensus and distances are far from trivial."""
