@@ -17,6 +17,7 @@ from .desloc import DESLOC
 from .dpsgd import DPSGD, QGM
 from .gradient_tracking import GradientTracking
 from .local_sgd import BMUF, DiLoCo, LocalSGD, SlowMo
+from .muon import MuonAdamW, hidden_matrices
 from .noloco import NoLoCo
 from .sgp import SGP
 from .sparseloco import SparseLoCo
@@ -46,6 +47,7 @@ BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
+    "muon": MuonAdamW,  # Muon on hidden matrices, AdamW on the rest (dpsgd.optim.muon)
 }
 
 __all__ = [
@@ -65,12 +67,14 @@ __all__ = [
     "DistributedOptimizer",
     "GradientTracking",
     "LocalSGD",
+    "MuonAdamW",
     "NoLoCo",
     "SlowMo",
     "SparseLoCo",
     "StreamingDiLoCo",
     "build",
     "build_base",
+    "hidden_matrices",
 ]
 
 
