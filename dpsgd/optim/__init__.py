@@ -21,6 +21,7 @@ from .muon import MuonAdamW, hidden_matrices
 from .noloco import NoLoCo
 from .sgp import SGP
 from .sparseloco import SparseLoCo
+from .sparta import SPARTA
 from .streaming_diloco import StreamingDiLoCo
 
 ALGORITHMS = {
@@ -41,6 +42,7 @@ ALGORITHMS = {
     "demo": DeMo,
     "sparseloco": SparseLoCo,
     "desloc": DESLOC,
+    "sparta": SPARTA,
 }
 # the base optimizers of `optimizer=NAME` (conf/optimizer/): each takes its torch class's own keyword options
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -59,6 +61,7 @@ __all__ = [
     "DPSGD",
     "QGM",
     "SGP",
+    "SPARTA",
     "AllReduce",
     "AsynchronousOptimizer",
     "Choco",
