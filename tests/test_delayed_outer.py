@@ -12,10 +12,12 @@ from peers import quadratic as q
 from reference import grads
 from test_fleet import config, local_parameters
 
+from dpsgd import models
 from dpsgd.comm import run_local
 from dpsgd.config import parse
 from dpsgd.optim import DiLoCo
 from dpsgd.sim import Fleet
+from experiments import cost_model
 
 torch.set_num_threads(1)
 N, H, STEPS, LR, ALPHA, BETA = 4, 3, 13, 0.05, 0.7, 0.9
@@ -103,15 +105,15 @@ def test_a_checkpoint_with_an_exchange_in_flight_resumes_identically():
         np.testing.assert_array_equal(np.array(resumed), np.array(straight))
 
 
-def emulated_summary(tmp_path, delay: int) -> dict:
+def emulated_summary(tmp_path, delay: int, latency_s: float = 1e-3) -> dict:
     """DiLoCo (period 3) on 4 real peers over an emulated 1 Gb/s link with 1 ms latency and 10 ms of compute a
     step (model mode: the emulated clock only): an outer all-reduce costs about 6 ms, a round computes 30 ms."""
     from dpsgd.training import train
 
     cfg = runs.experiment(runs.algorithm("diloco", period=3, outer_delay=delay), "ring", 4, "local")
-    cfg["network"] = {**runs.load("network", "ethernet_1g"), "latency_s": 1e-3, "compute_time": 0.01}
+    cfg["network"] = {**runs.load("network", "ethernet_1g"), "latency_s": latency_s, "compute_time": 0.01}
     cfg["log_every"] = 1000
-    out = tmp_path / f"delay{delay}"
+    out = tmp_path / f"delay{delay}-{latency_s}"
     out.mkdir()
     run_local(4, train, parse(cfg), out, timeout_s=60)
     return runs.summary(out)
@@ -128,6 +130,19 @@ def test_the_outer_exchange_is_hidden_on_the_emulator(tmp_path):
     assert delayed["emulated_time_s"] < synchronous["emulated_time_s"] - 0.9 * synchronous["emulated_wait_s"]
     assert delayed["mb_sent_per_peer"] == synchronous["mb_sent_per_peer"]
     assert delayed["comm_overlap_s"] > synchronous["comm_overlap_s"]
+
+
+def test_the_cost_models_closed_form_is_the_emulators_clock(tmp_path):
+    """experiments.cost_model's periodic form with `delayed` (outer_delay=1) and without gives the emulator's clock,
+    where the round's compute hides the exchange (1 ms links) and where it does not (10 ms: 60 ms a round)."""
+    nbytes = 4 * sum(p.numel() for p in models.build("mlp", (64,), 10, seed=0).parameters())
+    for latency_s in (1e-3, 1e-2):
+        net = cost_model.Network(latency_s=latency_s, bandwidth_bytes_per_s=1.25e8)
+        for delay in (1, 0):
+            summary = emulated_summary(tmp_path, delay, latency_s)
+            form = cost_model.Algorithm("diloco", (), "periodic", period=3, delayed=bool(delay))
+            predicted = cost_model.clock_after(form, summary["steps"], 4, nbytes, 0.01, net)
+            assert predicted == pytest.approx(summary["emulated_time_s"], rel=1e-3), (latency_s, delay)
 
 
 def test_bad_combinations_are_refused_in_one_line():
