@@ -106,3 +106,24 @@ def test_bad_options_are_refused_in_one_line():
     ):
         with pytest.raises(ValueError, match=words):
             run_local(1, build, **options)
+
+
+@pytest.mark.slow  # 54 s at load 11 on 2 cores (4 MPI processes starting torch)
+@pytest.mark.processes
+def test_mpi_processes_follow_both_references(tmp_path):
+    """4 MPI processes: SPARTA (pairs and all) and DiLoCo's delayed and eager outer steps, each case against its
+    numpy reference (tests/peers/issue39_peer.py), in one launch."""
+    import json
+
+    from peers import issue39_peer
+    from test_delayed_outer import reference as delayed_reference
+
+    from dpsgd.backends import spawn
+
+    code = spawn("mpi", N, [issue39_peer.__file__, "mpi", str(tmp_path)], timeout_s=180)
+    assert code == 0, f"mpi peers exited with {code}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)]
+    wants = [delayed_reference(1, False), delayed_reference(1, True), reference(P, "one", 1), reference(P, "all", 1)]
+    for c, want in enumerate(wants):
+        got = np.stack([np.array(ranks[r][c]) for r in range(N)], axis=1)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-10, err_msg=str(issue39_peer.CASES[c]))
