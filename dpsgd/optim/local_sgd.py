@@ -65,8 +65,9 @@ class LocalSGD(DistributedOptimizer):
     the previous round, G_i^t = mean_j Delta_j^{t-1} (0 at t = 1), then x_i <- x_a,i. `eager=True` (with
     outer_delay=1): the peer's own fresh outer gradient stands in for its share at once, G_i^t = Delta_i^t / n +
     sum_{j != i} Delta_j^{t-1} / n = mean_j Delta_j^{t-1} + (Delta_i^t - Delta_i^{t-1}) / n, the others' share of
-    round t arriving a round late; the anchors (and outer momenta) then differ by peer. A checkpoint (state_dict()) waits for
-    the exchange in flight and keeps its mean: code that reuses the communicator after the last step calls it first.
+    round t arriving a round late; the anchors (and outer momenta) then differ by peer. A checkpoint
+    (state_dict()) waits for the exchange in flight and keeps its mean: code that reuses the communicator after
+    the last step calls it first.
 
     outer: None (plain model averaging), a factory params -> torch.optim.Optimizer such as
     functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True) (in a config, a `_target_` dict);
