@@ -22,7 +22,7 @@ import topologies
 from dpsgd import data, faults, metrics, models, placement, supervisor
 from dpsgd.comm import codecs, corrupt, netem, robust
 from dpsgd.config import Choice, DataConfig, RunConfig
-from dpsgd.optim import ALGORITHMS, BASE_OPTIMIZERS, DistributedOptimizer, build_base
+from dpsgd.optim import ALGORITHMS, BASE_OPTIMIZERS, DistributedOptimizer, MuonAdamW, build_base, hidden_matrices
 from dpsgd.options import check_options, factories, import_target, refuse_unknown
 from dpsgd.schedule import Schedule
 from dpsgd.seeds import batch_seed
@@ -120,14 +120,23 @@ def algorithm_class(algorithm: Choice) -> type[DistributedOptimizer]:
     return ALGORITHMS[algorithm.name]
 
 
-def base_optimizer(optimizer: Choice, params) -> torch.optim.Optimizer:
+def base_optimizer(
+    optimizer: Choice, params, model: torch.nn.Module | None = None, peer_dims: int = 0
+) -> torch.optim.Optimizer:
     """The base optimizer the `optimizer=` config names (a key of BASE_OPTIMIZERS, or a torch optimizer class its
-    `_target_` names) with the options its class takes (lr, momentum, betas, weight_decay, ...)."""
+    `_target_` names) with the options its class takes (lr, momentum, betas, weight_decay, ...). `optimizer=muon`
+    (MuonAdamW) splits `params` by `model`'s layers (optim.muon.hidden_matrices: `params` in model.parameters()
+    order, on a fleet stacked with `peer_dims` leading peer axes)."""
     options = dict(optimizer.options)
     cls = import_target(optimizer.target, "optimizer") if optimizer.target else BASE_OPTIMIZERS.get(optimizer.name)
     if cls is None:
         raise ValueError(f"unknown optimizer {optimizer.name!r}; valid optimizers: {', '.join(BASE_OPTIMIZERS)}")
-    check_options(f"optimizer {optimizer.name} ({cls.__name__})", cls, options, set_here=("params",), key="optimizer")
+    set_here = ("params", "hidden", "peer_dims") if cls is MuonAdamW else ("params",)
+    check_options(f"optimizer {optimizer.name} ({cls.__name__})", cls, options, set_here=set_here, key="optimizer")
+    if cls is MuonAdamW:
+        if model is None:
+            raise ValueError("optimizer=muon needs the model to tell its hidden matrices from its output layer")
+        options.update(hidden=hidden_matrices(model), peer_dims=peer_dims)
     lr = options.get("lr")
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0):
         raise ValueError(f"optimizer.lr must be a number > 0, got {lr!r}")
@@ -137,12 +146,18 @@ def base_optimizer(optimizer: Choice, params) -> torch.optim.Optimizer:
 
 
 def build_optimizer(
-    run: RunConfig, params, topology, comm, module: torch.nn.Module | None = None
+    run: RunConfig,
+    params,
+    topology,
+    comm,
+    module: torch.nn.Module | None = None,
+    model: torch.nn.Module | None = None,
 ) -> DistributedOptimizer:
     """The run's distributed optimizer (`algorithm=`, a registered name or a `_target_` class) stepping its base
     optimizer (`optimizer=`) over `params`, talking through `comm` wearing the run's `compression` (codecs.wrap) and
     robust rule with its corrupt peers (robust.wrap): real peers and the fleet alike. `module`: a real peer's
-    model, whose buffers the run's `buffers` (broadcast, average, local) governs."""
+    model, whose buffers the run's `buffers` (broadcast, average, local) governs; `model` (the fleet's or the event
+    simulator's one model, its parameters in `params`' order): what optimizer=muon splits by where `module` is none."""
     options = dict(run.algorithm.options)
     if module is not None:
         options.update(module=module, buffers=run.buffers)
@@ -155,7 +170,7 @@ def build_optimizer(
     algorithm = algorithm_class(run.algorithm)
     what = f"algorithm {run.algorithm.name} ({algorithm.__name__})"
     check_options(what, algorithm, options, set_here=SET_HERE, key="algorithm")
-    base = base_optimizer(run.optimizer, params)
+    base = base_optimizer(run.optimizer, params, module or model, len(comm.peer_shape))
     return algorithm(base, topology=topology, comm=comm, **factories(options))
 
 

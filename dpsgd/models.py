@@ -194,6 +194,8 @@ class CharGPT(nn.Module):
     `bias=False`) and no dropout (peers stay deterministic; nanoGPT's full config uses 0.2). Initial weights as
     GPT-2's: normal(0, 0.02), the projections into the residual stream scaled by 1 / sqrt(2 * layers)."""
 
+    tied_head = True  # its output layer is the embedding: optimizer=muon steps it with AdamW (optim.muon)
+
     def __init__(self, vocab: int, block: int, dim: int = 384, layers: int = 6, heads: int = 6):
         super().__init__()
         if dim % heads:

@@ -5,7 +5,9 @@ straggler: one peer slower). What the emulator's clock does, step by step, witho
 - all-reduce (of gradients, after the backward pass): every step ends at the slowest peer's compute plus the
   all-reduce (`Hosts.allreduce_time`: a ring, or halving and doubling), max_i c_i + AR(M);
 - LocalSGD and DiLoCo with period H: local steps, and an all-reduce of the model (DiLoCo: of the outer delta, as
-  large) at every H-th step, which starts when the slowest peer gets there;
+  large) at every H-th step, which starts when the slowest peer gets there; with the outer step delayed a round
+  (`delayed`: DiLoCo's outer_delay=1) the all-reduce runs behind the next round's H steps, so after the first round
+  each round takes max(H max_i c_i, AR(M)) and the last exchange is still in flight;
 - gossip (D-PSGD without overlap) on a topology: the max-plus recurrence of the emulator's messages,
   T_i(t+1) = max over j in {i} and i's in-neighbours at t of T_j(t) + c_j + s_j(t), s_j(t) the time until peer j's
   messages of step t have arrived (`Hosts.send_time`: its host's link shared by every message leaving the host);
@@ -39,6 +41,7 @@ class Algorithm:
     kind: str  # allreduce, periodic, gossip, async, pairwise
     period: int = 1  # periodic: steps between all-reduces; pairwise: between group exchanges
     topology: str | None = None  # gossip: the graph
+    delayed: bool = False  # periodic: the all-reduce runs behind the next round (DiLoCo's outer_delay=1)
 
 
 @dataclass(frozen=True)
@@ -138,9 +141,10 @@ def clock_after(algorithm: Algorithm, steps: int, n: int, nbytes: float, compute
     if algorithm.kind == "periodic":
         syncs = steps // algorithm.period
         rest = steps - syncs * algorithm.period
-        return syncs * (algorithm.period * float(c.max()) + hosts.allreduce_time(link, nbytes, n)) + rest * float(
-            c.max()
-        )
+        round_s, exchange_s = algorithm.period * float(c.max()), hosts.allreduce_time(link, nbytes, n)
+        if algorithm.delayed and syncs:  # round k + 1 waits for round k's exchange only where it outlasts the compute
+            return round_s + (syncs - 1) * max(round_s, exchange_s) + rest * float(c.max())
+        return syncs * (round_s + exchange_s) + rest * float(c.max())
     if algorithm.kind == "async":
         averaging = 2 * link.message_time(nbytes)
         return steps * n / float(np.sum(1.0 / np.maximum(c, averaging)))

@@ -129,12 +129,14 @@ def test_declared_topology_use():
     from dpsgd.optim import ALGORITHMS
 
     ignoring = {name for name, cls in ALGORITHMS.items() if not cls.uses_topology}
-    # NoLoCo pairs peers by a step-seeded permutation, not by the topology; the rest average exactly
+    # NoLoCo pairs peers by a step-seeded permutation and SPARTA by its own seeded matching, not by the topology;
+    # the rest average exactly
     assert ignoring == {"allreduce", "local_sgd", "slowmo", "diloco", "bmuf", "streaming_diloco"} | {
         "noloco",
         "demo",
         "sparseloco",
         "desloc",
+        "sparta",
     }
 
 

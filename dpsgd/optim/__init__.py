@@ -17,9 +17,11 @@ from .desloc import DESLOC
 from .dpsgd import DPSGD, QGM
 from .gradient_tracking import GradientTracking
 from .local_sgd import BMUF, DiLoCo, LocalSGD, SlowMo
+from .muon import MuonAdamW, hidden_matrices
 from .noloco import NoLoCo
 from .sgp import SGP
 from .sparseloco import SparseLoCo
+from .sparta import SPARTA
 from .streaming_diloco import StreamingDiLoCo
 
 ALGORITHMS = {
@@ -40,12 +42,14 @@ ALGORITHMS = {
     "demo": DeMo,
     "sparseloco": SparseLoCo,
     "desloc": DESLOC,
+    "sparta": SPARTA,
 }
 # the base optimizers of `optimizer=NAME` (conf/optimizer/): each takes its torch class's own keyword options
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
+    "muon": MuonAdamW,  # Muon on hidden matrices, AdamW on the rest (dpsgd.optim.muon)
 }
 
 __all__ = [
@@ -57,6 +61,7 @@ __all__ = [
     "DPSGD",
     "QGM",
     "SGP",
+    "SPARTA",
     "AllReduce",
     "AsynchronousOptimizer",
     "Choco",
@@ -65,12 +70,14 @@ __all__ = [
     "DistributedOptimizer",
     "GradientTracking",
     "LocalSGD",
+    "MuonAdamW",
     "NoLoCo",
     "SlowMo",
     "SparseLoCo",
     "StreamingDiLoCo",
     "build",
     "build_base",
+    "hidden_matrices",
 ]
 
 

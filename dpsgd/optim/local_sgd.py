@@ -8,6 +8,7 @@ import functools
 import torch
 
 from dpsgd.comm import Communicator
+from dpsgd.comm.base import Handle
 
 from .base import DistributedOptimizer
 from .outer import DILOCO, OuterOptimizer, factory, saved_outer
@@ -56,6 +57,18 @@ class LocalSGD(DistributedOptimizer):
     (t % period), this the local steps since the warm-up (s % period): the two schedules agree only when the
     warm-up is a multiple of the global period (tests/test_reference_code.py shows both).
 
+    Delayed and eager outer steps (Kale et al. 2025, "Eager updates for overlapped communication and computation
+    in DiLoCo"), with an outer optimizer and global averagings only, t the outer step and Delta_i^t = x_a,i - x_i
+    peer i's outer gradient from its own copy of the anchor. `outer_delay=1`: the all-reduce of Delta_i^t is
+    started and not waited for; it runs behind the next H inner steps (counted as overlapped: comm.stats.overlap_s,
+    and the emulated network's clock) and lands at outer step t + 1, so the outer optimizer steps with the mean of
+    the previous round, G_i^t = mean_j Delta_j^{t-1} (0 at t = 1), then x_i <- x_a,i. `eager=True` (with
+    outer_delay=1): the peer's own fresh outer gradient stands in for its share at once, G_i^t = Delta_i^t / n +
+    sum_{j != i} Delta_j^{t-1} / n = mean_j Delta_j^{t-1} + (Delta_i^t - Delta_i^{t-1}) / n, the others' share of
+    round t arriving a round late; the anchors (and outer momenta) then differ by peer. A checkpoint
+    (state_dict()) waits for the exchange in flight and keeps its mean: code that reuses the communicator after
+    the last step calls it first.
+
     outer: None (plain model averaging), a factory params -> torch.optim.Optimizer such as
     functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True) (in a config, a `_target_` dict);
     scale_by_base_lr: SlowMo's scaling of its gradient and lr by the base lr.
@@ -78,11 +91,28 @@ class LocalSGD(DistributedOptimizer):
         inner_state: str = "keep",
         group_size: int | None = None,
         global_period: int | None = None,
+        outer_delay: int = 0,
+        eager: bool = False,
         **common,
     ):
         super().__init__(base, **common)
         name, comm = type(self).__name__, self.comm
         self.period = _positive_int("period", period)
+        if outer_delay not in (0, 1) or isinstance(outer_delay, bool):
+            raise ValueError(
+                f"{name} outer_delay must be 0 (the outer step waits) or 1 (one round late), got {outer_delay!r}"
+            )
+        if eager and not outer_delay:
+            raise ValueError(f"{name} eager stands in for a delayed exchange: set outer_delay=1 with eager=true")
+        if outer_delay and (outer is None or group_size is not None or inner_state == "average"):
+            raise ValueError(
+                f"{name} outer_delay=1 delays the outer optimizer's all-reduce: it needs an outer optimizer (plain "
+                "averaging: outer={_target_: torch.optim.SGD, lr: 1.0}), no group_size and inner_state keep or reset; "
+                f"got outer={outer!r}, group_size={group_size}, inner_state={inner_state!r}"
+            )
+        self.outer_delay, self.eager = int(outer_delay), bool(eager)
+        self._in_flight: Handle | list[torch.Tensor] | None = None  # round t-1's mean outer gradient, travelling
+        self._own_last: list[torch.Tensor] | None = None  # eager: Delta_i^{t-1}, already applied by its 1/n share
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=0)
         if inner_state not in INNER_STATES:
             raise ValueError(f"LocalSGD inner_state must be one of {INNER_STATES}, got {inner_state!r}")
@@ -157,6 +187,8 @@ class LocalSGD(DistributedOptimizer):
         return out
 
     def _average(self, group: bool) -> None:
+        if self.outer_delay and not group:
+            return self._delayed_outer_step()
         params = self.params()
         state = self._state_tensors() if self.inner_state == "average" else []
         tensors = params + state
@@ -187,15 +219,42 @@ class LocalSGD(DistributedOptimizer):
 
     def _outer_step(self, x_avg: list[torch.Tensor]) -> None:
         assert self._outer is not None  # an outer optimizer steps
+        self._outer_step_along([anchor - x for anchor, x in zip(self._outer.anchors, x_avg)])
+
+    def _outer_step_along(self, grads: list[torch.Tensor]) -> None:
+        """The outer optimizer's step with `grads` as the anchor's gradient, then every parameter at its anchor."""
+        assert self._outer is not None  # an outer optimizer steps
         anchors = self._outer.anchors
         base_lrs = None
         if self.scale_by_base_lr:
             base_lrs = [float(group["lr"]) for group in self.param_groups]
             if not all(gamma > 0 for gamma in base_lrs):
                 raise ValueError(f"{type(self).__name__} scale_by_base_lr divides by the base lr, which is {base_lrs}")
-        self._outer.step([anchor - x for anchor, x in zip(anchors, x_avg)], base_lrs)
+        every: list[torch.Tensor | None] = list(grads)  # every anchor moves
+        self._outer.step(every, base_lrs)
         for p, anchor in zip(self.params(), anchors):
             p.copy_(anchor)
+
+    def _delayed_outer_step(self) -> None:
+        """Outer step t with outer_delay=1: start round t's exchange, step with round t-1's (and, eager, this
+        peer's own Delta_i^t at once)."""
+        assert self._outer is not None  # outer_delay needs an outer optimizer
+        anchors, params = self._outer.anchors, self.params()
+        own = [a - p for a, p in zip(anchors, params)]  # Delta_i^t
+        arrived = self._arrived()  # mean_j Delta_j^{t-1}; None at t = 1
+        # waited before this round's starts: one outer exchange in flight per peer, in the same order everywhere
+        self._in_flight = self.comm.start_allreduce_mean(own, stream="outer")
+        grads = [torch.zeros_like(d) for d in own] if arrived is None else arrived
+        if self.eager:
+            n = self.comm.size
+            last = self._own_last or [torch.zeros_like(d) for d in own]
+            grads = [g + (d - d_last) / n for g, d, d_last in zip(grads, own, last)]
+            self._own_last = own
+        self._outer_step_along(grads)
+
+    def _arrived(self) -> list[torch.Tensor] | None:
+        pending, self._in_flight = self._in_flight, None
+        return pending.wait() if isinstance(pending, Handle) else pending
 
     def buffers_due(self, step: int) -> bool:
         """buffers="average": every warm-up step, then at each global averaging."""
@@ -204,10 +263,12 @@ class LocalSGD(DistributedOptimizer):
 
     # --- state ----------------------------------------------------------------------------
     def algorithm_state(self):
-        return {
-            **super().algorithm_state(),
-            "outer": None if self._outer is None else self._outer.state_dict(),
-        }
+        state = {**super().algorithm_state(), "outer": None if self._outer is None else self._outer.state_dict()}
+        if self.outer_delay:  # the exchange in flight, waited for (every peer checkpoints at the same step)
+            self._in_flight = self._arrived()
+            state["arrived"] = None if self._in_flight is None else [t.clone() for t in self._in_flight]
+            state["own_last"] = None if self._own_last is None else [t.clone() for t in self._own_last]
+        return state
 
     def load_algorithm_state(self, state) -> None:
         super().load_algorithm_state(state)
@@ -216,13 +277,21 @@ class LocalSGD(DistributedOptimizer):
             raise ValueError(f"this state_dict holds an outer anchor: build this {type(self).__name__} with an outer")
         if self._outer is not None:
             self._outer.load_state_dict(saved)
+        if self.outer_delay:
+            like = self.params()[0]
+            copied = [
+                None if v is None else [t.detach().to(like.device, like.dtype).clone() for t in v]
+                for v in (state.get("arrived"), state.get("own_last"))
+            ]
+            self._in_flight, self._own_last = copied
 
     def __repr__(self) -> str:
         groups = f", group_size={self.group_size}, global_period={self.global_period}" if self.group_size else ""
         outer = repr(self.outer_optimizer).replace("\n", " ")
         return (
             f"{type(self).__name__}({self.base!r}, period={self.period}, warmup_steps={self.warmup_steps}, "
-            f"outer={outer}, scale_by_base_lr={self.scale_by_base_lr}, inner_state={self.inner_state!r}{groups})"
+            f"outer={outer}, scale_by_base_lr={self.scale_by_base_lr}, inner_state={self.inner_state!r}{groups}"
+            f"{f', outer_delay=1, eager={self.eager}' if self.outer_delay else ''})"
         )
 
 

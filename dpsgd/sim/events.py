@@ -108,7 +108,7 @@ class Simulation:
         self.opts: list[AsynchronousOptimizer] = []
         for r in range(n):
             comm = SimulatedCommunicator(r, n, lambda: self.now, tally)
-            built = build_optimizer(alone, self.params[r], self.topology, comm)
+            built = build_optimizer(alone, self.params[r], self.topology, comm, model=self.model)
             if not isinstance(built, AsynchronousOptimizer) or not built.asynchronous:
                 raise ValueError(f"the event simulator runs asynchronous algorithms; {type(built).__name__} is not one")
             self.opts.append(built)

@@ -223,7 +223,7 @@ class Fleet:
         ]
         self.topology = build_topology(config.topology, n)
         self.comm = FleetCommunicator(n)
-        self.algorithm = build_optimizer(config, self.params, self.topology, self.comm)
+        self.algorithm = build_optimizer(config, self.params, self.topology, self.comm, model=self.model)
         self.loss_fn = metrics.loss_function(run.split.y_train)
         self._losses = vmap(self._loss)
         # precision, micro-batches, clipping (each peer's own norm) and the schedule, as on real peers
