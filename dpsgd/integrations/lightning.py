@@ -1,0 +1,116 @@
+"""PyTorch Lightning: `DecentralizedStrategy`, Lightning's DDP strategy without DDP. It starts the process group as
+`DDPStrategy` does (torchrun, SLURM, or its own launch of `devices` processes), leaves the model unwrapped, so
+no gradient all-reduce runs beside the algorithm's exchanges, and puts the chosen dpsgd optimizer around each
+optimizer the LightningModule configures. Lightning's LR schedulers, gradient clipping, precision plugins and
+gradient accumulation act on the wrapped optimizer as on any other (its `param_groups` are the base's).
+
+Checkpoints: the peers of a decentralized run hold different parameters and optimizer states, so every rank
+writes its own file (rank 0 the path Lightning names, rank r `<path>.peer<r>`) and a resume reads its own.
+
+    trainer = lightning.Trainer(strategy=DecentralizedStrategy("dpsgd", topology="ring"), devices=4, ...)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+
+from dpsgd.comm import DEFAULT_TIMEOUT_S, Communicator
+from dpsgd.optim import DistributedOptimizer
+
+from .wrap import Algorithm, Factory, communicator, resolve
+
+
+def peer_path(filepath: str | Path, rank: int) -> str:
+    """Where rank `rank` keeps its part of the checkpoint `filepath` (rank 0: the file itself)."""
+    return str(filepath) if rank == 0 else f"{filepath}.peer{rank}"
+
+
+class DecentralizedStrategy(DDPStrategy):
+    """Lightning's DDP strategy with the dpsgd algorithm `algorithm` in place of DDP's gradient all-reduce.
+
+    `algorithm`: a name of dpsgd.optim.ALGORITHMS (with `topology`, a name of `topologies.make`, and the
+    algorithm's own options as keywords in `options`), a `dpsgd.integrations.Algorithm`, or a factory
+    `(base, comm) -> DistributedOptimizer`; an optimizer that `configure_optimizers` already returns as a dpsgd
+    one is kept as it is. Asynchronous algorithms (adpsgd) are refused: Lightning steps every peer together.
+    `timeout_s` bounds every exchange of the optimizers; the other keywords are `DDPStrategy`'s (except its
+    DDP-only ones: a comm hook or model averaging would average the model a second time)."""
+
+    strategy_name = "dpsgd"
+
+    def __init__(
+        self,
+        algorithm: str | Algorithm | Factory = "dpsgd",
+        *,
+        topology: str = "ring",
+        options: dict[str, Any] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **ddp_kwargs: Any,
+    ) -> None:
+        ddp_only = sorted(
+            k
+            for k in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+            if k in ddp_kwargs
+        )
+        if ddp_only:
+            raise ValueError(
+                f"DecentralizedStrategy runs no DDP, so {', '.join(ddp_only)} would have nothing to act on: the "
+                "dpsgd algorithm does the averaging (for periodic averaging choose algorithm='local_sgd' or 'diloco')"
+            )
+        self.algorithm = resolve(algorithm, "a Lightning Trainer", topology, **(options or {}))
+        self.timeout_s = timeout_s
+        self.comm: Communicator | None = None
+        super().__init__(timeout=timedelta(seconds=timeout_s), **ddp_kwargs)
+
+    # --- no DDP: the model stays the LightningModule -------------------------------------------------
+    def configure_ddp(self) -> None:
+        """Leaves the model unwrapped: the algorithm's optimizer, built from rank 0's model, is the only exchange."""
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The LightningModule's optimizers, each inside the algorithm (schedulers keep the base's param_groups)."""
+        super().setup_optimizers(trainer)
+        if self.comm is None:
+            self.comm = communicator(self.timeout_s)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "DecentralizedStrategy cannot run precision='16-mixed': Lightning's GradScaler skips an overflowing "
+                "step on one peer alone, which leaves the peers on different steps; use precision='bf16-mixed' "
+                "(no scaler) or '32', or fp16 in the library's own loop (examples/mixed_precision.py)"
+            )
+        module = self.lightning_module
+        # a resume has loaded each peer's own weights before this (Lightning restores the model first): rank 0's
+        # must not overwrite them
+        fresh = trainer.ckpt_path is None
+        self.optimizers = [self.algorithm.wrap(opt, self.comm, module, fresh) for opt in self.optimizers]
+        for opt in self.optimizers:
+            # no scaler here (refused above), so Lightning clips as for a plain optimizer; with the class's True
+            # its precision plugin refuses gradient clipping, taking the optimizer for a fused one
+            opt._step_supports_amp_scaling = False  # type: ignore[attr-defined]
+
+    @property
+    def distributed_optimizers(self) -> list[DistributedOptimizer]:
+        """The optimizers that step (each a dpsgd one); their `comm.stats` counts what they sent."""
+        return [opt for opt in self.optimizers if isinstance(opt, DistributedOptimizer)]
+
+    # --- checkpoints: one file per peer --------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its own state (the peers differ): rank 0 to `filepath`, rank r beside it."""
+        self.checkpoint_io.save_checkpoint(checkpoint, peer_path(filepath, self.global_rank), storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """This rank's own part of the checkpoint `checkpoint_path`."""
+        path = peer_path(checkpoint_path, self.global_rank)
+        if not Path(path).exists():
+            raise FileNotFoundError(
+                f"rank {self.global_rank} has no part of the checkpoint {checkpoint_path} (expected {path}): it was "
+                f"saved by a run of another size or without DecentralizedStrategy; resume with the same number of "
+                "peers and strategy, or load the weights alone with LightningModule.load_from_checkpoint"
+            )
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpoint_io.remove_checkpoint(peer_path(filepath, self.global_rank))

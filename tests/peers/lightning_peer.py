@@ -1,0 +1,181 @@
+"""One rank of tests/test_integrations.py under `torchrun --nproc-per-node 2`: for allreduce, dpsgd and diloco,
+a Lightning fit with DecentralizedStrategy (bf16-mixed, gradient accumulation, clipping, a per-step LR
+schedule, a checkpoint every epoch) and the library's own loop with the same seeds and data order; the bytes
+the profiler saw gloo carry during the dpsgd fit; a fit stopped after its first epoch's checkpoint and resumed.
+
+    torchrun --standalone --nproc-per-node 2 tests/peers/lightning_peer.py OUT_DIR [--plant ddp|no-peer-files]
+
+writes OUT_DIR/rank{r}.json. `--plant` puts a bug in on purpose, to see the tests catch it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import dpsgd.comm
+import topologies
+from dpsgd.integrations.lightning import DecentralizedStrategy
+from dpsgd.optim import ALGORITHMS
+
+OPTIONS = {"allreduce": {}, "dpsgd": {}, "diloco": {"period": 2}}
+EPOCHS, BATCH, ACCUMULATE, CLIP, LR = 2, 8, 2, 0.5, 0.1
+SAMPLES = 96  # 48 a peer: 6 batches, 3 steps an epoch
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(1 + int(os.environ["RANK"]))  # peers start apart: the optimizer brings rank 0's model
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def schedule(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)  # a logged metric reduced across peers
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt), "interval": "step"}}
+
+    def train_dataloader(self):  # Lightning puts its DistributedSampler (seed 0) in
+        return DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+
+
+class Traffic(Callback):
+    """The bytes gloo carried during training, as the profiler saw its operations, and the optimizer's count."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.sent_before = trainer.strategy.distributed_optimizers[0].comm.stats.bytes_sent
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self.prof.__enter__()
+
+    def on_train_end(self, trainer, pl_module):
+        self.prof.__exit__(None, None, None)
+        n = trainer.world_size
+        wire, collectives = 0, []
+        for e in self.prof.events():
+            if not e.name.startswith("gloo:") or not e.input_shapes or not e.input_shapes[0]:
+                continue
+            numel = sum(torch.Size(s).numel() for s in e.input_shapes if s)
+            if numel <= 1:  # control scalars: the logged loss's reduction (sync_dist), not a model's payload
+                continue
+            if e.name == "gloo:send":
+                wire += 4 * numel  # float32 payloads
+            elif e.name != "gloo:recv":
+                collectives.append(e.name)
+                wire += 4 * numel * 2 * (n - 1) // n  # an all-reduce at the ring cost, as CommStats counts it
+        self.result = {
+            "steps": trainer.global_step,
+            "profiled_bytes": wire,
+            "profiled_collectives": collectives,
+            "counted_bytes": trainer.strategy.distributed_optimizers[0].comm.stats.bytes_sent - self.sent_before,
+        }
+
+
+def trainer(name: str, folder: Path, callbacks=(), epochs: int = EPOCHS) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=DecentralizedStrategy(name, topology="ring", options=OPTIONS.get(name), timeout_s=60),
+        max_epochs=epochs,
+        precision="bf16-mixed",
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1), *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=folder,
+    )
+
+
+def params(module: torch.nn.Module) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).tolist()
+
+
+def library_loop(name: str, comm) -> list[float]:
+    """The same training in the library's own loop: DPSGD-style construction, the same sampler and steps."""
+    net = model()
+    base = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    opt = ALGORITHMS[name](base, topology=topologies.make("ring", comm.size), comm=comm, module=net, **OPTIONS[name])
+    sched = schedule(opt)
+    data = dataset()
+    sampler = DistributedSampler(data, num_replicas=comm.size, rank=comm.rank, shuffle=True, seed=0)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=sampler)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(net(x), y) / ACCUMULATE
+            loss.backward()
+            if (i + 1) % ACCUMULATE == 0:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+    return params(net)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--plant", default="", help="ddp (the model wrapped in DDP) or no-peer-files (rank 0's file)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.plant == "ddp":
+        DecentralizedStrategy.configure_ddp = DDPStrategy.configure_ddp  # type: ignore[method-assign]
+    if args.plant == "no-peer-files":
+        for hook in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
+            setattr(DecentralizedStrategy, hook, getattr(DDPStrategy, hook))
+    rank = int(os.environ["RANK"])
+    work = args.out / "work"
+    result: dict = {}
+    for name in OPTIONS:
+        callbacks = [Traffic()] if name == "dpsgd" else []
+        fit = trainer(name, work / name, callbacks)
+        fit.fit(Net())
+        result[name] = {"lightning": params(fit.lightning_module), "steps": fit.global_step}
+        if callbacks:
+            result[name]["traffic"] = callbacks[0].result
+        comm = dpsgd.comm.init("torch")  # the group Lightning started
+        result[name]["library"] = library_loop(name, comm)
+    # stopped after epoch 0's checkpoint, resumed by a fresh trainer: diloco (outer state, a period across it)
+    first = sorted((work / "diloco").glob("epoch=0*.ckpt"))[0]
+    fit = trainer("diloco", work / "resumed")
+    fit.fit(Net(), ckpt_path=first)
+    result["resumed"] = {"lightning": params(fit.lightning_module), "from": first.name}
+    try:
+        trainer("adpsgd", work / "adpsgd")
+    except ValueError as exc:
+        result["adpsgd_refusal"] = str(exc)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
