@@ -1,24 +1,37 @@
-"""The optimizers inside Lightning (dpsgd.integrations.lightning), on 2 gloo processes under torchrun: the final
+"""The optimizers inside Lightning and Accelerate (dpsgd.integrations), on 2 gloo processes under torchrun: the final
 parameters equal the library's own loop with the same seeds and data order for allreduce, D-PSGD and DiLoCo
-(bf16-mixed, gradient accumulation, clipping and a per-step LR schedule on); the bytes gloo carried per step are
-the gossip's alone (no DDP all-reduce); a fit resumed from its ModelCheckpoint equals the one never stopped; an
-asynchronous algorithm is refused in one line. One launch serves every test (a module fixture)."""
+(bf16 mixed precision, gradient accumulation, clipping and a per-step LR schedule on); the bytes gloo carried per
+step are the algorithm's alone (no DDP all-reduce; the torch profiler records every gloo operation); a run resumed
+from the trainer's own checkpoint (ModelCheckpoint, save_state) equals the one never stopped; an asynchronous
+algorithm is refused in one line. One launch per trainer serves its tests (module fixtures)."""
 
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("lightning", reason="the lightning extra: pip install -e '.[lightning]'")
-
-from integration_runs import torchrun  # noqa: E402
+from integration_runs import torchrun
 
 pytestmark = pytest.mark.processes
 TOLERANCE = 1e-6
 
 
+ALGORITHMS = ["allreduce", "dpsgd", "diloco"]
+
+
 @pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory):
-    return torchrun("lightning_peer.py", tmp_path_factory.mktemp("lightning"))
+def trainer_runs(tmp_path_factory):
+    pytest.importorskip("lightning", reason="the lightning extra: pip install -e '.[lightning]'")
+    pytest.importorskip("accelerate", reason="the accelerate extra: pip install -e '.[accelerate]'")
+    return torchrun("trainers_peer.py", tmp_path_factory.mktemp("trainers"))
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(trainer_runs):
+    return [rank["lightning"] for rank in trainer_runs]
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(trainer_runs):
+    return [rank["accelerate"] for rank in trainer_runs]
 
 
 def largest_difference(a: list[float], b: list[float]) -> float:
@@ -27,7 +40,7 @@ def largest_difference(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("algorithm", ["allreduce", "dpsgd", "diloco"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_lightning_equals_the_library_loop(lightning_runs, algorithm):
     for rank, run in enumerate(lightning_runs):
         got = run[algorithm]
@@ -59,3 +72,35 @@ def test_lightning_resume_from_its_checkpoint_equals_the_run_never_stopped(light
 def test_lightning_refuses_an_asynchronous_algorithm_in_one_line(lightning_runs):
     message = lightning_runs[0]["adpsgd_refusal"]
     assert "\n" not in message and "adpsgd is asynchronous" in message and "use a synchronous algorithm" in message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_accelerate_equals_the_library_loop(accelerate_runs, algorithm):
+    for rank, run in enumerate(accelerate_runs):
+        assert run[algorithm]["traffic"]["steps"] == 6
+        assert largest_difference(run[algorithm]["accelerate"], run[algorithm]["library"]) <= TOLERANCE, f"rank {rank}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_accelerate_sends_the_algorithm_alone(accelerate_runs, algorithm):
+    model_bytes = 4 * len(accelerate_runs[0][algorithm]["accelerate"])
+    exchanges = {"allreduce": 6, "dpsgd": 6, "diloco": 3}[algorithm]  # diloco: one model average every 2 steps
+    for run in accelerate_runs:
+        traffic = run[algorithm]["traffic"]
+        assert "gloo:broadcast" not in traffic["profiled_collectives"]  # DDP's buffer broadcast before each forward
+        assert traffic["profiled_bytes"] == traffic["counted_bytes"] == exchanges * model_bytes
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_resume_from_save_state_equals_the_run_never_stopped(accelerate_runs):
+    for rank, run in enumerate(accelerate_runs):
+        assert run["stopped"] == {"stopped": 3}  # mid-period: DiLoCo's peers differ there
+        assert largest_difference(run["resumed"], run["diloco"]["accelerate"]) <= TOLERANCE, f"rank {rank}"
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_refuses_an_asynchronous_algorithm_in_one_line(accelerate_runs):
+    message = accelerate_runs[0]["adpsgd_refusal"]
+    assert "\n" not in message and "adpsgd is asynchronous" in message and "Accelerate" in message

@@ -21,31 +21,24 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader
+from trainer_common import (
+    ACCUMULATE,
+    BATCH,
+    CLIP,
+    EPOCHS,
+    LR,
+    OPTIONS,
+    dataset,
+    library_loop,
+    model,
+    params,
+    schedule,
+    wire_bytes,
+)
 
 import dpsgd.comm
-import topologies
 from dpsgd.integrations.lightning import DecentralizedStrategy
-from dpsgd.optim import ALGORITHMS
-
-OPTIONS = {"allreduce": {}, "dpsgd": {}, "diloco": {"period": 2}}
-EPOCHS, BATCH, ACCUMULATE, CLIP, LR = 2, 8, 2, 0.5, 0.1
-SAMPLES = 96  # 48 a peer: 6 batches, 3 steps an epoch
-
-
-def dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(SAMPLES, 8, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
-
-
-def model() -> torch.nn.Module:
-    torch.manual_seed(1 + int(os.environ["RANK"]))  # peers start apart: the optimizer brings rank 0's model
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def schedule(opt):
-    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
 class Net(pl.LightningModule):
@@ -77,19 +70,7 @@ class Traffic(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.prof.__exit__(None, None, None)
-        n = trainer.world_size
-        wire, collectives = 0, []
-        for e in self.prof.events():
-            if not e.name.startswith("gloo:") or not e.input_shapes or not e.input_shapes[0]:
-                continue
-            numel = sum(torch.Size(s).numel() for s in e.input_shapes if s)
-            if numel <= 1:  # control scalars: the logged loss's reduction (sync_dist), not a model's payload
-                continue
-            if e.name == "gloo:send":
-                wire += 4 * numel  # float32 payloads
-            elif e.name != "gloo:recv":
-                collectives.append(e.name)
-                wire += 4 * numel * 2 * (n - 1) // n  # an all-reduce at the ring cost, as CommStats counts it
+        wire, collectives = wire_bytes(self.prof, trainer.world_size)
         self.result = {
             "steps": trainer.global_step,
             "profiled_bytes": wire,
@@ -115,45 +96,14 @@ def trainer(name: str, folder: Path, callbacks=(), epochs: int = EPOCHS) -> pl.T
     )
 
 
-def params(module: torch.nn.Module) -> list[float]:
-    return torch.cat([p.detach().flatten() for p in module.parameters()]).tolist()
-
-
-def library_loop(name: str, comm) -> list[float]:
-    """The same training in the library's own loop: DPSGD-style construction, the same sampler and steps."""
-    net = model()
-    base = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-    opt = ALGORITHMS[name](base, topology=topologies.make("ring", comm.size), comm=comm, module=net, **OPTIONS[name])
-    sched = schedule(opt)
-    data = dataset()
-    sampler = DistributedSampler(data, num_replicas=comm.size, rank=comm.rank, shuffle=True, seed=0)
-    for epoch in range(EPOCHS):
-        sampler.set_epoch(epoch)
-        for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=sampler)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(net(x), y) / ACCUMULATE
-            loss.backward()
-            if (i + 1) % ACCUMULATE == 0:
-                torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
-                opt.step()
-                opt.zero_grad()
-                sched.step()
-    return params(net)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--plant", default="", help="ddp (the model wrapped in DDP) or no-peer-files (rank 0's file)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.plant == "ddp":
+def run(out: Path, plant: str = "") -> dict:
+    """Every fit and loop of this rank (see the module), with the bug `plant` put in first, if any."""
+    if plant == "ddp":
         DecentralizedStrategy.configure_ddp = DDPStrategy.configure_ddp  # type: ignore[method-assign]
-    if args.plant == "no-peer-files":
+    if plant == "no-peer-files":
         for hook in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
             setattr(DecentralizedStrategy, hook, getattr(DDPStrategy, hook))
-    rank = int(os.environ["RANK"])
-    work = args.out / "work"
+    work = out / "work"
     result: dict = {}
     for name in OPTIONS:
         callbacks = [Traffic()] if name == "dpsgd" else []
@@ -173,7 +123,17 @@ def main() -> None:
         trainer("adpsgd", work / "adpsgd")
     except ValueError as exc:
         result["adpsgd_refusal"] = str(exc)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--plant", default="", help="ddp (the model wrapped in DDP) or no-peer-files (rank 0's file)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = run(args.out, args.plant)
+    (args.out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
     dist.barrier()
 
 
