@@ -1,9 +1,10 @@
-"""The optimizers inside Lightning and Accelerate (dpsgd.integrations), on 2 gloo processes under torchrun: the final
-parameters equal the library's own loop with the same seeds and data order for allreduce, D-PSGD and DiLoCo
-(bf16 mixed precision, gradient accumulation, clipping and a per-step LR schedule on); the bytes gloo carried per
-step are the algorithm's alone (no DDP all-reduce; the torch profiler records every gloo operation); a run resumed
-from the trainer's own checkpoint (ModelCheckpoint, save_state) equals the one never stopped; an asynchronous
-algorithm is refused in one line. One launch per trainer serves its tests (module fixtures)."""
+"""The optimizers inside Lightning, Accelerate and the Transformers Trainer (dpsgd.integrations), on 2 gloo
+processes under torchrun: the final parameters equal the library's own loop with the same seeds and data order
+(Lightning, Accelerate: allreduce, D-PSGD and DiLoCo with bf16 mixed precision, gradient accumulation, clipping and
+a per-step LR schedule; the Trainer: D-PSGD on a tiny GPT-2 from a config, its batches replayed); the bytes gloo
+carried per step are the algorithm's alone (no DDP all-reduce: the torch profiler records every gloo operation);
+a run resumed from the trainer's own checkpoint (ModelCheckpoint, save_state) equals the one never stopped; an
+asynchronous algorithm is refused in one line. One launch serves every test (module fixtures)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ALGORITHMS = ["allreduce", "dpsgd", "diloco"]
 def trainer_runs(tmp_path_factory):
     pytest.importorskip("lightning", reason="the lightning extra: pip install -e '.[lightning]'")
     pytest.importorskip("accelerate", reason="the accelerate extra: pip install -e '.[accelerate]'")
+    pytest.importorskip("transformers", reason="the transformers extra: pip install -e '.[transformers]'")
     return torchrun("trainers_peer.py", tmp_path_factory.mktemp("trainers"))
 
 
@@ -32,6 +34,11 @@ def lightning_runs(trainer_runs):
 @pytest.fixture(scope="module")
 def accelerate_runs(trainer_runs):
     return [rank["accelerate"] for rank in trainer_runs]
+
+
+@pytest.fixture(scope="module")
+def hf_runs(trainer_runs):
+    return [rank["transformers"] for rank in trainer_runs]
 
 
 def largest_difference(a: list[float], b: list[float]) -> float:
@@ -104,3 +111,25 @@ def test_accelerate_resume_from_save_state_equals_the_run_never_stopped(accelera
 def test_accelerate_refuses_an_asynchronous_algorithm_in_one_line(accelerate_runs):
     message = accelerate_runs[0]["adpsgd_refusal"]
     assert "\n" not in message and "adpsgd is asynchronous" in message and "Accelerate" in message
+
+
+@pytest.mark.timeout(300)
+def test_hf_trainer_steps_dpsgd_with_the_library_loops_numbers(hf_runs):
+    for rank, run in enumerate(hf_runs):
+        assert run["model_class"] == "GPT2LMHeadModel"  # not DistributedDataParallel
+        assert run["optimizer"] == "DPSGD" and run["step_count"] == run["global_step"] == 4
+        # the batches the Trainer drew, replayed through the library's loop from the same start
+        assert largest_difference(run["trainer"], run["library"]) <= TOLERANCE, f"rank {rank}"
+
+
+@pytest.mark.timeout(300)
+def test_hf_trainer_sends_the_gossip_alone(hf_runs):
+    for run in hf_runs:
+        assert run["profiled_collectives"] == []
+        assert run["profiled_bytes"] == run["counted_bytes"] == run["step_count"] * 4 * len(run["trainer"])
+
+
+@pytest.mark.timeout(300)
+def test_hf_trainer_refuses_an_asynchronous_algorithm_in_one_line(hf_runs):
+    message = hf_runs[0]["adpsgd_refusal"]
+    assert "\n" not in message and "adpsgd is asynchronous" in message and "Trainer" in message

@@ -46,6 +46,18 @@ class DecentralizedAccelerator(Accelerator):
         self._dpsgd_comm: Communicator | None = None
         super().__init__(**accelerator_kwargs)
 
+    @classmethod
+    def take_over(cls, accelerator: Accelerator, algorithm: Algorithm, timeout_s: float) -> DecentralizedAccelerator:
+        """`accelerator`, made by someone else before it prepared anything, turned into this class in place: the
+        Transformers Trainer builds its own `Accelerator` from many settings inside one method, and this keeps them
+        all (the class adds methods and three attributes, nothing that `Accelerator.__init__` sets up)."""
+        if accelerator._models or accelerator._optimizers:
+            raise RuntimeError("take_over needs an Accelerator that has prepared no model or optimizer yet")
+        accelerator.__class__ = cls
+        taken: DecentralizedAccelerator = accelerator
+        taken.algorithm, taken.timeout_s, taken._dpsgd_comm = algorithm, timeout_s, None
+        return taken
+
     @property
     def comm(self) -> Communicator:
         """This process's communicator over Accelerate's process group (its `stats` count what was sent)."""
