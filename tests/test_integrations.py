@@ -18,12 +18,12 @@ TOLERANCE = 1e-6
 ALGORITHMS = ["allreduce", "dpsgd", "diloco"]
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"{n}peers")
+def trainer_runs(request, tmp_path_factory):
     pytest.importorskip("lightning", reason="the lightning extra: pip install -e '.[lightning]'")
     pytest.importorskip("accelerate", reason="the accelerate extra: pip install -e '.[accelerate]'")
     pytest.importorskip("transformers", reason="the transformers extra: pip install -e '.[transformers]'")
-    return torchrun("trainers_peer.py", tmp_path_factory.mktemp("trainers"))
+    return torchrun("trainers_peer.py", tmp_path_factory.mktemp("trainers"), peers=request.param, timeout_s=500)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,14 @@ def hf_runs(trainer_runs):
     return [rank["transformers"] for rank in trainer_runs]
 
 
+def wire_bytes_per_exchange(algorithm: str, peers: int, model_bytes: int) -> int:
+    """What CommStats counts for one exchange of a model: an all-reduce at the ring cost 2 (n-1)/n, or gossip on
+    the ring: one model to each neighbour (one of them on 2 peers)."""
+    if algorithm == "dpsgd":
+        return model_bytes * (1 if peers == 2 else 2)
+    return model_bytes * 2 * (peers - 1) // peers
+
+
 def largest_difference(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) > 0
     return max(abs(x - y) for x, y in zip(a, b))
@@ -56,16 +64,15 @@ def test_lightning_equals_the_library_loop(lightning_runs, algorithm):
 
 
 @pytest.mark.timeout(300)
-def test_lightning_sends_the_gossip_alone(lightning_runs):
+def test_lightning_sends_the_gossip_alone(trainer_runs, lightning_runs):
+    peers = trainer_runs[0]["peers"]
     for run in lightning_runs:
         traffic = run["dpsgd"]["traffic"]
         assert traffic["profiled_collectives"] == []  # no all-reduce of gradients (DDP's) or models
         assert traffic["counted_bytes"] > 0
-        # per step, what gloo carried equals what the gossip counted: on 2 peers one float32 model to the neighbour
-        model_bytes = 4 * len(run["dpsgd"]["lightning"])
-        assert (
-            traffic["profiled_bytes"] / traffic["steps"] == traffic["counted_bytes"] / traffic["steps"] == model_bytes
-        )
+        # per step, what gloo carried equals what the gossip counted: one float32 model to each neighbour
+        per_step = wire_bytes_per_exchange("dpsgd", peers, 4 * len(run["dpsgd"]["lightning"]))
+        assert traffic["profiled_bytes"] / traffic["steps"] == traffic["counted_bytes"] / traffic["steps"] == per_step
 
 
 @pytest.mark.timeout(300)
@@ -91,13 +98,14 @@ def test_accelerate_equals_the_library_loop(accelerate_runs, algorithm):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_accelerate_sends_the_algorithm_alone(accelerate_runs, algorithm):
+def test_accelerate_sends_the_algorithm_alone(trainer_runs, accelerate_runs, algorithm):
     model_bytes = 4 * len(accelerate_runs[0][algorithm]["accelerate"])
+    per_exchange = wire_bytes_per_exchange(algorithm, trainer_runs[0]["peers"], model_bytes)
     exchanges = {"allreduce": 6, "dpsgd": 6, "diloco": 3}[algorithm]  # diloco: one model average every 2 steps
     for run in accelerate_runs:
         traffic = run[algorithm]["traffic"]
         assert "gloo:broadcast" not in traffic["profiled_collectives"]  # DDP's buffer broadcast before each forward
-        assert traffic["profiled_bytes"] == traffic["counted_bytes"] == exchanges * model_bytes
+        assert traffic["profiled_bytes"] == traffic["counted_bytes"] == exchanges * per_exchange
 
 
 @pytest.mark.timeout(300)
@@ -123,10 +131,11 @@ def test_hf_trainer_steps_dpsgd_with_the_library_loops_numbers(hf_runs):
 
 
 @pytest.mark.timeout(300)
-def test_hf_trainer_sends_the_gossip_alone(hf_runs):
+def test_hf_trainer_sends_the_gossip_alone(trainer_runs, hf_runs):
     for run in hf_runs:
         assert run["profiled_collectives"] == []
-        assert run["profiled_bytes"] == run["counted_bytes"] == run["step_count"] * 4 * len(run["trainer"])
+        per_step = wire_bytes_per_exchange("dpsgd", trainer_runs[0]["peers"], 4 * len(run["trainer"]))
+        assert run["profiled_bytes"] == run["counted_bytes"] == run["step_count"] * per_step
 
 
 @pytest.mark.timeout(300)

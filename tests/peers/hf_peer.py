@@ -40,7 +40,8 @@ def tiny_gpt2() -> torch.nn.Module:
 
 class Tokens(torch.utils.data.Dataset):
     def __init__(self) -> None:
-        self.ids = torch.randint(32, (64, 12), generator=torch.Generator().manual_seed(0))
+        rows = 32 * int(os.environ["WORLD_SIZE"])  # 32 a peer: 8 batches of 4
+        self.ids = torch.randint(32, (rows, 12), generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -13,7 +13,7 @@ from dpsgd.optim import ALGORITHMS
 
 OPTIONS = {"allreduce": {}, "dpsgd": {}, "diloco": {"period": 2}}
 EPOCHS, BATCH, ACCUMULATE, CLIP, LR = 2, 8, 2, 0.5, 0.1
-SAMPLES = 96  # 48 a peer: 6 batches, 3 steps an epoch
+SAMPLES = 48 * int(os.environ.get("WORLD_SIZE", 1))  # 48 a peer: 6 batches, 3 steps an epoch
 
 
 def dataset() -> TensorDataset:

@@ -33,6 +33,7 @@ def main() -> None:
     # Accelerate keeps one state per process: the Trainer's own Accelerator (fp32) after the bf16 one above
     AcceleratorState._reset_state()
     result["transformers"] = hf_peer.run(args.out / "transformers", args.plant)
+    result["peers"] = dist.get_world_size()
     (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
 
