@@ -76,6 +76,19 @@ def test_lightning_sends_the_gossip_alone(trainer_runs, lightning_runs):
 
 
 @pytest.mark.timeout(300)
+def test_lightning_logs_consensus_distance_and_bytes_sent(lightning_runs):
+    for run in lightning_runs:
+        logged = run["diloco"]["logged"]  # [consensus distance, bytes sent] after each of the 6 steps
+        assert len(logged) == 6
+        distances = [row[0] for row in logged]
+        # diloco averages every 2 steps: the peers agree after steps 2, 4, 6 and differ after the others
+        assert all(d < 1e-12 for d in distances[1::2]) and all(d > 1e-8 for d in distances[0::2]), distances
+        sent = [row[1] for row in logged]
+        assert sent == sorted(sent) and sent[-1] == run["diloco"]["sent"]
+        assert sent[0] == 0 and sent[1] > 0  # nothing sent before the first average
+
+
+@pytest.mark.timeout(300)
 def test_lightning_resume_from_its_checkpoint_equals_the_run_never_stopped(lightning_runs):
     for rank, run in enumerate(lightning_runs):
         assert run["resumed"]["from"].startswith("epoch=0-step=3")  # mid-period: DiLoCo's peers differ there

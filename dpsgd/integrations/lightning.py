@@ -8,6 +8,8 @@ Checkpoints: the peers of a decentralized run hold different parameters and opti
 writes its own file (rank 0 the path Lightning names, rank r `<path>.peer<r>`) and a resume reads its own.
 
     trainer = lightning.Trainer(strategy=DecentralizedStrategy("dpsgd", topology="ring"), devices=4, ...)
+
+`DecentralizedMetrics`, a callback, logs the bytes each peer sent and the peers' consensus distance.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 from dpsgd.comm import DEFAULT_TIMEOUT_S, Communicator
@@ -114,3 +119,42 @@ class DecentralizedStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         self.checkpoint_io.remove_checkpoint(peer_path(filepath, self.global_rank))
+
+
+class DecentralizedMetrics(Callback):
+    """Logs, every `every_n_steps` optimizer steps, `dpsgd/bytes_sent` (this peer's, since the strategy started its
+    optimizers: their `comm.stats`) and `dpsgd/consensus_distance`, (1/n) sum_i |x_i - x_bar|^2 over the peers'
+    parameters: one all-reduce of the model on the trainer's process group, a measurement that `bytes_sent` does
+    not count. Needs `DecentralizedStrategy`."""
+
+    def __init__(self, every_n_steps: int = 10) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._logged_step = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step  # counts optimizer steps: a batch that only accumulated keeps it
+        if step == self._logged_step or step % self.every_n_steps:
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, DecentralizedStrategy) or strategy.comm is None:
+            raise TypeError(
+                "DecentralizedMetrics reads the dpsgd optimizers of DecentralizedStrategy; "
+                f"this Trainer runs {type(strategy).__name__}"
+            )
+        self._logged_step = step
+        distance = consensus_distance(list(pl_module.parameters()), trainer.world_size)
+        sent = float(strategy.comm.stats.bytes_sent)
+        pl_module.log_dict({"dpsgd/bytes_sent": sent, "dpsgd/consensus_distance": distance}, on_step=True)
+
+
+@torch.no_grad()
+def consensus_distance(params: list[torch.Tensor], peers: int) -> float:
+    """(1/n) sum_i |x_i - x_bar|^2 of the peers' `params` (every peer calls it at the same step), in float64."""
+    flat = torch.cat([p.detach().flatten().double() for p in params])
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    squared = (flat - mean / peers).pow(2).sum().reshape(1)
+    dist.all_reduce(squared)
+    return float(squared) / peers

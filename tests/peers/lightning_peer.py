@@ -38,7 +38,7 @@ from trainer_common import (
 )
 
 import dpsgd.comm
-from dpsgd.integrations.lightning import DecentralizedStrategy
+from dpsgd.integrations.lightning import DecentralizedMetrics, DecentralizedStrategy
 
 
 class Net(pl.LightningModule):
@@ -79,6 +79,18 @@ class Traffic(Callback):
         }
 
 
+class Logged(Callback):
+    """What DecentralizedMetrics logged after each optimizer step (it runs before this callback)."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        metrics = trainer.callback_metrics
+        if "dpsgd/consensus_distance" in metrics and len(self.rows) < trainer.global_step:
+            self.rows.append([float(metrics["dpsgd/consensus_distance"]), float(metrics["dpsgd/bytes_sent"])])
+
+
 def trainer(name: str, folder: Path, callbacks=(), epochs: int = EPOCHS) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
@@ -106,12 +118,16 @@ def run(out: Path, plant: str = "") -> dict:
     work = out / "work"
     result: dict = {}
     for name in OPTIONS:
-        callbacks = [Traffic()] if name == "dpsgd" else []
+        # dpsgd: the traffic the profiler sees; diloco: the logged metrics (their own all-reduce, kept off dpsgd's)
+        callbacks = {"dpsgd": [Traffic()], "diloco": [DecentralizedMetrics(every_n_steps=1), Logged()]}.get(name, [])
         fit = trainer(name, work / name, callbacks)
         fit.fit(Net())
         result[name] = {"lightning": params(fit.lightning_module), "steps": fit.global_step}
-        if callbacks:
+        if name == "dpsgd":
             result[name]["traffic"] = callbacks[0].result
+        if name == "diloco":
+            result[name]["logged"] = callbacks[1].rows
+            result[name]["sent"] = fit.strategy.comm.stats.bytes_sent
         comm = dpsgd.comm.init("torch")  # the group Lightning started
         result[name]["library"] = library_loop(name, comm)
     # stopped after epoch 0's checkpoint, resumed by a fresh trainer: diloco (outer state, a period across it)
