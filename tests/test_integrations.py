@@ -4,9 +4,14 @@ processes under torchrun: the final parameters equal the library's own loop with
 a per-step LR schedule; the Trainer: D-PSGD on a tiny GPT-2 from a config, its batches replayed); the bytes gloo
 carried per step are the algorithm's alone (no DDP all-reduce: the torch profiler records every gloo operation);
 a run resumed from the trainer's own checkpoint (ModelCheckpoint, save_state) equals the one never stopped; an
-asynchronous algorithm is refused in one line. One launch serves every test (module fixtures)."""
+asynchronous algorithm is refused in one line. One launch serves every test (module fixtures).
+
+To see the tests catch a bug, plant one: DPSGD_TEST_PLANT=ddp (each trainer wraps the model in DDP again) or
+DPSGD_TEST_PLANT=no-peer-files (Lightning's and Accelerate's checkpoints hold rank 0's state alone) before pytest."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from integration_runs import torchrun
@@ -23,7 +28,9 @@ def trainer_runs(request, tmp_path_factory):
     pytest.importorskip("lightning", reason="the lightning extra: pip install -e '.[lightning]'")
     pytest.importorskip("accelerate", reason="the accelerate extra: pip install -e '.[accelerate]'")
     pytest.importorskip("transformers", reason="the transformers extra: pip install -e '.[transformers]'")
-    return torchrun("trainers_peer.py", tmp_path_factory.mktemp("trainers"), peers=request.param, timeout_s=500)
+    plant = ("--plant", os.environ["DPSGD_TEST_PLANT"]) if os.environ.get("DPSGD_TEST_PLANT") else ()
+    folder = tmp_path_factory.mktemp("trainers")
+    return torchrun("trainers_peer.py", folder, peers=request.param, args=plant, timeout_s=500)
 
 
 @pytest.fixture(scope="module")

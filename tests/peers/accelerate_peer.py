@@ -5,7 +5,8 @@ loop saved with `save_state` after its third step and resumed by a fresh one wit
 
     torchrun --standalone --nproc-per-node 2 tests/peers/accelerate_peer.py OUT_DIR [--plant ddp]
 
-writes OUT_DIR/rank{r}.json. `--plant ddp` lets Accelerate wrap the model in DDP, to see the tests catch it.
+writes OUT_DIR/rank{r}.json. `--plant ddp` lets Accelerate wrap the model in DDP, `--plant no-peer-files` keeps
+Accelerate's own save_state / load_state, to see the tests catch it.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def run(out: Path, plant: str = "") -> dict:
     """Every loop of this rank (see the module), with the bug `plant` put in first, if any."""
     if plant == "ddp":
         DecentralizedAccelerator.prepare_model = Accelerator.prepare_model  # type: ignore[method-assign]
+    if plant == "no-peer-files":  # Accelerate's own save_state / load_state: rank 0's model and optimizer alone
+        DecentralizedAccelerator.save_state = Accelerator.save_state  # type: ignore[method-assign]
+        DecentralizedAccelerator.load_state = Accelerator.load_state  # type: ignore[method-assign]
     result: dict = {}
     for name in OPTIONS:
         run = accelerate_loop(name, out / name)
@@ -106,7 +110,7 @@ def run(out: Path, plant: str = "") -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--plant", default="", help="ddp: the model wrapped in DDP")
+    parser.add_argument("--plant", default="", help="ddp (the model wrapped in DDP) or no-peer-files")
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = run(args.out, args.plant)
