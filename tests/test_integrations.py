@@ -96,6 +96,14 @@ def test_lightning_logs_consensus_distance_and_bytes_sent(lightning_runs):
 
 
 @pytest.mark.timeout(300)
+def test_lightning_16_mixed_skips_one_peers_overflow_on_every_peer(lightning_runs):
+    for run in lightning_runs:
+        fp16 = run["fp16"]
+        assert fp16["finite"] and fp16["step_count"] == fp16["global_step"] - 1  # the step with the inf: skipped
+    assert len({run["fp16"]["scale"] for run in lightning_runs}) == 1  # every peer's scaler lowered its scale
+
+
+@pytest.mark.timeout(300)
 def test_lightning_resume_from_its_checkpoint_equals_the_run_never_stopped(lightning_runs):
     for rank, run in enumerate(lightning_runs):
         assert run["resumed"]["from"].startswith("epoch=0-step=3")  # mid-period: DiLoCo's peers differ there

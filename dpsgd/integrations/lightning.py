@@ -80,21 +80,20 @@ class DecentralizedStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         if self.comm is None:
             self.comm = communicator(self.timeout_s)
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "DecentralizedStrategy cannot run precision='16-mixed': Lightning's GradScaler skips an overflowing "
-                "step on one peer alone, which leaves the peers on different steps; use precision='bf16-mixed' "
-                "(no scaler) or '32', or fp16 in the library's own loop (examples/mixed_precision.py)"
-            )
         module = self.lightning_module
         # a resume has loaded each peer's own weights before this (Lightning restores the model first): rank 0's
         # must not overwrite them
         fresh = trainer.ckpt_path is None
         self.optimizers = [self.algorithm.wrap(opt, self.comm, module, fresh) for opt in self.optimizers]
-        for opt in self.optimizers:
-            # no scaler here (refused above), so Lightning clips as for a plain optimizer; with the class's True
-            # its precision plugin refuses gradient clipping, taking the optimizer for a fused one
-            opt._step_supports_amp_scaling = False  # type: ignore[attr-defined]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, AgreedGradScaler):
+            scaler.__class__ = AgreedGradScaler  # the same scaler (its state kept), lowering its scale on agreed skips
+        if scaler is None:
+            for opt in self.optimizers:
+                # no GradScaler (32, bf16-mixed): Lightning clips as for a plain optimizer; with the class's True
+                # its precision plugin refuses gradient clipping, taking the optimizer for a fused one. Under
+                # 16-mixed the True stays: the scaler hands step() its found_inf, and every peer skips together
+                opt._step_supports_amp_scaling = False  # type: ignore[attr-defined]
 
     @property
     def distributed_optimizers(self) -> list[DistributedOptimizer]:
@@ -119,6 +118,21 @@ class DecentralizedStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         self.checkpoint_io.remove_checkpoint(peer_path(filepath, self.global_rank))
+
+
+class AgreedGradScaler(torch.amp.GradScaler):
+    """Lightning's GradScaler under `16-mixed`, as DecentralizedStrategy leaves it: the optimizer's step skips on
+    every peer when any peer's gradients overflowed (its `agree_overflow`), and this scaler then lowers its scale
+    on every peer too, as DDP's ranks all do, so the peers keep one scale (torch's lowers it only where it saw the
+    inf itself)."""
+
+    def step(self, optimizer, *args: Any, **kwargs: Any):
+        before = getattr(optimizer, "step_count", None)
+        out = super().step(optimizer, *args, **kwargs)
+        if before is not None and optimizer.step_count == before:  # skipped, by this peer's inf or another's
+            for found in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                found.fill_(1.0)  # what update() reads to lower the scale
+        return out
 
 
 class DecentralizedMetrics(Callback):

@@ -60,6 +60,38 @@ class Net(pl.LightningModule):
         return DataLoader(dataset(), batch_size=BATCH, shuffle=True)
 
 
+class Overflow(Net):
+    """Net whose loss on rank 1 at step 1 is inf: a GradScaler skip on one peer."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.global_step == 1 and self.global_rank == 1 else loss
+
+
+def fp16_fit(folder: Path) -> dict:
+    """16-mixed with its GradScaler (Lightning gives CPU runs bf16 unless the plugin is named) and one overflow."""
+    fit = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=DecentralizedStrategy("dpsgd", timeout_s=60),
+        plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")],
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=folder,
+    )
+    model = Overflow()
+    fit.fit(model)
+    return {
+        "global_step": fit.global_step,
+        "step_count": fit.strategy.distributed_optimizers[0].step_count,
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "scale": float(fit.precision_plugin.scaler.get_scale()),
+    }
+
+
 class Traffic(Callback):
     """The bytes gloo carried during training, as the profiler saw its operations, and the optimizer's count."""
 
@@ -135,6 +167,7 @@ def run(out: Path, plant: str = "") -> dict:
     fit = trainer("diloco", work / "resumed")
     fit.fit(Net(), ckpt_path=first)
     result["resumed"] = {"lightning": params(fit.lightning_module), "from": first.name}
+    result["fp16"] = fp16_fit(work / "fp16")
     try:
         trainer("adpsgd", work / "adpsgd")
     except ValueError as exc:
