@@ -94,5 +94,8 @@ def resolve(algorithm: str | Algorithm | Factory, where: str, topology: str = "r
 
 def communicator(timeout_s: float = dpsgd.comm.DEFAULT_TIMEOUT_S) -> Communicator:
     """This rank's communicator over the trainer's process group (torch.distributed, already started by the
-    trainer): the optimizers' exchanges run on the trainer's own connections."""
+    trainer): the optimizers' exchanges run on the trainer's own connections. A trainer run as one plain process
+    starts no group: then a world of one peer (the `local` backend), so the same script runs on a laptop."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return dpsgd.comm.init("local", timeout_s=timeout_s)
     return dpsgd.comm.init("torch", timeout_s=timeout_s)
