@@ -1,7 +1,7 @@
 """The optimizers inside Lightning, Accelerate and the Transformers Trainer (dpsgd.integrations), on 2 gloo
 processes under torchrun: the final parameters equal the library's own loop with the same seeds and data order
-(Lightning, Accelerate: allreduce, D-PSGD and DiLoCo with bf16 mixed precision, gradient accumulation, clipping and
-a per-step LR schedule; the Trainer: D-PSGD on a tiny GPT-2 from a config, its batches replayed); the bytes gloo
+for allreduce, D-PSGD and DiLoCo (Lightning, Accelerate: with bf16 mixed precision, gradient accumulation, clipping
+and a per-step LR schedule; the Trainer: a tiny GPT-2 from a config, its batches replayed); the bytes gloo
 carried per step are the algorithm's alone (no DDP all-reduce: the torch profiler records every gloo operation);
 a run resumed from the trainer's own checkpoint (ModelCheckpoint, save_state) equals the one never stopped; an
 asynchronous algorithm is refused in one line. One launch serves every test (module fixtures).
@@ -150,20 +150,25 @@ def test_accelerate_refuses_an_asynchronous_algorithm_in_one_line(accelerate_run
 
 
 @pytest.mark.timeout(300)
-def test_hf_trainer_steps_dpsgd_with_the_library_loops_numbers(hf_runs):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_hf_trainer_steps_the_algorithm_with_the_library_loops_numbers(hf_runs, algorithm):
     for rank, run in enumerate(hf_runs):
-        assert run["model_class"] == "GPT2LMHeadModel"  # not DistributedDataParallel
-        assert run["optimizer"] == "DPSGD" and run["step_count"] == run["global_step"] == 4
+        got = run[algorithm]
+        assert got["model_class"] == "GPT2LMHeadModel"  # not DistributedDataParallel
+        assert got["step_count"] == got["global_step"] == 4
         # the batches the Trainer drew, replayed through the library's loop from the same start
-        assert largest_difference(run["trainer"], run["library"]) <= TOLERANCE, f"rank {rank}"
+        assert largest_difference(got["trainer"], got["library"]) <= TOLERANCE, f"rank {rank}"
 
 
 @pytest.mark.timeout(300)
-def test_hf_trainer_sends_the_gossip_alone(trainer_runs, hf_runs):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_hf_trainer_sends_the_algorithm_alone(trainer_runs, hf_runs, algorithm):
+    exchanges = {"allreduce": 4, "dpsgd": 4, "diloco": 2}[algorithm]  # diloco: one model average every 2 steps
     for run in hf_runs:
-        assert run["profiled_collectives"] == []
-        per_step = wire_bytes_per_exchange("dpsgd", trainer_runs[0]["peers"], 4 * len(run["trainer"]))
-        assert run["profiled_bytes"] == run["counted_bytes"] == run["step_count"] * per_step
+        got = run[algorithm]
+        assert "gloo:broadcast" not in got["profiled_collectives"]  # DDP's buffer broadcast before each forward
+        per_exchange = wire_bytes_per_exchange(algorithm, trainer_runs[0]["peers"], 4 * len(got["trainer"]))
+        assert got["profiled_bytes"] == got["counted_bytes"] == exchanges * per_exchange
 
 
 @pytest.mark.timeout(300)

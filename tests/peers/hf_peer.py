@@ -1,6 +1,6 @@
 """One rank of tests/test_integrations.py under `torchrun --nproc-per-node 2`: a tiny GPT-2 (built from a config,
-no download) trained by DecentralizedTrainer with dpsgd, the batches it saw recorded, then the same batches
-through the library's own loop from the same start; the bytes gloo carried during training.
+no download) trained by DecentralizedTrainer with allreduce, dpsgd and diloco, the batches it saw recorded, then
+the same batches through the library's own loop from the same start; the bytes gloo carried during training.
 
     torchrun --standalone --nproc-per-node 2 tests/peers/hf_peer.py OUT_DIR [--plant ddp]
 
@@ -19,13 +19,13 @@ import torch.distributed as dist
 import transformers
 from accelerate import Accelerator
 from torch.profiler import ProfilerActivity, profile
-from trainer_common import params, wire_bytes
+from trainer_common import OPTIONS, params, wire_bytes
 
 import dpsgd.comm
 import topologies
 from dpsgd.integrations.accelerate import DecentralizedAccelerator
 from dpsgd.integrations.transformers import DecentralizedTrainer
-from dpsgd.optim import DPSGD
+from dpsgd.optim import ALGORITHMS
 
 LR, CLIP, STEPS = 0.05, 1.0, 4
 
@@ -53,7 +53,9 @@ class Tokens(torch.utils.data.Dataset):
 class Recording(DecentralizedTrainer):
     """Keeps each batch it computed a loss on, and the token count it was normalised by."""
 
-    seen: list = []
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list = []
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self.seen.append(({k: v.clone() for k, v in inputs.items()}, num_items_in_batch))
@@ -78,10 +80,11 @@ class Traffic(transformers.TrainerCallback):
         self.counted = comm.stats.bytes_sent - self.sent_before
 
 
-def library_loop(seen, comm) -> list[float]:
+def library_loop(name: str, seen, comm) -> list[float]:
     model = tiny_gpt2()
     base = torch.optim.SGD(model.parameters(), lr=LR)
-    opt = DPSGD(base, topology=topologies.make("ring", comm.size), comm=comm, module=model)
+    topology = topologies.make("ring", comm.size)
+    opt = ALGORITHMS[name](base, topology=topology, comm=comm, module=model, **OPTIONS[name])
     for inputs, items in seen:
         loss = model(**inputs, num_items_in_batch=items).loss
         loss.backward()
@@ -92,9 +95,9 @@ def library_loop(seen, comm) -> list[float]:
 
 
 def run(out: Path, plant: str = "") -> dict:
+    """For allreduce, dpsgd and diloco: the Trainer's run and the library loop on its batches (see the module)."""
     if plant == "ddp":
         DecentralizedAccelerator.prepare_model = Accelerator.prepare_model  # type: ignore[method-assign]
-    model = tiny_gpt2()
     args = transformers.TrainingArguments(
         output_dir=str(out / "hf"),
         per_device_train_batch_size=4,
@@ -106,37 +109,42 @@ def run(out: Path, plant: str = "") -> dict:
         report_to=[],
         save_strategy="no",
         logging_strategy="no",
+        disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    box: list = []
-    traffic = Traffic(box)
-    trainer = Recording(
-        model=model,
-        args=args,
-        train_dataset=Tokens(),
-        optimizers=(optimizer, None),  # the base the algorithm wraps (without it: the Trainer's AdamW)
-        callbacks=[traffic],
-        algorithm="dpsgd",
-        timeout_s=60,
-    )
-    box.append(trainer)
-    trainer.train()
-    opt = trainer.distributed_optimizer
-    result = {
-        "trainer": params(trainer.model),
-        "model_class": type(trainer.model_wrapped).__name__,
-        "optimizer": type(opt).__name__,
-        "step_count": opt.step_count,
-        "global_step": trainer.state.global_step,
-        "profiled_bytes": traffic.wire,
-        "profiled_collectives": traffic.collectives,
-        "counted_bytes": traffic.counted,
-        "library": library_loop(Recording.seen, dpsgd.comm.init("torch")),
-    }
+    result: dict = {}
+    for name in OPTIONS:
+        model = tiny_gpt2()
+        box: list = []
+        traffic = Traffic(box)
+        trainer = Recording(
+            model=model,
+            args=args,
+            train_dataset=Tokens(),
+            # the base the algorithm wraps (without it: the Trainer's AdamW)
+            optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+            callbacks=[traffic],
+            algorithm=name,
+            algorithm_options=OPTIONS[name],
+            timeout_s=60,
+        )
+        box.append(trainer)
+        trainer.train()
+        opt = trainer.distributed_optimizer
+        result[name] = {
+            "trainer": params(trainer.model),
+            "model_class": type(trainer.model_wrapped).__name__,
+            "optimizer": type(opt).__name__,
+            "step_count": opt.step_count,
+            "global_step": trainer.state.global_step,
+            "profiled_bytes": traffic.wire,
+            "profiled_collectives": traffic.collectives,
+            "counted_bytes": traffic.counted,
+            "library": library_loop(name, trainer.seen, dpsgd.comm.init("torch")),
+        }
     try:
-        DecentralizedTrainer(model=model, args=args, algorithm="adpsgd")
+        DecentralizedTrainer(model=tiny_gpt2(), args=args, algorithm="adpsgd")
     except ValueError as exc:
         result["adpsgd_refusal"] = str(exc)
     return result
