@@ -136,8 +136,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
 
 
 class DecentralizedMetrics(Callback):
-    """Logs, every `every_n_steps` optimizer steps, `dpsgd/bytes_sent` (this peer's, since the strategy started its
-    optimizers: their `comm.stats`) and `dpsgd/consensus_distance`, (1/n) sum_i |x_i - x_bar|^2 over the peers'
+    """Logs, every `every_n_steps` optimizer steps, `dpsgd_bytes_sent` (this peer's, since the strategy started its
+    optimizers: their `comm.stats`) and `dpsgd_consensus_distance`, (1/n) sum_i |x_i - x_bar|^2 over the peers'
     parameters: one all-reduce of the model on the trainer's process group, a measurement that `bytes_sent` does
     not count. Needs `DecentralizedStrategy`."""
 
@@ -160,7 +160,7 @@ class DecentralizedMetrics(Callback):
         self._logged_step = step
         distance = consensus_distance(list(pl_module.parameters()), trainer.world_size)
         sent = float(strategy.comm.stats.bytes_sent)
-        pl_module.log_dict({"dpsgd/bytes_sent": sent, "dpsgd/consensus_distance": distance}, on_step=True)
+        pl_module.log_dict({"dpsgd_bytes_sent": sent, "dpsgd_consensus_distance": distance}, on_step=True)
 
 
 @torch.no_grad()

@@ -119,8 +119,8 @@ class Logged(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         metrics = trainer.callback_metrics
-        if "dpsgd/consensus_distance" in metrics and len(self.rows) < trainer.global_step:
-            self.rows.append([float(metrics["dpsgd/consensus_distance"]), float(metrics["dpsgd/bytes_sent"])])
+        if "dpsgd_consensus_distance" in metrics and len(self.rows) < trainer.global_step:
+            self.rows.append([float(metrics["dpsgd_consensus_distance"]), float(metrics["dpsgd_bytes_sent"])])
 
 
 def trainer(name: str, folder: Path, callbacks=(), epochs: int = EPOCHS) -> pl.Trainer:
