@@ -1,6 +1,8 @@
 """The scripts of examples/ run as their docstrings say: the own loop under mpiexec and under torchrun (2 peers,
 one epoch), mixed precision with an overflow on one peer, and a resume that ends with the parameters of a run
-never stopped (those two on the local backend, in this process)."""
+never stopped (those two on the local backend, in this process); the trainers' examples (lightning_*, accelerate_*,
+hf_trainer*): Accelerate's as one plain process here, each under torchrun on 4 peers with dpsgd and diloco in the
+soak (their numbers against the library loop: tests/test_integrations.py)."""
 
 from __future__ import annotations
 
@@ -70,3 +72,68 @@ def test_resume_gives_the_parameters_of_a_run_never_stopped(tmp_path, capsys):
     assert "stopped after step 12" in stopped and "resumed from step 10" in resumed
     digest = re.search(r"parameters (\w+)", whole).group(1)
     assert f"parameters {digest}" in resumed
+
+
+TRAINER_EXAMPLES = {  # the script, its extra, its arguments for a short run, the line rank 0 prints
+    "lightning_blobs.py": (
+        "lightning",
+        ["--epochs", "1"],
+        r"in Lightning on (\d) peers, (\d+) steps: peer 0's accuracy ([\d.]+)",
+    ),
+    "accelerate_blobs.py": (
+        "accelerate",
+        ["--epochs", "1"],
+        r"in Accelerate on (\d) peers, (\d+) steps: peer 0's accuracy ([\d.]+)",
+    ),
+    "hf_trainer_tiny_gpt2.py": (
+        "transformers",
+        ["--steps", "20"],
+        r"in the Trainer on (\d) peers, (\d+) steps: peer 0's mean training loss ([\d.]+)",
+    ),
+}
+
+
+def run_trainer_example(name: str, algorithm: str, peers: int) -> tuple[int, int, float]:
+    """examples/NAME under `torchrun --nproc-per-node PEERS --algorithm ALGORITHM`: its peers, steps and figure."""
+    extra, args, line = TRAINER_EXAMPLES[name]
+    pytest.importorskip(extra, reason=f"the {extra} extra: pip install -e '.[{extra}]'")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**peer_env(), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            f"--nproc-per-node={peers}",
+            str(EXAMPLES / name),
+            "--algorithm",
+            algorithm,
+            *args,
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
+    found = re.search(line, done.stdout)
+    assert found, done.stdout[-2000:]
+    return int(found.group(1)), int(found.group(2)), float(found.group(3))
+
+
+def test_accelerate_example_as_one_plain_process(capsys):
+    pytest.importorskip("accelerate", reason="the accelerate extra: pip install -e '.[accelerate]'")
+    out = run_example("accelerate_blobs.py", ["--algorithm", "dpsgd", "--epochs", "1"], capsys)
+    # one peer (no process group: the local backend's world of one), 2048 samples in batches of 32, 2 accumulated
+    found = re.search(r"dpsgd in Accelerate on 1 peers, 32 steps: peer 0's accuracy ([\d.]+)", out)
+    assert found and float(found.group(1)) > 0.5, out
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("algorithm", ["dpsgd", "diloco"])
+@pytest.mark.parametrize("name", list(TRAINER_EXAMPLES))
+def test_trainer_examples_on_4_peers(name, algorithm):
+    peers, steps, figure = run_trainer_example(name, algorithm, 4)
+    assert peers == 4 and steps > 0
+    assert figure > 0.5 if "accuracy" in TRAINER_EXAMPLES[name][2] else figure < 3.3  # above chance; below ln(27)
