@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from dpsgd.comm import DEFAULT_TIMEOUT_S, Communicator
+from dpsgd.comm import Communicator
 from dpsgd.optim import DistributedOptimizer
 
-from .wrap import Algorithm, Factory, communicator, resolve
+from .wrap import Algorithm, Choice, Options, communicator, resolve
 
 PEER_FILE = "dpsgd_peer{rank}.pt"  # each peer's own model and optimizer states, beside Accelerate's files
 
@@ -32,22 +32,13 @@ class DecentralizedAccelerator(Accelerator):
     keywords are `Accelerator`'s. Prepare the model before its optimizer (`prepare(model, optimizer, ...)`): the
     optimizer then brings rank 0's whole model state to every peer, buffers included, as DDP does."""
 
-    def __init__(
-        self,
-        algorithm: str | Algorithm | Factory = "dpsgd",
-        *,
-        topology: str = "ring",
-        options: dict[str, Any] | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        **accelerator_kwargs: Any,
-    ) -> None:
-        self.algorithm = resolve(algorithm, "an Accelerate training loop", topology, **(options or {}))
-        self.timeout_s = timeout_s
+    def __init__(self, algorithm: Choice = "dpsgd", *, topology: str = "ring", options: Options = None, **kwargs: Any):
+        self.algorithm = resolve(algorithm, "an Accelerate training loop", topology, options)
         self._dpsgd_comm: Communicator | None = None
-        super().__init__(**accelerator_kwargs)
+        super().__init__(**kwargs)
 
     @classmethod
-    def take_over(cls, accelerator: Accelerator, algorithm: Algorithm, timeout_s: float) -> DecentralizedAccelerator:
+    def take_over(cls, accelerator: Accelerator, algorithm: Algorithm) -> DecentralizedAccelerator:
         """`accelerator`, made by someone else before it prepared anything, turned into this class in place: the
         Transformers Trainer builds its own `Accelerator` from many settings inside one method, and this keeps them
         all (the class adds methods and three attributes, nothing that `Accelerator.__init__` sets up)."""
@@ -55,14 +46,14 @@ class DecentralizedAccelerator(Accelerator):
             raise RuntimeError("take_over needs an Accelerator that has prepared no model or optimizer yet")
         accelerator.__class__ = cls
         taken: DecentralizedAccelerator = accelerator
-        taken.algorithm, taken.timeout_s, taken._dpsgd_comm = algorithm, timeout_s, None
+        taken.algorithm, taken._dpsgd_comm = algorithm, None
         return taken
 
     @property
     def comm(self) -> Communicator:
         """This process's communicator over Accelerate's process group (its `stats` count what was sent)."""
         if self._dpsgd_comm is None:
-            self._dpsgd_comm = communicator(self.timeout_s)
+            self._dpsgd_comm = communicator(self.algorithm.timeout_s)
         return self._dpsgd_comm
 
     def prepare_model(

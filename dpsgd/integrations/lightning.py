@@ -24,10 +24,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
-from dpsgd.comm import DEFAULT_TIMEOUT_S, Communicator
+from dpsgd.comm import Communicator
 from dpsgd.optim import DistributedOptimizer
 
-from .wrap import Algorithm, Factory, communicator, resolve
+from .wrap import Choice, Options, communicator, resolve
 
 
 def peer_path(filepath: str | Path, rank: int) -> str:
@@ -42,20 +42,13 @@ class DecentralizedStrategy(DDPStrategy):
     algorithm's own options as keywords in `options`), a `dpsgd.integrations.Algorithm`, or a factory
     `(base, comm) -> DistributedOptimizer`; an optimizer that `configure_optimizers` already returns as a dpsgd
     one is kept as it is. Asynchronous algorithms (adpsgd) are refused: Lightning steps every peer together.
-    `timeout_s` bounds every exchange of the optimizers; the other keywords are `DDPStrategy`'s (except its
-    DDP-only ones: a comm hook or model averaging would average the model a second time)."""
+    The Algorithm's `timeout_s` bounds every exchange (and the process group, unless `timeout=` is given); the
+    other keywords are `DDPStrategy`'s (except its DDP-only ones: a comm hook or model averaging would average the
+    model a second time)."""
 
     strategy_name = "dpsgd"
 
-    def __init__(
-        self,
-        algorithm: str | Algorithm | Factory = "dpsgd",
-        *,
-        topology: str = "ring",
-        options: dict[str, Any] | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        **ddp_kwargs: Any,
-    ) -> None:
+    def __init__(self, algorithm: Choice = "dpsgd", *, topology: str = "ring", options: Options = None, **ddp_kwargs):
         ddp_only = sorted(
             k
             for k in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -66,10 +59,10 @@ class DecentralizedStrategy(DDPStrategy):
                 f"DecentralizedStrategy runs no DDP, so {', '.join(ddp_only)} would have nothing to act on: the "
                 "dpsgd algorithm does the averaging (for periodic averaging choose algorithm='local_sgd' or 'diloco')"
             )
-        self.algorithm = resolve(algorithm, "a Lightning Trainer", topology, **(options or {}))
-        self.timeout_s = timeout_s
+        self.algorithm = resolve(algorithm, "a Lightning Trainer", topology, options)
         self.comm: Communicator | None = None
-        super().__init__(timeout=timedelta(seconds=timeout_s), **ddp_kwargs)
+        ddp_kwargs.setdefault("timeout", timedelta(seconds=self.algorithm.timeout_s))  # the group's, as the exchanges'
+        super().__init__(**ddp_kwargs)
 
     # --- no DDP: the model stays the LightningModule -------------------------------------------------
     def configure_ddp(self) -> None:
@@ -79,7 +72,7 @@ class DecentralizedStrategy(DDPStrategy):
         """The LightningModule's optimizers, each inside the algorithm (schedulers keep the base's param_groups)."""
         super().setup_optimizers(trainer)
         if self.comm is None:
-            self.comm = communicator(self.timeout_s)
+            self.comm = communicator(self.algorithm.timeout_s)
         module = self.lightning_module
         # a resume has loaded each peer's own weights before this (Lightning restores the model first): rank 0's
         # must not overwrite them

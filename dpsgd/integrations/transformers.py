@@ -17,10 +17,8 @@ from typing import Any
 
 from transformers import Trainer
 
-from dpsgd.comm import DEFAULT_TIMEOUT_S
-
 from .accelerate import DecentralizedAccelerator
-from .wrap import Algorithm, Factory, resolve
+from .wrap import Choice, Options, resolve
 
 
 class DecentralizedTrainer(Trainer):
@@ -30,24 +28,15 @@ class DecentralizedTrainer(Trainer):
     (adpsgd) are refused. The other arguments are `Trainer`'s."""
 
     def __init__(
-        self,
-        *args: Any,
-        algorithm: str | Algorithm | Factory = "dpsgd",
-        topology: str = "ring",
-        algorithm_options: dict[str, Any] | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
-        self.dpsgd_algorithm = resolve(algorithm, "a Transformers Trainer", topology, **(algorithm_options or {}))
-        self.dpsgd_timeout_s = timeout_s
-        super().__init__(*args, **kwargs)
+        self, *args, algorithm: Choice = "dpsgd", topology: str = "ring", algorithm_options: Options = None, **kw
+    ):
+        self.dpsgd_algorithm = resolve(algorithm, "a Transformers Trainer", topology, algorithm_options)
+        super().__init__(*args, **kw)
         self.args.average_tokens_across_devices = False  # each peer's own mean (see the module)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        self.accelerator = DecentralizedAccelerator.take_over(
-            self.accelerator, self.dpsgd_algorithm, self.dpsgd_timeout_s
-        )
+        self.accelerator = DecentralizedAccelerator.take_over(self.accelerator, self.dpsgd_algorithm)
 
     @property
     def distributed_optimizer(self):

@@ -32,13 +32,15 @@ class Algorithm:
     """What wraps each of the trainer's optimizers: `name` (a key of dpsgd.optim.ALGORITHMS) on the topology
     `topology` (a name of `topologies.make`, for the world's size) with the algorithm's own `options`
     (e.g. {"period": 8} for diloco), or a `factory(base, comm)` returning the optimizer. `buffers` as the
-    optimizers' `buffers=` (rank 0's BatchNorm statistics by default, as DDP's broadcast_buffers)."""
+    optimizers' `buffers=` (rank 0's BatchNorm statistics by default, as DDP's broadcast_buffers); `timeout_s`
+    bounds every exchange (and the trainer's process group, where the trainer takes a timeout)."""
 
     name: str = "dpsgd"
     topology: str = "ring"
     options: Mapping[str, Any] = field(default_factory=dict)
     factory: Factory | None = None
     buffers: str = "broadcast"
+    timeout_s: float = dpsgd.comm.DEFAULT_TIMEOUT_S
 
     def wrap(
         self,
@@ -67,14 +69,20 @@ class Algorithm:
         )
 
 
-def resolve(algorithm: str | Algorithm | Factory, where: str, topology: str = "ring", **options) -> Algorithm:
+# what an integration's `algorithm=` takes: a name (then `topology=` and `options=` beside it), an Algorithm
+# (all of it said there) or a factory
+Choice = str | Algorithm | Factory
+Options = Mapping[str, Any] | None
+
+
+def resolve(algorithm: Choice, where: str, topology: str = "ring", options: Options = None) -> Algorithm:
     """An `Algorithm` from what a user hands an integration: a name (checked here, before any peer starts: an
     unknown or asynchronous one is refused in one line), an `Algorithm`, or a factory `(base, comm) -> optimizer`.
     `where` names the trainer in the refusal."""
     if isinstance(algorithm, Algorithm):
         chosen = algorithm
     elif isinstance(algorithm, str):
-        chosen = Algorithm(algorithm, topology, options)
+        chosen = Algorithm(algorithm, topology, dict(options or {}))
     elif callable(algorithm):
         return Algorithm(factory=algorithm)
     else:

@@ -36,15 +36,13 @@ from trainer_common import (
 )
 
 import dpsgd.comm
+from dpsgd.integrations import Algorithm
 from dpsgd.integrations.accelerate import DecentralizedAccelerator
 
 
 def accelerate_loop(name: str, state_dir: Path, stop_after: int = -1, resume: bool = False) -> dict:
     accelerator = DecentralizedAccelerator(
-        name,
-        topology="ring",
-        options=OPTIONS[name],
-        timeout_s=60,
+        Algorithm(name, topology="ring", options=OPTIONS[name], timeout_s=60),
         cpu=True,
         mixed_precision="bf16",
         gradient_accumulation_steps=ACCUMULATE,

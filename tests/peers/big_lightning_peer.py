@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from dpsgd.integrations import Algorithm
 from dpsgd.integrations.lightning import DecentralizedStrategy
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=DecentralizedStrategy("dpsgd", timeout_s=120),
+        strategy=DecentralizedStrategy(Algorithm("dpsgd", timeout_s=120)),
         max_steps=4,
         logger=False,
         enable_checkpointing=False,

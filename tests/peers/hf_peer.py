@@ -23,6 +23,7 @@ from trainer_common import OPTIONS, params, wire_bytes
 
 import dpsgd.comm
 import topologies
+from dpsgd.integrations import Algorithm
 from dpsgd.integrations.accelerate import DecentralizedAccelerator
 from dpsgd.integrations.transformers import DecentralizedTrainer
 from dpsgd.optim import ALGORITHMS
@@ -125,9 +126,7 @@ def run(out: Path, plant: str = "") -> dict:
             # the base the algorithm wraps (without it: the Trainer's AdamW)
             optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
             callbacks=[traffic],
-            algorithm=name,
-            algorithm_options=OPTIONS[name],
-            timeout_s=60,
+            algorithm=Algorithm(name, options=OPTIONS[name], timeout_s=60),
         )
         box.append(trainer)
         trainer.train()

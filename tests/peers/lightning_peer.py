@@ -38,6 +38,7 @@ from trainer_common import (
 )
 
 import dpsgd.comm
+from dpsgd.integrations import Algorithm
 from dpsgd.integrations.lightning import DecentralizedMetrics, DecentralizedStrategy
 
 
@@ -73,7 +74,7 @@ def fp16_fit(folder: Path) -> dict:
     fit = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=DecentralizedStrategy("dpsgd", timeout_s=60),
+        strategy=DecentralizedStrategy(Algorithm("dpsgd", timeout_s=60)),
         plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")],
         max_epochs=1,
         logger=False,
@@ -127,7 +128,7 @@ def trainer(name: str, folder: Path, callbacks=(), epochs: int = EPOCHS) -> pl.T
     return pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=DecentralizedStrategy(name, topology="ring", options=OPTIONS.get(name), timeout_s=60),
+        strategy=DecentralizedStrategy(Algorithm(name, options=OPTIONS.get(name) or {}, timeout_s=60)),
         max_epochs=epochs,
         precision="bf16-mixed",
         accumulate_grad_batches=ACCUMULATE,
