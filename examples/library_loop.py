@@ -81,9 +81,6 @@ def check(trained: torch.nn.Module, ref: Reference, recorder: Recorder, algorith
     """Print (every peer) and return the largest difference of `trained` from the library loop's parameters."""
     net = library_loop(ref, recorder.batches, algorithm, topology, options, comm)
     difference = (params(trained) - params(net)).abs().max().item()
-    print(
-        f"peer {comm.rank}: largest difference from the library loop {difference:.3g} "
-        f"({len(recorder.batches)} batches replayed)",
-        flush=True,
-    )
+    line = f"peer {comm.rank}: largest difference from the library loop {difference:.3g}"
+    print(f"{line} ({len(recorder.batches)} batches replayed)\n", end="", flush=True)  # one write: peers' don't mix
     return difference
