@@ -6,6 +6,10 @@ and ModelCheckpoint keeps every peer's own state.
     torchrun --standalone --nproc-per-node 4 examples/lightning_blobs.py --algorithm dpsgd
     torchrun --standalone --nproc-per-node 4 examples/lightning_blobs.py --algorithm diloco --topology ring
     python examples/lightning_blobs.py --devices 4                # Lightning starts the 4 processes itself
+
+With `--check-against-library-loop` every peer also replays the batches it trained on through the library's own
+loop (examples/library_loop.py: the same seed, optimizer, accumulation, clipping, bf16 and schedule) and prints
+the largest difference of the parameters, which is below 1e-6.
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ def blobs(samples: int = 2048, classes: int = 4, features: int = 16) -> TensorDa
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, lr: float = 0.1) -> None:
+    def __init__(self, lr: float = 0.1, recorder=None) -> None:
         super().__init__()
         self.lr = lr
+        self.recorder = recorder  # for --check-against-library-loop: keeps each batch
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
     def training_step(self, batch, batch_idx):
+        if self.recorder is not None:
+            self.recorder.record(batch)
         x, y = batch
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
         self.log("loss", loss, sync_dist=True)  # the mean over the peers
@@ -57,6 +64,7 @@ def main() -> None:
     parser.add_argument("--topology", default="ring", help="of topologies.make (sgp: directed_exponential)")
     parser.add_argument("--devices", type=int, default=int(os.environ.get("WORLD_SIZE", 1)), help="peers")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--check-against-library-loop", action="store_true", help="see the module's doc")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -74,7 +82,12 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Classifier()
+    recorder = None
+    if args.check_against_library_loop:
+        from library_loop import Recorder
+
+        recorder = Recorder()
+    model = Classifier(recorder=recorder)
     trainer.fit(model)
     x, y = blobs().tensors
     with torch.no_grad():
@@ -85,6 +98,25 @@ def main() -> None:
             f"{args.algorithm} in Lightning on {trainer.world_size} peers, {trainer.global_step} steps: "
             f"peer 0's accuracy {accuracy:.3f}, {sent / 1e6:.2f} MB sent"
         )
+    if recorder is not None:
+        check(model, recorder, args, strategy.distributed_optimizers[0].comm, steps=trainer.global_step)
+
+
+def check(model: Classifier, recorder, args, comm, steps: int) -> None:
+    """The library loop on the batches `model` trained on, from the same seed: the same training by hand."""
+    from library_loop import Reference
+    from library_loop import check as compare
+
+    reference = Reference(
+        build=Classifier,
+        base=lambda net: torch.optim.SGD(net.parameters(), lr=net.lr, momentum=0.9),
+        loss=lambda net, batch: torch.nn.functional.cross_entropy(net.net(batch[0]), batch[1]),
+        schedule=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
+        accumulate=2,
+        clip=1.0,
+        bf16=True,
+    )
+    compare(model, reference, recorder, args.algorithm, args.topology, PERIOD_OF.get(args.algorithm), comm)
 
 
 if __name__ == "__main__":
