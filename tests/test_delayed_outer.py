@@ -10,13 +10,12 @@ import torch
 from peers import local_sgd_peer as peer
 from peers import quadratic as q
 from reference import grads
-from test_fleet import config, local_parameters
+from test_fleet import assert_fleet_equals_local, config
 
 from dpsgd import models
 from dpsgd.comm import run_local
 from dpsgd.config import parse
 from dpsgd.optim import DiLoCo
-from dpsgd.sim import Fleet
 from experiments import cost_model
 
 torch.set_num_threads(1)
@@ -73,13 +72,7 @@ def test_reference_without_delay_is_diloco():
 
 @pytest.mark.parametrize("eager", [False, True], ids=["delayed", "eager"])
 def test_fleet_equals_real_peers(eager):
-    cfg = config("diloco", "ring", 4, period=3, outer_delay=1, eager=eager)
-    fleet = Fleet(parse(cfg))
-    for step in range(1, 11):
-        fleet.step(step)
-    got = fleet.flat()
-    torch.testing.assert_close(got, local_parameters(cfg, 10), rtol=1e-5, atol=1e-5)
-    assert (got - got.mean(0)).abs().max() > 1e-4
+    assert_fleet_equals_local(config("diloco", "ring", 4, period=3, outer_delay=1, eager=eager), 10)
 
 
 def test_a_checkpoint_with_an_exchange_in_flight_resumes_identically():

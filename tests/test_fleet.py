@@ -46,6 +46,19 @@ def local_parameters(cfg: dict, steps: int) -> list[torch.Tensor]:
     return torch.stack(run_local(cfg["peers"], peer, timeout_s=60))
 
 
+def assert_fleet_equals_local(cfg: dict, steps: int, peers_differ: bool = True) -> None:
+    """The fleet's (n, D) parameters after `steps` equal the real peers' (local backend); with `peers_differ`, the
+    peers really differ (equality is not the trivial one of identical peers)."""
+    fleet = Fleet(parse(cfg))
+    for step in range(1, steps + 1):
+        fleet.step(step)
+    got, expected = fleet.flat(), local_parameters(cfg, steps)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if peers_differ:
+        assert (got - got.mean(0)).abs().max() > 1e-4
+
+
 GOSSIP = ("dpsgd", "qgm", "sgp", "choco", "d2", "gradient_tracking")
 CASES = {
     "allreduce": ("allreduce", "ring", {}),
@@ -82,16 +95,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_fleet_equals_local_backend(case, peers):
     algorithm, topology, options = CASES[case]
-    cfg = config(algorithm, topology, peers, **options)
-    fleet = Fleet(parse(cfg))
-    for step in range(1, STEPS + 1):
-        fleet.step(step)
-    expected = local_parameters(cfg, STEPS)
-    got = fleet.flat()
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    if algorithm in GOSSIP:  # the peers really differ: equality is not the trivial one of identical peers
-        assert (got - got.mean(0)).abs().max() > 1e-4
+    assert_fleet_equals_local(config(algorithm, topology, peers, **options), STEPS, peers_differ=algorithm in GOSSIP)
 
 
 def test_batches_match_each_peers_own():

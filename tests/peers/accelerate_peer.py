@@ -11,12 +11,9 @@ Accelerate's own save_state / load_state, to see the tests catch it.
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, DistributedSampler
@@ -31,6 +28,7 @@ from trainer_common import (
     library_loop,
     model,
     params,
+    peer_main,
     schedule,
     wire_bytes,
 )
@@ -105,16 +103,5 @@ def run(out: Path, plant: str = "") -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--plant", default="", help="ddp (the model wrapped in DDP) or no-peer-files")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    result = run(args.out, args.plant)
-    (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-
-
 if __name__ == "__main__":
-    main()
+    peer_main(run)

@@ -9,17 +9,14 @@ writes OUT_DIR/rank{r}.json. `--plant ddp` lets the Trainer's Accelerator wrap t
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import transformers
 from accelerate import Accelerator
 from torch.profiler import ProfilerActivity, profile
-from trainer_common import OPTIONS, params, wire_bytes
+from trainer_common import OPTIONS, params, peer_main, wire_bytes
 
 import dpsgd.comm
 import topologies
@@ -149,16 +146,5 @@ def run(out: Path, plant: str = "") -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--plant", default="", help="ddp: the model wrapped in DDP")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    result = run(args.out, args.plant)
-    (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-
-
 if __name__ == "__main__":
-    main()
+    peer_main(run)

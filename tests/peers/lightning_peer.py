@@ -10,14 +10,11 @@ writes OUT_DIR/rank{r}.json. `--plant` puts a bug in on purpose, to see the test
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.profiler import ProfilerActivity, profile
@@ -33,6 +30,7 @@ from trainer_common import (
     library_loop,
     model,
     params,
+    peer_main,
     schedule,
     wire_bytes,
 )
@@ -176,16 +174,5 @@ def run(out: Path, plant: str = "") -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--plant", default="", help="ddp (the model wrapped in DDP) or no-peer-files (rank 0's file)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    result = run(args.out, args.plant)
-    (args.out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-    dist.barrier()
-
-
 if __name__ == "__main__":
-    main()
+    peer_main(run)

@@ -73,3 +73,22 @@ def wire_bytes(prof, peers: int) -> tuple[int, list[str]]:
             collectives.append(e.name)
             wire += 4 * numel * 2 * (peers - 1) // peers
     return wire, collectives
+
+
+def peer_main(run) -> None:
+    """A peer module run alone under torchrun (`OUT_DIR [--plant P]`): `run(OUT_DIR, P)`'s result in
+    OUT_DIR/rank{r}.json (trainers_peer.py runs the three in one launch, as the tests do)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--plant", default="", help="a bug put in on purpose (see the peer module)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = run(args.out, args.plant)
+    (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
