@@ -110,4 +110,7 @@ def check(model, recorder, args, accelerator: DecentralizedAccelerator, batches:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as exc:  # a refused algorithm, topology or option: one line, not a traceback
+        raise SystemExit(f"error: {exc}") from None

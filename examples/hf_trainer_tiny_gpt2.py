@@ -126,4 +126,7 @@ def check(trainer: DecentralizedTrainer, config, recorder, args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as exc:  # a refused algorithm, topology or option: one line, not a traceback
+        raise SystemExit(f"error: {exc}") from None

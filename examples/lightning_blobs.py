@@ -120,4 +120,7 @@ def check(model: Classifier, recorder, args, comm, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as exc:  # a refused algorithm, topology or option: one line, not a traceback
+        raise SystemExit(f"error: {exc}") from None

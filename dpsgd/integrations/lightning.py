@@ -14,6 +14,7 @@ writes its own file (rank 0 the path Lightning names, rank r `<path>.peer<r>`) a
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,14 @@ class DecentralizedStrategy(DDPStrategy):
             raise ValueError(
                 f"DecentralizedStrategy runs no DDP, so {', '.join(ddp_only)} would have nothing to act on: the "
                 "dpsgd algorithm does the averaging (for periodic averaging choose algorithm='local_sgd' or 'diloco')"
+            )
+        # DDPStrategy hands keywords it does not name to DDP, which is never built here: they would vanish
+        named = inspect.signature(DDPStrategy.__init__).parameters
+        stray = sorted(k for k in ddp_kwargs if k not in named)
+        if stray:
+            raise ValueError(
+                f"DecentralizedStrategy got {', '.join(stray)}, which only DDP would read, and it builds no DDP; "
+                "the exchanges' timeout is Algorithm(name, timeout_s=...), the other keywords are DDPStrategy's"
             )
         self.algorithm = resolve(algorithm, "a Lightning Trainer", topology, options)
         self.comm: Communicator | None = None

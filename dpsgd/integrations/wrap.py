@@ -13,6 +13,10 @@ import dpsgd.comm
 import topologies
 from dpsgd.comm import Communicator
 from dpsgd.optim import ALGORITHMS, DistributedOptimizer
+from dpsgd.options import check_options
+
+# the constructor arguments `Algorithm.wrap` passes itself (not an algorithm's options)
+WRAP_SETS = ("base", "topology", "comm", "module", "buffers", "broadcast_initial")
 
 # a factory: (the trainer's optimizer, this process's communicator) -> the distributed optimizer around it
 Factory = Callable[[torch.optim.Optimizer, Communicator], DistributedOptimizer]
@@ -33,7 +37,8 @@ class Algorithm:
     `topology` (a name of `topologies.make`, for the world's size) with the algorithm's own `options`
     (e.g. {"period": 8} for diloco), or a `factory(base, comm)` returning the optimizer. `buffers` as the
     optimizers' `buffers=` (rank 0's BatchNorm statistics by default, as DDP's broadcast_buffers); `timeout_s`
-    bounds every exchange (and the trainer's process group, where the trainer takes a timeout)."""
+    bounds every exchange of the optimizers (under Lightning the process group's too, unless `timeout=` is given;
+    Accelerate's and the Trainer's groups keep their own timeouts)."""
 
     name: str = "dpsgd"
     topology: str = "ring"
@@ -79,6 +84,11 @@ def resolve(algorithm: Choice, where: str, topology: str = "ring", options: Opti
     """An `Algorithm` from what a user hands an integration: a name (checked here, before any peer starts: an
     unknown or asynchronous one is refused in one line), an `Algorithm`, or a factory `(base, comm) -> optimizer`.
     `where` names the trainer in the refusal."""
+    if not isinstance(algorithm, str) and (topology != "ring" or options):
+        raise ValueError(
+            "topology= and options= go with an algorithm given by name; an Algorithm carries its own "
+            "(Algorithm(name, topology=..., options=...)) and a factory builds its optimizer itself"
+        )
     if isinstance(algorithm, Algorithm):
         chosen = algorithm
     elif isinstance(algorithm, str):
@@ -97,6 +107,8 @@ def resolve(algorithm: Choice, where: str, topology: str = "ring", options: Opti
             refuse_asynchronous(chosen.name, where)
         if chosen.topology not in topologies.names():
             raise ValueError(f"unknown topology {chosen.topology!r}; valid: {', '.join(topologies.names())}")
+        # a misspelt option refused here, by name, rather than as a TypeError once the trainer prepares
+        check_options(f"algorithm {chosen.name}", ALGORITHMS[chosen.name], chosen.options, set_here=WRAP_SETS)
     return chosen
 
 
