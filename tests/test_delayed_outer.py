@@ -17,6 +17,7 @@ from dpsgd.comm import run_local
 from dpsgd.config import parse
 from dpsgd.optim import DiLoCo
 from experiments import cost_model
+from experiments.reproductions import kale2025
 
 torch.set_num_threads(1)
 N, H, STEPS, LR, ALPHA, BETA = 4, 3, 13, 0.05, 0.7, 0.9
@@ -98,44 +99,58 @@ def test_a_checkpoint_with_an_exchange_in_flight_resumes_identically():
         np.testing.assert_array_equal(np.array(resumed), np.array(straight))
 
 
-def emulated_summary(tmp_path, delay: int, latency_s: float = 1e-3) -> dict:
+def emulated_summary(tmp_path, delay: int, latency_s: float = 1e-3, eager: bool = False, slowdown: float = 1.0) -> dict:
     """DiLoCo (period 3) on 4 real peers over an emulated 1 Gb/s link with 1 ms latency and 10 ms of compute a
-    step (model mode: the emulated clock only): an outer all-reduce costs about 6 ms, a round computes 30 ms."""
+    step (model mode: the emulated clock only): an outer all-reduce costs about 6 ms, a round computes 30 ms.
+    `slowdown`: peer cost_model.STRAGGLER computes that many times slower."""
     from dpsgd.training import train
 
-    cfg = runs.experiment(runs.algorithm("diloco", period=3, outer_delay=delay), "ring", 4, "local")
-    cfg["network"] = {**runs.load("network", "ethernet_1g"), "latency_s": latency_s, "compute_time": 0.01}
+    cfg = runs.experiment(runs.algorithm("diloco", period=3, outer_delay=delay, eager=eager), "ring", 4, "local")
+    net = cost_model.Network(latency_s=latency_s, bandwidth_bytes_per_s=1.25e8, slowdown=slowdown)
+    cfg["network"] = {**runs.load("network", "ethernet_1g"), **net.config(0.01, 4)}
     cfg["log_every"] = 1000
-    out = tmp_path / f"delay{delay}-{latency_s}"
+    out = tmp_path / f"delay{delay}-{eager}-{latency_s}-{slowdown}"
     out.mkdir()
     run_local(4, train, parse(cfg), out, timeout_s=60)
     return runs.summary(out)
 
 
 def test_the_outer_exchange_is_hidden_on_the_emulator(tmp_path):
-    """outer_delay=1: the outer all-reduce runs behind the next round's compute, so the emulated clock waits for
-    it no more (exposed communication per round about 0, against the synchronous round's whole all-reduce) and
-    the run ends sooner with the same bytes; the wall-clock window it had is counted in comm_overlap_s."""
+    """outer_delay=1 (and eager, which sends the same exchange): the outer all-reduce runs behind the next round's
+    compute, so the emulated clock waits for it no more (exposed communication per round about 0, against the
+    synchronous round's whole all-reduce) and the run ends sooner with the same bytes; the wall-clock window it had
+    is counted in comm_overlap_s. The final test loss: eager's between synchronous DiLoCo's and the delayed run's, the
+    shape Kale et al. report (issue 39's line also asks the delayed run to end within kale2025's tolerance of
+    synchronous DiLoCo; at this size, as in the reproduction, it does not: docs/reproductions.md)."""
     delayed, synchronous = emulated_summary(tmp_path, 1), emulated_summary(tmp_path, 0)
+    eager = emulated_summary(tmp_path, 1, eager=True)
     rounds = synchronous["steps"] // 3
-    exposed = {k: s["emulated_wait_s"] / rounds for k, s in (("delayed", delayed), ("sync", synchronous))}
-    assert exposed["sync"] > 5e-3 and exposed["delayed"] < 0.05 * exposed["sync"], exposed
+    exposed = {
+        k: s["emulated_wait_s"] / rounds for k, s in (("delayed", delayed), ("eager", eager), ("sync", synchronous))
+    }
+    assert exposed["sync"] > 5e-3, exposed
+    assert max(exposed["delayed"], exposed["eager"]) < kale2025.HIDDEN * exposed["sync"], exposed
     assert delayed["emulated_time_s"] < synchronous["emulated_time_s"] - 0.9 * synchronous["emulated_wait_s"]
-    assert delayed["mb_sent_per_peer"] == synchronous["mb_sent_per_peer"]
+    assert eager["emulated_time_s"] == delayed["emulated_time_s"]
+    assert delayed["mb_sent_per_peer"] == synchronous["mb_sent_per_peer"] == eager["mb_sent_per_peer"]
     assert delayed["comm_overlap_s"] > synchronous["comm_overlap_s"]
+    losses = [run["test_loss"] for run in (synchronous, eager, delayed)]
+    assert losses == sorted(losses), losses
 
 
-def test_the_cost_models_closed_form_is_the_emulators_clock(tmp_path):
-    """experiments.cost_model's periodic form with `delayed` (outer_delay=1) and without gives the emulator's clock,
-    where the round's compute hides the exchange (1 ms links) and where it does not (10 ms: 60 ms a round)."""
+@pytest.mark.parametrize("slowdown", [1.0, 4.0], ids=["even", "straggler"])
+def test_the_cost_models_closed_form_is_the_emulators_clock(tmp_path, slowdown):
+    """experiments.cost_model's periodic form with `delayed` (outer_delay=1, and eager's) and without gives the
+    emulator's clock, where the round's compute hides the exchange (1 ms links) and where it does not (10 ms: 60 ms
+    a round), with every peer as fast and with peer 1 4x slower (the exchange starts when the straggler gets there)."""
     nbytes = 4 * sum(p.numel() for p in models.build("mlp", (64,), 10, seed=0).parameters())
     for latency_s in (1e-3, 1e-2):
-        net = cost_model.Network(latency_s=latency_s, bandwidth_bytes_per_s=1.25e8)
-        for delay in (1, 0):
-            summary = emulated_summary(tmp_path, delay, latency_s)
+        net = cost_model.Network(latency_s=latency_s, bandwidth_bytes_per_s=1.25e8, slowdown=slowdown)
+        for delay, eager in ((1, False), (0, False), *(((1, True),) if slowdown != 1 else ())):
+            summary = emulated_summary(tmp_path, delay, latency_s, eager, slowdown)
             form = cost_model.Algorithm("diloco", (), "periodic", period=3, delayed=bool(delay))
             predicted = cost_model.clock_after(form, summary["steps"], 4, nbytes, 0.01, net)
-            assert predicted == pytest.approx(summary["emulated_time_s"], rel=1e-3), (latency_s, delay)
+            assert predicted == pytest.approx(summary["emulated_time_s"], rel=1e-3), (latency_s, delay, eager)
 
 
 def test_bad_combinations_are_refused_in_one_line():
