@@ -2,7 +2,8 @@
 
 WORKLOAD is `default` (the default config) or the name of an `experiment=` preset. For each algorithm (by default
 all-reduce, D-PSGD on a ring and on the one-peer exponential graph, AD-PSGD, LocalSGD, DiLoCo; `--algorithms A,B,...`
-names any algorithm whose class declares how the cost model prices it, its `cost_form`):
+names any algorithm whose class declares how the cost model prices it, its `cost_form`, and `diloco_delayed` or
+`diloco_eager`, DiLoCo with its outer exchange behind the next round, Kale et al. 2025):
 1. the steps to a target (a test accuracy to reach, or a test perplexity or loss to get under), over seeds, measured
    on the fleet (`backend=fleet`) at each peer count;
 2. the time those steps take in each cell of a grid (bandwidth x latency x peers per host x a straggler's slowdown),
@@ -42,6 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ALGORITHMS = ("allreduce", "dpsgd", "adpsgd", "local_sgd", "diloco")  # the map's comparison unless told
 GOSSIP_TOPOLOGIES = {"ring": "ring", "one_peer_exponential": "one-peer"}  # where gossip runs: graph, label word
 ASYNC_TOPOLOGY = "ring"  # the pairs of an asynchronous algorithm (bipartite for an even number of peers)
+# DiLoCo with its outer exchange behind the next round's inner steps (Kale et al. 2025), as runs of their own beside
+# DiLoCo: the same class and period, priced by the periodic form with `delayed` (eager sends the same exchange)
+OVERLAPPED = {
+    "diloco_delayed": ("diloco", ("algorithm.outer_delay=1",)),
+    "diloco_eager": ("diloco", ("algorithm.outer_delay=1", "algorithm.eager=true")),
+}
 
 
 def period(cls) -> int | None:
@@ -66,8 +73,9 @@ def cost_form(cls) -> str | None:
 
 
 def eligible() -> list[str]:
-    """The names of dpsgd.optim.ALGORITHMS the map can price."""
-    return [name for name, cls in REGISTERED.items() if cost_form(cls) is not None]
+    """The names of dpsgd.optim.ALGORITHMS the map can price, and the OVERLAPPED variants of those."""
+    names = [name for name, cls in REGISTERED.items() if cost_form(cls) is not None]
+    return names + [name for name, (base, _) in OVERLAPPED.items() if base in names]
 
 
 def variants(names) -> tuple[Algorithm, ...]:
@@ -75,6 +83,13 @@ def variants(names) -> tuple[Algorithm, ...]:
     on each of GOSSIP_TOPOLOGIES, a periodic one at its default period, an asynchronous one on ASYNC_TOPOLOGY."""
     out: list[Algorithm] = []
     for name in names:
+        if name in OVERLAPPED:
+            base, extra = OVERLAPPED[name]
+            h = period(REGISTERED[base])
+            assert h is not None and cost_form(REGISTERED[base]) == "periodic"
+            overrides = (f"algorithm={base}", f"algorithm.period={h}", *extra)
+            out.append(Algorithm(f"{name} H={h}", overrides, "periodic", period=h, delayed=True))
+            continue
         cls, run = REGISTERED[name], f"algorithm={name}"
         form, h = cost_form(cls), period(cls)
         if form == "gossip":

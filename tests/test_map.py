@@ -36,6 +36,28 @@ def test_the_default_comparison_is_the_six_runs_it_always_was():
     )
 
 
+def test_delayed_and_eager_diloco_stand_beside_diloco_priced_with_the_exchange_behind_the_next_round():
+    """`--algorithms diloco,diloco_delayed,diloco_eager`: DiLoCo's period, outer_delay=1 (and eager), the periodic form
+    with `delayed`; eager sends the same exchange, so it costs what delayed costs (tests/test_delayed_outer.py checks
+    the form against the emulator, a straggler included). With a straggler 4x slower and a link whose all-reduce
+    outlasts the fast peers' round but not the straggler's, the delayed forms hide it where DiLoCo pays it."""
+    diloco, delayed, eager = gossip_map.chosen("diloco,diloco_delayed,diloco_eager")
+    assert delayed == Algorithm(
+        "diloco_delayed H=8",
+        ("algorithm=diloco", "algorithm.period=8", "algorithm.outer_delay=1"),
+        "periodic",
+        period=8,
+        delayed=True,
+    )
+    assert eager.overrides == (*delayed.overrides, "algorithm.eager=true") and eager.delayed and eager.period == 8
+    assert {"diloco_delayed", "diloco_eager"} <= set(gossip_map.eligible())
+    net = Network(latency_s=0.01, bandwidth_bytes_per_s=1.25e7, slowdown=4.0)
+    nbytes, compute_s, steps = 4e5, 0.01, 80  # all-reduce of 4 peers: 0.06 + 1.5 x 0.032 = 0.108 s; a round 0.32 s
+    times = {a.label: clock_after(a, steps, 4, nbytes, compute_s, net) for a in (diloco, delayed, eager)}
+    assert times["diloco H=8"] == pytest.approx(10 * (0.32 + 0.108))
+    assert times["diloco_delayed H=8"] == times["diloco_eager H=8"] == pytest.approx(10 * 0.32)
+
+
 @pytest.mark.parametrize("n", [4, 8])
 def test_every_run_the_map_can_make_passes_the_apps_checks(n):
     """An algorithm the map accepts (its class declares a cost form) runs where the map puts it: the app's
