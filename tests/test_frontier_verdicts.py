@@ -147,6 +147,8 @@ def test_kale2025_decides_on_the_gap_eager_closes_and_the_hidden_exchange(
     assert "200.0 ms synchronous" in finding.verdict  # 1 s of waiting over 5 rounds
     # issue 39's line: delayed within 5% of synchronous DiLoCo's test loss (log 12 is 7.9% above log 10)
     assert ("synchronous DiLoCo: met." in finding.verdict) is (delayed == sync)
+    # eager leaves at most half of the delayed run's gap (log 11.5 / log 10 - 1 = 6.1% of 7.9%: more than half)
+    assert (", less than half)" in finding.verdict) is (case == "eager_closes_less")
     # M = 3.5 MB / 5 rounds / (2 x 7 / 8) = 0.4 MB; a ring all-reduce on the wan link: 14 x 50 ms + 1.75 x 0.4 MB /
     # 12.5 MB/s = 0.756 s, of which a round's 25 x 20 ms of compute hides 0.5 s
     assert "| 100 Mb/s, 50 ms (wan) | 0.756 | 0.756 | 0.256 |" in finding.table

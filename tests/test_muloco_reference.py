@@ -25,9 +25,10 @@ def decoded_per_row(x: torch.Tensor, bits: int = 2, sigmas: float = 6.0) -> np.n
 def test_quantize_equals_mulocos_statistical_quantizers():
     meta, ref = fixture("muloco_quantizer")
     assert (meta["bins"], meta["range_in_sigmas"]) == (4, 6)
-    x = torch.from_numpy(ref["input"])
-    np.testing.assert_allclose(decoded_per_tensor(x), ref["statistical"], rtol=0, atol=1e-7)
-    np.testing.assert_allclose(decoded_per_row(x), ref["row_wise_statistical"], rtol=0, atol=1e-7)
+    for suffix in ("", "_tails"):
+        x = torch.from_numpy(ref["input" + suffix])
+        np.testing.assert_allclose(decoded_per_tensor(x), ref["statistical" + suffix], rtol=0, atol=1e-7)
+        np.testing.assert_allclose(decoded_per_row(x), ref["row_wise_statistical" + suffix], rtol=0, atol=1e-7)
 
 
 def test_quantize_under_mulocos_error_feedback_equals_what_its_worker_sends():

@@ -9,8 +9,9 @@ The module is loaded from the checkout by its path (its package's __init__ pulls
 stubbed. Quantizers as the paper's runs configure them (torchtitan/jobs/muloco_paper/*.py: quantization_bins 4 (2
 bits), quantization_range 6, compressor_type row_wise_statistical; the class's default compressor is the per-tensor
 `statistical` one). Inputs: x = float32(default torch generator seeded 0, randn(6, 10) in float64 x 0.01) with
-x[2, 3] = 0.2 (an outlier beyond 6 sigmas); three deltas d_t drawn after it the same way. Outputs: each
-quantizer's decoded x, and the row-wise quantizer under _save_grads' error feedback with error_decay 0.9 and lr 0.7:
+x[2, 3] = 0.2 (an outlier beyond 6 sigmas); three deltas d_t drawn after it the same way; then input_tails =
+float32(randn(6, 10) in float64, cubed, x 0.01) (heavy tails: every code in use). Outputs: each quantizer's decoded
+x and input_tails, and the row-wise quantizer under _save_grads' error feedback with error_decay 0.9 and lr 0.7:
 e <- 0.9 e + 0.7 d_t, q_t = Q(e), e <- e - q_t (error_feedback_alpha 1), the q_t a worker sends."""
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ def main(checkout: str, out: str) -> None:
     x = (torch.randn(6, 10, generator=g, dtype=torch.float64) * 0.01).float()
     x[2, 3] = 0.2
     deltas = [(torch.randn(6, 10, generator=g, dtype=torch.float64) * 0.01).float() for _ in range(3)]
-    arrays = {"input": x.numpy(), "deltas": torch.stack(deltas).numpy()}
+    tails = (torch.randn(6, 10, generator=g, dtype=torch.float64) ** 3 * 0.01).float()  # every code in use
+    arrays = {"input": x.numpy(), "deltas": torch.stack(deltas).numpy(), "input_tails": tails.numpy()}
     for name, comp in (
         ("statistical", ref.QuantizationCompressor(BINS, SIGMAS)),
         ("row_wise_statistical", ref.BatchedRowiseQuantizationCompressor(BINS, SIGMAS)),
     ):
-        packed, meta = comp._quantize(x.clone())
-        arrays[name] = comp._dequantize(packed, meta).numpy()
+        for suffix, values in (("", x), ("_tails", tails)):
+            packed, meta = comp._quantize(values.clone())
+            arrays[name + suffix] = comp._dequantize(packed, meta).numpy()
     comp = ref.BatchedRowiseQuantizationCompressor(BINS, SIGMAS)
     e, sent = torch.zeros_like(x), []
     for d in deltas:  # _save_grads with use_ef: the same three lines on one parameter
