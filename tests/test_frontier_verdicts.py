@@ -166,15 +166,20 @@ def muloco(muon_exact: float, muon_2bit: float, adamw_exact: float, adamw_2bit: 
     """muloco2025's four sweeps by their test perplexities."""
     values = {"muon_exact": muon_exact, "muon_2bit": muon_2bit, "adamw_exact": adamw_exact, "adamw_2bit": adamw_2bit}
     return {
-        name: [config("diloco" if name.endswith("exact") else "sparseloco", 25, **ppl(v, 7.5))]
+        name: [config("diloco" if name.endswith("exact") else "sparseloco", 25, seed=0, **ppl(v, 7.5))]
         for name, v in values.items()
     }
 
 
 @pytest.mark.parametrize(
     ("muon", "adamw", "holds"),
-    [((10.0, 10.1), (10.0, 10.8), True), ((10.0, 11.0), (10.0, 12.0), None), ((10.0, 11.0), (10.0, 10.2), False)],
-    ids=["muon_lossless_adamw_worse", "muon_not_lossless", "adamw_better"],
+    [
+        ((10.0, 10.1), (10.0, 10.8), True),
+        ((10.0, 10.1), (10.0, 10.15), None),
+        ((10.0, 11.0), (10.0, 12.0), None),
+        ((10.0, 11.0), (10.0, 10.2), False),
+    ],
+    ids=["muon_lossless_adamw_worse", "adamw_worse_within_the_floor", "muon_not_lossless", "adamw_better"],
 )
 def test_muloco2025_decides_on_each_inner_optimizers_degradation(tmp_path, muon, adamw, holds):
     from experiments.reproductions import muloco2025
