@@ -1,12 +1,20 @@
-"""The verdicts of noloco2025, demo2024, sparseloco2025 and douillard2023_text on hand-made measurements whose
-verdict is known (fast; the real runs are `python -m experiments.reproduce NAME`)."""
+"""The verdicts of noloco2025, demo2024, sparseloco2025, douillard2023_text, kale2025 and muloco2025 on hand-made
+measurements whose verdict is known (fast; the real runs are `python -m experiments.reproduce NAME`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from experiments.reproduce import Configuration
-from experiments.reproductions import _text, demo2024, douillard2023_text, noloco2025, sparseloco2025
+from experiments.reproductions import (
+    _text,
+    demo2024,
+    douillard2023_text,
+    kale2025,
+    muloco2025,
+    noloco2025,
+    sparseloco2025,
+)
 
 OPENING = {True: "holds", False: "does not hold", None: "partly holds"}
 
@@ -140,8 +148,6 @@ def kale(sync: float, delayed: float, eager: float, waits=(1.0, 0.0, 0.0), mbs=(
 def test_kale2025_decides_on_the_gap_eager_closes_and_the_hidden_exchange(
     tmp_path, case, sync, delayed, eager, waits, holds
 ):
-    from experiments.reproductions import kale2025
-
     finding = kale2025.analyze(kale(sync, delayed, eager, waits), tmp_path)
     assert finding.holds is holds and finding.verdict.startswith(OPENING[holds]), finding.verdict
     assert "200.0 ms synchronous" in finding.verdict  # 1 s of waiting over 5 rounds
@@ -156,8 +162,6 @@ def test_kale2025_decides_on_the_gap_eager_closes_and_the_hidden_exchange(
 
 
 def test_kale2025_refuses_hidden_at_different_bytes(tmp_path):
-    from experiments.reproductions import kale2025
-
     finding = kale2025.analyze(kale(10.0, 12.0, 10.2, mbs=(3.5, 3.5, 3.6)), tmp_path)
     assert finding.holds is None and "not hidden" in finding.verdict and "different bytes" in finding.verdict
 
@@ -182,8 +186,6 @@ def muloco(muon_exact: float, muon_2bit: float, adamw_exact: float, adamw_2bit: 
     ids=["muon_lossless_adamw_worse", "adamw_worse_within_the_floor", "muon_not_lossless", "adamw_better"],
 )
 def test_muloco2025_decides_on_each_inner_optimizers_degradation(tmp_path, muon, adamw, holds):
-    from experiments.reproductions import muloco2025
-
     finding = muloco2025.analyze(muloco(*muon, *adamw), tmp_path)
     assert finding.holds is holds and finding.verdict.startswith(OPENING[holds]), finding.verdict
     # the degradation in test loss: log 10.1 / log 10 - 1 = +0.43%
