@@ -55,7 +55,8 @@ def degradation(compressed: Configuration, exact: Configuration) -> tuple[float,
         for r in compressed.runs
         if r["summary"]["seed"] in exact_loss
     ]
-    return mean_interval(values)
+    mean, ci = mean_interval(values)
+    return mean, ci if len(values) > 1 else 0.0
 
 
 def decide(degradations: dict[str, tuple[float, float]]) -> dict[str, bool]:
@@ -74,15 +75,15 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     steps, peers, seeds = int(first.summary["steps"]), int(first.summary["peers"]), int(first.summary["seeds"])
     intervals = {inner: degradation(runs[f"{inner}_2bit"], runs[f"{inner}_exact"]) for inner in INNERS}
     parts = decide(intervals)
-    degradations = {inner: mean for inner, (mean, _) in intervals.items()}
+    worded = {inner: f"{m:+.2%}" + (f" ± {ci:.2%}" if ci > 0 else "") for inner, (m, ci) in intervals.items()}
     holds = True if all(parts.values()) else False if not any(parts.values()) else None
     table = "\n".join(
         [
             "| | paper (paraphrased) | ours |",
             "|---|---|---|",
-            f"| inner Muon, 2-bit deltas with error feedback | near lossless | {degradations['muon']:+.2%} test loss "
+            f"| inner Muon, 2-bit deltas with error feedback | near lossless | {worded['muon']} test loss "
             "against exact deltas |",
-            f"| inner AdamW, the same | degrades more | {degradations['adamw']:+.2%} |",
+            f"| inner AdamW, the same | degrades more | {worded['adamw']} |",
             "",
             f"Ours: {peers} peers on {WORDS}, {steps} steps, H = {PERIOD}, outer Nesterov (lr 0.7, momentum 0.9) for "
             f"all, {seeds} seed(s). Inner AdamW lr 0.003, weight decay 0.1; inner Muon (optimizer=muon: Muon lr 0.02 "
@@ -96,7 +97,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             *(
                 f"| {NAMES[inner]} | {'32-bit all-reduce' if name == 'exact' else '2-bit, error feedback'} | "
                 f"{c.text('test_loss')} | {c.text('test_perplexity', 3)} | "
-                + ("-" if name == "exact" else f"{degradations[inner]:+.2%}")
+                + ("-" if name == "exact" else worded[inner])
                 + f" | {c.mean('mb_sent_per_peer'):.3f} |"
                 for inner in INNERS
                 for name in COMPRESSIONS
@@ -106,9 +107,9 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     )
     verdict = (
         {True: "holds", False: "does not hold", None: "partly holds"}[holds]
-        + f": with 2-bit error-fed outer deltas the test loss of inner Muon moves {degradations['muon']:+.2%} "
+        + f": with 2-bit error-fed outer deltas the test loss of inner Muon moves {worded['muon']} "
         + ("(near lossless: " if parts["muon_near_lossless"] else "(not near lossless: ")
-        + f"the rule allows {LOSSLESS:.0%}) and that of inner AdamW {degradations['adamw']:+.2%} ("
+        + f"the rule allows {LOSSLESS:.0%}) and that of inner AdamW {worded['adamw']} ("
         + ("more than Muon's" if parts["adamw_degrades_more"] else "not more than Muon's")
         + f" by over {FLOOR * 100:g} points or the intervals"
         + f"); exact test losses {runs['muon_exact'].mean('test_loss'):.4f} (Muon) and "
