@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import allreduce_vs_ddp, cli, comm_overhead, fleet_vs_batch, harness, regression, waiter_cost
+from experiments.bench import (
+    allreduce_vs_ddp,
+    cli,
+    comm_overhead,
+    fleet_vs_batch,
+    harness,
+    regression,
+    step_work,
+    waiter_cost,
+)
 
 BENCH_DIR = Path(harness.__file__).parent
 NOT_BENCHMARKS = {"cli", "__init__", "__main__", "harness", "ranks", "steps", "regression"}
@@ -190,3 +199,21 @@ def test_make_bench_runs_each_benchmark_of_its_set_through_the_harness(monkeypat
     assert cli.main(["--all", "--quick"]) == 1  # a broken benchmark: exit 1, the others still ran
     assert ran == [b.name for b in harness.BENCHES if b.in_make_bench]
     assert capsys.readouterr().out.strip().endswith("broken: overlap")
+
+
+def test_step_work_times_the_step_module_against_torchs_idioms(tmp_path):
+    """`step_work` at its smallest: each step option's ratio measured, and the two sides equal step for step (a
+    schedule, clipping, precision or accumulation that differs from torch's idiom would fail the benchmark)."""
+    out = tmp_path / "step_work.json"
+    assert step_work.main(["--rounds", "1", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["rows"]] == list(step_work.OPTIONS)
+    assert all(r["max_param_difference"] == 0 and r["ours_ms"] > 0 for r in result["rows"])
+    assert len(result["targets"]) == len(step_work.OPTIONS)
+
+
+def test_step_work_notices_a_step_that_differs(monkeypatch):
+    """A step module that forgot to clip, against torch's idiom that clips: the check sees the difference."""
+    original = step_work.ours
+    monkeypatch.setattr(step_work, "ours", lambda variant, total, comm: original("fp32", total, comm))
+    assert step_work.same_steps("clip_grad_norm") > 0
