@@ -66,7 +66,7 @@ def optimizer(net: torch.nn.Module, comm):
 def ours(variant: str, total: int, comm):
     """The step module's step (a callable taking one step) and its model."""
     from dpsgd.schedule import Schedule
-    from dpsgd.stepping import Stepper, StepOptions, TrainStep
+    from dpsgd.stepping import StepOptions, Stepper, TrainStep
 
     keywords, kind = OPTIONS[variant]
     net = model(0)
