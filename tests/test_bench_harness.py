@@ -15,7 +15,17 @@ import pytest
 from experiments.bench import allreduce_vs_ddp, cli, comm_overhead, fleet_vs_batch, harness, regression, waiter_cost
 
 BENCH_DIR = Path(harness.__file__).parent
-NOT_BENCHMARKS = {"cli", "__init__", "__main__", "harness", "ranks", "steps", "regression"}
+NOT_BENCHMARKS = {
+    "cli",
+    "__init__",
+    "__main__",
+    "harness",
+    "ranks",
+    "steps",
+    "regression",
+    "gpu_features",
+    "gpu_trainers",
+}
 
 
 def test_the_registry_names_every_benchmark_module_and_only_those():
