@@ -24,7 +24,17 @@ from experiments.bench import (
 )
 
 BENCH_DIR = Path(harness.__file__).parent
-NOT_BENCHMARKS = {"cli", "__init__", "__main__", "harness", "ranks", "steps", "regression"}
+NOT_BENCHMARKS = {
+    "cli",
+    "__init__",
+    "__main__",
+    "harness",
+    "ranks",
+    "steps",
+    "regression",
+    "gpu_features",
+    "gpu_trainers",
+}
 
 
 def test_the_registry_names_every_benchmark_module_and_only_those():
