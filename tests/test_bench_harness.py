@@ -150,6 +150,8 @@ def target_names() -> set[tuple[str, str]]:
     targets, _ = allreduce_vs_ddp.summarize({"step_s": s, "in_opt_step_s": s})
     names |= {("allreduce_vs_ddp", t.name) for t in targets if "overlap" in t.name}  # with overlap against DDP
     names.add(("waiter_cost", "computing rank, partner in the toolkit's wait / asleep"))
+    names.add(("waiter_cost", "computing rank, partner in the toolkit's collective wait / asleep"))
+    names |= {("step_work", f"step module, {variant} / by hand") for variant in step_work.OPTIONS}
     for model, ladder in fleet_vs_batch.QUICK.items():
         for n in ladder:
             row = {"model": model, "peers": n, "batch": fleet_vs_batch.BATCH[model], "device": "cpu", "ratio": 1.0,

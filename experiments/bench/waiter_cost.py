@@ -95,7 +95,8 @@ def worker(args) -> None:
 def miss_cause(busy: dict[str, float], mode: str = "toolkit") -> str:
     """What the waiting partner took from the cores, measured: its CPU time over its wait's wall time."""
     return (
-        f"the partner used {100 * busy[mode]:.1f}% of a core while waiting in the toolkit's {mode} wait "
+        f"the partner used {100 * busy[mode]:.1f}% of a core while waiting in the toolkit's "
+        f"{'collective' if mode == 'exchange' else 'request'} wait "
         f"(asleep {100 * busy['asleep']:.1f}%, in MPICH's blocking wait {100 * busy['mpi_blocking']:.1f}%)"
     )
 
