@@ -141,7 +141,7 @@ class Stepper:
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every entry of `tensors` is finite: one fused pass per device and dtype, read back once (the kernel
     GradScaler.unscale_ checks with, at a scale of 1: a check per tensor cost 5 ms of a CPU MLP step, this 0.2)."""
-    found = {}
+    found: dict[torch.device, torch.Tensor] = {}
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
