@@ -85,6 +85,11 @@ class ADPSGD(DistributedOptimizer):
         self._errors: list[BaseException] = []
         self._finished = False
 
+    @property
+    def exchanges(self) -> Averaging:
+        """Its exchanges, as the event simulator asks for them (AsynchronousOptimizer)."""
+        return self.averaging
+
     # --- set-up -----------------------------------------------------------------------------
     def set_budget(
         self,
