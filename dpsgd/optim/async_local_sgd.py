@@ -265,6 +265,9 @@ class AsyncLocalSGD(DistributedOptimizer):
         self.period, self.dylu, self.quorum = period, bool(dylu), quorum
         self.budget = budget
         self.clock = getattr(comm, "clock", time.monotonic)
+        net = getattr(comm, "network", None)  # a modelled network: compute (hence speed) is on its emulated clock
+        modelled = net is not None and net.active and net.clock.mode == "model"
+        self.compute_clock = net.clock.now if modelled else self.clock
         self._abort = threading.Event()
         self.run_budget = Budget(self, seconds)
         self.samples_per_step = 1
@@ -339,7 +342,7 @@ class AsyncLocalSGD(DistributedOptimizer):
         """Start the clock and, on real peers, rank 0's communication thread (and the samples coordinator)."""
         if self.started_at is not None:
             return
-        self.started_at = self.round_started = self.clock()
+        self.started_at, self.round_started = self.clock(), self.compute_clock()
         self.threaded = threads
         if not threads:
             return
@@ -380,7 +383,7 @@ class AsyncLocalSGD(DistributedOptimizer):
         if self.down:
             raise RuntimeError(f"rank {self.comm.rank}: {type(self).__name__} stepped while failed; restart() first")
         self.base.step()
-        now = self.clock()
+        now = self.compute_clock()
         began = self._step_began if self._step_began is not None else self.round_started
         self.compute_s += now - (now if began is None else began)
         self._step_began = now
@@ -391,7 +394,7 @@ class AsyncLocalSGD(DistributedOptimizer):
         with self.lock:
             self.live.copy_(flatten(self.params()))
         self.run_budget.report(self.samples, final=False)
-        spent = self.run_budget.spent(self.step_count, self.samples, now - (self.started_at or now))
+        spent = self.run_budget.spent(self.step_count, self.samples, self.clock() - (self.started_at or 0.0))
         if self.steps_in_round >= self.my_period or spent:
             self._due = True
             if self.threaded:
@@ -470,7 +473,7 @@ class AsyncLocalSGD(DistributedOptimizer):
         self.pulled_version = version
         self.steps_in_round = self.samples_in_round = 0
         self.compute_s = 0.0
-        self.round_started = self.clock()
+        self.round_started = self.compute_clock()
         self._step_began = None
 
     def tick(self) -> float | None:
@@ -568,7 +571,8 @@ class AsyncLocalSGD(DistributedOptimizer):
 
     _finished_own: float | None = None  # when rank 0's worker finished (silent workers may then be departed)
 
-    def _wait(self, test, what: str) -> None:
+    def _wait(self, test, what: str, then: str = "; the merger died or hangs (raise comm.timeout_s if it is slow)") -> None:
+        """Wait for `test()` within the communicator's deadline (also the samples budget's, adpsgd.budget)."""
         t0 = time.monotonic()
         try:
             done = poll_until(test, t0 + self.comm.timeout_s, abort=self._abort.is_set)
@@ -576,10 +580,7 @@ class AsyncLocalSGD(DistributedOptimizer):
             done = False
         if not done:
             self._raise_thread_error()
-            raise PeerTimeoutError(
-                f"rank {self.comm.rank}: async Local-SGD's {what} within {self.comm.timeout_s:g} s; the merger died or "
-                "hangs (raise comm.timeout_s if it is slow)"
-            )
+            raise PeerTimeoutError(f"rank {self.comm.rank}: async Local-SGD's {what} within {self.comm.timeout_s:g} s{then}")
 
     def finish(self) -> None:
         """End this peer's part: its last round was pushed by its last step; a worker says DONE and waits for the
@@ -600,6 +601,9 @@ class AsyncLocalSGD(DistributedOptimizer):
             raise
         self._finished = True
         self._merge_link_stats()
+        for link in (self.link, self.run_budget.control):
+            if link is not None:
+                link.close()
 
     def closing(self) -> torch.Tensor | None:
         """A finished worker's DONE to the merger (the event simulator delivers it)."""

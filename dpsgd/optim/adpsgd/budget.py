@@ -51,7 +51,8 @@ class Budget:
 
     def require(self) -> None:
         if self.amounts[self.kind] is None:
-            raise ValueError(f"ADPSGD(budget={self.kind!r}) needs set_budget({self.kind}=...) before training")
+            name = type(self.opt).__name__
+            raise ValueError(f"{name}(budget={self.kind!r}) needs set_budget({self.kind}=...) before training")
 
     def spent(self, steps: int, samples: int, seconds: float) -> bool:
         """True once this peer's share is spent (never blocks)."""
