@@ -276,3 +276,27 @@ def test_the_app_runs_it_on_mpi_processes(tmp_path):
     assert s["consensus_distance"] < 1e-9  # every peer ends on the merger's final model (up to the metric's rounding)
     assert a["arrivals"] == sum(a["pushes_per_peer"]) and a["useful_steps"] == sum(a["steps_per_peer"])
     assert a["goodput_steps_per_s"] > 0
+
+
+def test_with_one_peer_4x_slower_it_reaches_synchronous_dilocos_metric_in_less_emulated_time(tmp_path):
+    """Done-when of issue 39, at a small size: 8 peers on digits, peer 1 4x slower, the same samples. Synchronous
+    DiLoCo's emulated time is the emulator's cost model for its rounds (experiments.cost_model.clock_after, checked
+    against the emulator's clock in test_map): every round waits for the straggler's H steps."""
+    from experiments.cost_model import Algorithm, Network, clock_after
+    from experiments.targets import LIU2024_TOLERANCE
+
+    def run(name, out, **options):
+        cfg = experiment(algorithm(name, period=8, **options), topology="complete", peers=8, backend="fleet")
+        cfg.update(epochs=10, batch_size=32, log_every=1000)
+        cfg["network"].update(slow_peers=[1], compute_scale=4.0, compute_time=0.01)
+        out.mkdir()
+        return train_fleet(parse(cfg), out)
+
+    sync = run("diloco", tmp_path / "sync")
+    periodic, straggler = Algorithm("DiLoCo", (), "periodic", period=8), Network(0, None, slowdown=4.0)
+    sync_s = clock_after(periodic, sync["steps"], 8, 0, 0.01, straggler)
+    assert sync_s == pytest.approx(sync["steps"] * 4 * 0.01)  # free links: each round is the straggler's 8 steps
+    fast = run("async_local_sgd", tmp_path / "async")
+    assert fast["samples"] >= sync["samples"]
+    assert fast["test_accuracy"] >= sync["test_accuracy"] - LIU2024_TOLERANCE
+    assert fast["emulated_time_s"] < 0.5 * sync_s
