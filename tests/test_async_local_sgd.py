@@ -288,7 +288,8 @@ def test_with_one_peer_4x_slower_it_reaches_synchronous_dilocos_metric_in_less_e
     def run(name, out, **options):
         cfg = experiment(algorithm(name, period=8, **options), topology="complete", peers=8, backend="fleet")
         cfg.update(epochs=10, batch_size=32, log_every=1000)
-        cfg["network"].update(slow_peers=[1], compute_scale=4.0, compute_time=0.01)
+        if name != "diloco":  # the fleet's synchronous steps have no clock (the app refuses a network for them)
+            cfg["network"].update(slow_peers=[1], compute_scale=4.0, compute_time=0.01)
         out.mkdir()
         return train_fleet(parse(cfg), out)
 
