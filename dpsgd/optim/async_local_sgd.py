@@ -249,7 +249,9 @@ class AsyncLocalSGD(DistributedOptimizer):
         if not outer_lr > 0 or not 0 <= outer_momentum < 1:
             raise ValueError(f"{name} needs outer_lr > 0 and 0 <= outer_momentum < 1, got {outer_lr}, {outer_momentum}")
         if isinstance(quorum, bool) or not isinstance(quorum, int) or not 1 <= quorum <= n:
-            raise ValueError(f"{name} quorum must be an integer in [1, {n}] (workers whose gradients merge), got {quorum!r}")
+            raise ValueError(
+                f"{name} quorum must be an integer in [1, {n}] (workers whose gradients merge), got {quorum!r}"
+            )
         if not grace_s >= 0:
             raise ValueError(f"{name} grace_s must be >= 0 seconds, got {grace_s}")
         if dn_every is None:
@@ -257,7 +259,9 @@ class AsyncLocalSGD(DistributedOptimizer):
         if isinstance(dn_every, bool) or not isinstance(dn_every, int) or dn_every < 1:
             raise ValueError(f"{name} dn_every must be an integer >= 1 or null (n // quorum), got {dn_every!r}")
         for key, values in (("periods", periods), ("speeds", speeds)):
-            if values is not None and (len(values) != n or not all(isinstance(v, int | float) and v > 0 for v in values)):
+            if values is not None and (
+                len(values) != n or not all(isinstance(v, int | float) and v > 0 for v in values)
+            ):
                 raise ValueError(f"{name} {key} must list one number > 0 per peer ({n}), got {values!r}")
         if periods is not None and not all(float(p).is_integer() for p in periods):
             raise ValueError(f"{name} periods must be whole numbers of local steps, got {periods!r}")
@@ -266,8 +270,9 @@ class AsyncLocalSGD(DistributedOptimizer):
         self.budget = budget
         self.clock = getattr(comm, "clock", time.monotonic)
         net = getattr(comm, "network", None)  # a modelled network: compute (hence speed) is on its emulated clock
-        modelled = net is not None and net.active and net.clock.mode == "model"
-        self.compute_clock = net.clock.now if modelled else self.clock
+        self.compute_clock = self.clock
+        if net is not None and net.active and net.clock.mode == "model":
+            self.compute_clock = net.clock.now
         self._abort = threading.Event()
         self.run_budget = Budget(self, seconds)
         self.samples_per_step = 1
@@ -571,7 +576,9 @@ class AsyncLocalSGD(DistributedOptimizer):
 
     _finished_own: float | None = None  # when rank 0's worker finished (silent workers may then be departed)
 
-    def _wait(self, test, what: str, then: str = "; the merger died or hangs (raise comm.timeout_s if it is slow)") -> None:
+    def _wait(
+        self, test, what: str, then: str = "; the merger died or hangs (raise comm.timeout_s if it is slow)"
+    ) -> None:
         """Wait for `test()` within the communicator's deadline (also the samples budget's, adpsgd.budget)."""
         t0 = time.monotonic()
         try:
@@ -580,7 +587,9 @@ class AsyncLocalSGD(DistributedOptimizer):
             done = False
         if not done:
             self._raise_thread_error()
-            raise PeerTimeoutError(f"rank {self.comm.rank}: async Local-SGD's {what} within {self.comm.timeout_s:g} s{then}")
+            raise PeerTimeoutError(
+                f"rank {self.comm.rank}: async Local-SGD's {what} within {self.comm.timeout_s:g} s{then}"
+            )
 
     def finish(self) -> None:
         """End this peer's part: its last round was pushed by its last step; a worker says DONE and waits for the
@@ -655,9 +664,7 @@ class AsyncLocalSGD(DistributedOptimizer):
         self._adopt(merger.x, merger.version)
         final[0], final[1] = float(merger.version), 0.0
         final[REPLY_HEADER:].copy_(merger.x)
-        sends = [
-            (r, link.start_send(final, r, TAG_REPLY)) for r in range(1, self.comm.size) if r not in self.departed
-        ]
+        sends = [(r, link.start_send(final, r, TAG_REPLY)) for r in range(1, self.comm.size) if r not in self.departed]
         for r, send in sends:
             link.wait_request("async Local-SGD's final model", send, [r])
 

@@ -12,6 +12,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -179,10 +180,10 @@ class Simulation:
                 opt.finish()
             self.now = self.end_time
             if getattr(self.opts[0], "final_broadcast", False):  # every peer takes rank 0's final model
-                root = self.opts[0]
+                root: Any = self.opts[0]
                 root.conclude()
                 for opt in self.opts[1:]:
-                    opt.adopt_final(root.live)
+                    cast(Any, opt).adopt_final(root.live)
         return self._stepped
 
     def done(self) -> bool:
@@ -304,14 +305,14 @@ class Simulation:
             return
         self._epoch[i] += 1  # its scheduled step and any answer on the way are lost
         self._waiting[i] = None
-        self.opts[i].fail()
+        cast(Any, self.opts[i]).fail()
         self.log.append(("fail", self.now, i))
 
     def _on_restart(self, i: int) -> None:
         if self._stopping[i]:
             return
         opt = self.opts[i]
-        opt.restart()  # its first message pulls the current model
+        cast(Any, opt).restart()  # its first message pulls the current model
         self.log.append(("restart", self.now, i))
         self._request(i)
         if opt.should_stop():

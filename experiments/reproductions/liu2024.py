@@ -30,7 +30,11 @@ WORKLOAD = [
 ]
 # the event simulator's compute model; the fleet's synchronous steps have no clock (the app refuses a network for
 # them): synchronous DiLoCo's time comes from the cost model on the same compute (sync_time)
-STRAGGLING = [f"network.slow_peers=[{STRAGGLER}]", f"network.compute_scale={SCALE}", f"network.compute_time={COMPUTE_S}"]
+STRAGGLING = [
+    f"network.slow_peers=[{STRAGGLER}]",
+    f"network.compute_scale={SCALE}",
+    f"network.compute_time={COMPUTE_S}",
+]
 # two peers fail: [peer, at (virtual s), down for (s)], each restarting from the global model
 FAILURES = [[2, 0.1, 0.15], [6, 0.2, 0.1]]
 QUORUM, GRACE_S = 5, 0.02
@@ -138,7 +142,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             "| | paper (paraphrased) |",
             "|---|---|",
             "| naive asynchronous Local-SGD | worse than synchronous per update (momentum on stale outer gradients) |",
-            "| delayed Nesterov + dynamic local updates | matches synchronous Local-SGD per update, far faster in time |",
+            "| delayed Nesterov + dynamic local updates | matches synchronous Local-SGD per update, faster in time |",
             "| quorum merge under failures (Decoupled DiLoCo) | no global downtime, high goodput |",
             "",
             f"Ours: {PEERS} peers on digits (MLP), the event simulator, peer {STRAGGLER} {SCALE:g}x slower "
@@ -172,7 +176,9 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     closes = dn_dylu.mean("test_accuracy") >= target
     faster = dn_dylu.mean("emulated_time_s") < sync_s
     naive_worse = naive.mean("test_accuracy") < dn_dylu.mean("test_accuracy") - LIU2024_TOLERANCE
-    quorum_ok = quorum.mean("test_accuracy") >= target and block(quorum, "goodput_steps_per_s") > steps * PEERS / failed_s
+    quorum_ok = (
+        quorum.mean("test_accuracy") >= target and block(quorum, "goodput_steps_per_s") > steps * PEERS / failed_s
+    )
     parts = [closes and faster, naive_worse, quorum_ok]
     holds = True if all(parts) else False if not any(parts) else None
     verdict = (
