@@ -100,19 +100,19 @@ def test_dn_moves_as_one_nesterov_step_on_the_mean_of_n_arrivals():
 
 
 def test_dylu_periods_are_h_times_relative_speed_floored():
-    speeds = [100.0, 100.0, 25.0, 37.5, 0.1]
+    speeds = [100.0, 100.0, 25.0, 37.5, 0.1, 60.0]
     want = [max(1, math.floor(8 * v / max(speeds))) for v in speeds]
-    assert want == [8, 8, 2, 3, 1]
+    assert want == [8, 8, 2, 3, 1, 4]  # 60 / 100 x 8 = 4.8: floored
     assert [dylu_period(8, v, max(speeds)) for v in speeds] == want
-    m = merger(np.zeros(2), n=5, speeds=speeds)
-    assert [m.period_of(r) for r in range(5)] == want
-    measured = merger(np.zeros(2), n=5)
+    m = merger(np.zeros(2), n=6, speeds=speeds)
+    assert [m.period_of(r) for r in range(6)] == want
+    measured = merger(np.zeros(2), n=6)
     assert measured.period_of(3) == 8  # nothing measured yet: H
     for r, v in enumerate(speeds):
         measured.report_speed(r, v)
-    assert [measured.period_of(r) for r in range(5)] == want
-    assert [merger(np.zeros(2), n=5, periods=[8, 4, 2, 2, 1]).period_of(r) for r in range(5)] == [8, 4, 2, 2, 1]
-    assert [merger(np.zeros(2), n=5, speeds=speeds, dylu=False).period_of(r) for r in range(5)] == [8] * 5
+    assert [measured.period_of(r) for r in range(6)] == want
+    assert [merger(np.zeros(2), n=6, periods=[8, 4, 2, 2, 1, 3]).period_of(r) for r in range(6)] == [8, 4, 2, 2, 1, 3]
+    assert [merger(np.zeros(2), n=6, speeds=speeds, dylu=False).period_of(r) for r in range(6)] == [8] * 6
 
 
 def test_quorum_merge_weights_by_samples_and_waits_at_most_the_grace_window():

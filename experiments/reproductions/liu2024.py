@@ -37,7 +37,7 @@ STRAGGLING = [
 ]
 # two peers fail: [peer, at (virtual s), down for (s)], each restarting from the global model
 FAILURES = [[2, 0.1, 0.15], [6, 0.2, 0.1]]
-QUORUM, GRACE_S = 5, 0.02
+QUORUM, GRACE_S = 4, 0.05  # half the workers, waiting up to 5 fast steps for more
 SWEEPS = {
     "sync": [*WORKLOAD, "algorithm=diloco", f"++algorithm.period={PERIOD}"],
     "async": [
@@ -114,11 +114,11 @@ def block(c: Configuration, key: str) -> float:
 def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
     (sync,) = configs["sync"]
     asyncs = configs["async"]
-    dn_dylu = find(asyncs, algorithm__delayed_nesterov=True, algorithm__dylu=True)
-    dn = find(asyncs, algorithm__delayed_nesterov=True, algorithm__dylu=False)
-    dylu = find(asyncs, algorithm__delayed_nesterov=False, algorithm__dylu=True)
-    naive = find(asyncs, algorithm__delayed_nesterov=False, algorithm__dylu=False)
-    (quorum,) = configs["failures"]
+    dn_dylu = find(asyncs, algorithm__delayed_nesterov="True", algorithm__dylu="True")
+    dn = find(asyncs, algorithm__delayed_nesterov="True", algorithm__dylu="False")
+    dylu = find(asyncs, algorithm__delayed_nesterov="False", algorithm__dylu="True")
+    naive = find(asyncs, algorithm__delayed_nesterov="False", algorithm__dylu="False")
+    (quorum,) = configs["failures"]  # the swept values read back as text: "True", "False"
     seeds = int(sync.summary["seeds"])
     steps = round(sync.mean("steps"))
     sync_s = sync_time(steps)
