@@ -301,3 +301,15 @@ def test_with_one_peer_4x_slower_it_reaches_synchronous_dilocos_metric_in_less_e
     assert fast["samples"] >= sync["samples"]
     assert fast["test_accuracy"] >= sync["test_accuracy"] - LIU2024_TOLERANCE
     assert fast["emulated_time_s"] < 0.5 * sync_s
+
+
+def test_one_peer_is_diloco_with_one_worker():
+    """Alone, the peer pushes to its own merger every H steps: x after each round is one Nesterov outer step on
+    Delta = x_pulled - x_local (delayed Nesterov with N = 1), on the simulator as on the local backend."""
+    cfg = config(peers=1)
+    sim = Simulation(parse(cfg), compute=ComputeTimes(1, 0.01)).run()
+    s = sim.opts[0].summary([sim.opts[0].measurements()])
+    assert s["arrivals"] == s["merges"] == -(-s["steps_per_peer"][0] // 8) and s["merges"] > 1
+    assert sim.opts[0].merger.every == 1 and torch.isfinite(sim.live).all()
+    start = torch.cat([p.detach().reshape(-1) for p in sim.model.parameters()])
+    assert not torch.equal(sim.live[0], start)  # the final global model moved

@@ -300,7 +300,7 @@ class AsyncLocalSGD(DistributedOptimizer):
             else None
         )
         self.my_period = int(periods[comm.rank]) if periods is not None else period
-        self.role = "active" if n > 1 else "alone"
+        self.role = "active"  # every peer pushes (rank 0 to its own merger, alone too)
         self.partners = frozenset({0}) if comm.rank != 0 else frozenset()
         self.link = comm.duplicate() if n > 1 else None  # collective: every peer makes it
         if n > 1 and hasattr(comm, "require_thread_multiple"):
@@ -423,7 +423,7 @@ class AsyncLocalSGD(DistributedOptimizer):
     def request(self) -> tuple[int, torch.Tensor] | None:
         """After a step: the push of a finished round (or a failed worker's pull on restart), to the merger (rank 0),
         with x_i locked until `complete`; None when no message is due."""
-        if not self._due or self.comm.size == 1 and self.merger is None:
+        if not self._due:
             return None
         self._due = False
         self.lock.acquire()
@@ -511,7 +511,7 @@ class AsyncLocalSGD(DistributedOptimizer):
 
     # --- real peers: the worker's blocking push and rank 0's thread ---------------------------------
     def _push_and_pull(self) -> None:
-        rank = self.comm.rank
+        """Real peers: push this round's outer gradient and load the answer (rank 0: to its own merger)."""
         began = self.clock()
         if self.merger is not None:  # rank 0 is its own merger
             reply = self.serve(self._message(PUSH))
@@ -529,7 +529,6 @@ class AsyncLocalSGD(DistributedOptimizer):
         self._wait(lambda: send.test() and recv.test(), "push to the merger (rank 0) was not answered")
         self.complete(0, reply)
         self.wait_s += self.clock() - began
-        del rank
 
     def _serve_loop(self) -> None:
         """Rank 0's communication thread: answer pushes, merge quorums whose grace ran out, until every other
