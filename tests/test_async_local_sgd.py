@@ -313,3 +313,37 @@ def test_one_peer_is_diloco_with_one_worker():
     assert sim.opts[0].merger.every == 1 and torch.isfinite(sim.live).all()
     start = torch.cat([p.detach().reshape(-1) for p in sim.model.parameters()])
     assert not torch.equal(sim.live[0], start)  # the final global model moved
+
+
+def test_state_dict_holds_the_round_and_the_merger():
+    """A worker's round and rank 0's merger (global model, momentum, DN buffer, quorum buffer, speeds, counters) come
+    back from state_dict(); loading rank 0's state on another rank is refused in one line."""
+
+    def opt(rank):
+        w = torch.nn.Parameter(torch.arange(4.0))
+        comm = SimulatedCommunicator(rank, 4, lambda: 0.0, {})
+        o = AsyncLocalSGD(torch.optim.SGD([w], lr=0.1), comm=comm, quorum=2, grace_s=1.0, broadcast_initial=False)
+        o.set_budget(samples=1000, samples_per_step=4)
+        o.start(threads=False)
+        return o, w
+
+    a, w = opt(0)
+    for _ in range(3):
+        w.grad = torch.ones(4)
+        a.step()
+    a.merger.push(2, torch.full((4,), 0.5), samples=8, steps=2, now=0.0, pulled=0)
+    a.merger.push(3, torch.full((4,), 0.25), samples=4, steps=1, now=0.1, pulled=0)  # a quorum, waiting for grace
+    a.merger.report_speed(3, 12.5)
+    saved = a.state_dict()
+    b, _ = opt(0)
+    b.load_state_dict(saved)
+    assert (b.step_count, b.steps_in_round, b.samples) == (3, 3, 12)
+    torch.testing.assert_close(b.live, a.live)
+    torch.testing.assert_close(b.anchor, a.anchor)
+    assert b.merger.speeds == {3: 12.5} and len(b.merger.buffer) == 2 and b.merger.arrivals == 2
+    b.merger.tick(0.0)  # the restored quorum is due at once
+    a.merger.tick(5.0)
+    torch.testing.assert_close(b.merger.x, a.merger.x)
+    c, _ = opt(1)
+    with pytest.raises(ValueError, match="was saved on rank 0 and cannot load on rank 1"):
+        c.load_state_dict(saved)
