@@ -21,6 +21,7 @@ from dpsgd.comm.pending import poll_until
 
 from .adpsgd.budget import Budget
 from .base import DistributedOptimizer
+from .threaded import ThreadedPeer
 
 TAG_PUSH, TAG_REPLY = 21, 22
 PUSH, PULL, DONE = 0.0, 1.0, 2.0
@@ -176,7 +177,7 @@ class Merger:
         self.staleness = [int(s) for s in state["staleness"]]
 
 
-class AsyncLocalSGD(DistributedOptimizer):
+class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
     """Asynchronous Local-SGD (Liu et al. 2024) with delayed Nesterov (DN) and dynamic local updates (DyLU), and
     the quorum merge of Decoupled DiLoCo (2026). No global step: each worker i pulls the global model x, takes
     H_i steps of the base optimizer from it to x_i and pushes its outer gradient Delta_i = x_pulled - x_i; the
@@ -338,11 +339,6 @@ class AsyncLocalSGD(DistributedOptimizer):
         """Outer updates the merger applied since this worker pulled (known at its next pull; 0 here)."""
         return 0
 
-    def set_budget(self, steps=None, samples=None, seconds=None, samples_per_step=None) -> None:
-        self.run_budget.set(steps=steps, samples=samples, seconds=seconds)
-        if samples_per_step is not None:
-            self.samples_per_step = int(samples_per_step)
-
     def start(self, threads: bool = True) -> None:
         """Start the clock and, on real peers, rank 0's communication thread (and the samples coordinator)."""
         if self.started_at is not None:
@@ -356,18 +352,6 @@ class AsyncLocalSGD(DistributedOptimizer):
             self._spawn(self.run_budget.coordinate, "coordinator")
         if self.merger is not None and self.comm.size > 1:
             self._spawn(self._serve_loop, "merger")
-
-    def _spawn(self, target, what: str) -> None:
-        def run():
-            try:
-                target()
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                self._errors.append(exc)
-                self._abort.set()
-
-        t = threading.Thread(target=run, name=f"async-local-sgd-{what}-{self.comm.rank}", daemon=True)
-        self._threads.append(t)
-        t.start()
 
     def param_group_added(self, params: list[torch.Tensor]) -> None:
         raise ValueError(
@@ -512,7 +496,6 @@ class AsyncLocalSGD(DistributedOptimizer):
     # --- real peers: the worker's blocking push and rank 0's thread ---------------------------------
     def _push_and_pull(self) -> None:
         """Real peers: push this round's outer gradient and load the answer (rank 0: to its own merger)."""
-        began = self.clock()
         if self.merger is not None:  # rank 0 is its own merger
             reply = self.serve(self._message(PUSH))
             assert reply is not None
@@ -526,9 +509,9 @@ class AsyncLocalSGD(DistributedOptimizer):
         reply = torch.empty(REPLY_HEADER + self.live.numel(), dtype=self.live.dtype)
         recv = link.start_recv(reply, 0, TAG_REPLY)
         send = link.start_send(message, 0, TAG_PUSH)
-        self._wait(lambda: send.test() and recv.test(), "push to the merger (rank 0) was not answered")
+        then = "; the merger died or hangs (raise comm.timeout_s if it is slow)"
+        self._wait(lambda: send.test() and recv.test(), "push to the merger (rank 0) was not answered", then)
         self.complete(0, reply)
-        self.wait_s += self.clock() - began
 
     def _serve_loop(self) -> None:
         """Rank 0's communication thread: answer pushes, merge quorums whose grace ran out, until every other
@@ -574,21 +557,6 @@ class AsyncLocalSGD(DistributedOptimizer):
             merger.finish()
 
     _finished_own: float | None = None  # when rank 0's worker finished (silent workers may then be departed)
-
-    def _wait(
-        self, test, what: str, then: str = "; the merger died or hangs (raise comm.timeout_s if it is slow)"
-    ) -> None:
-        """Wait for `test()` within the communicator's deadline (also the samples budget's, adpsgd.budget)."""
-        t0 = time.monotonic()
-        try:
-            done = poll_until(test, t0 + self.comm.timeout_s, abort=self._abort.is_set)
-        except PeerTimeoutError:
-            done = False
-        if not done:
-            self._raise_thread_error()
-            raise PeerTimeoutError(
-                f"rank {self.comm.rank}: async Local-SGD's {what} within {self.comm.timeout_s:g} s{then}"
-            )
 
     def finish(self) -> None:
         """End this peer's part: its last round was pushed by its last step; a worker says DONE and waits for the
@@ -672,15 +640,6 @@ class AsyncLocalSGD(DistributedOptimizer):
 
     def abort(self) -> None:
         self._abort.set()
-
-    def _raise_thread_error(self) -> None:
-        if self._errors:
-            exc = self._errors[0]
-            if isinstance(exc, CommError):
-                raise exc
-            raise CommError(
-                f"rank {self.comm.rank}: async Local-SGD's communication thread failed: {type(exc).__name__}: {exc}"
-            ) from exc
 
     def _merge_link_stats(self) -> None:
         if self.link is None:

@@ -218,13 +218,18 @@ class Simulation:
         self.losses[i].append(float(loss))
         if opt.role == "active":
             self._request(i)
+        self._go_on(i)
+        self._stepped = i
+
+    def _go_on(self, i: int) -> None:
+        """After a step (or a restart): peer i finishes once its budget is spent, else computes its next step."""
+        opt = self.opts[i]
         if opt.should_stop():
             self._stopping[i] = True
             if not opt.exchanges.lock.locked():
                 self._finish(i)
         else:
             self._at(self.now + self.compute.draw(i), "computed", i, self._epoch[i])
-        self._stepped = i
 
     # --- the communication threads --------------------------------------------------------------
     def _message_time(self, i: int, j: int, nbytes: int) -> float:
@@ -311,16 +316,10 @@ class Simulation:
     def _on_restart(self, i: int) -> None:
         if self._stopping[i]:
             return
-        opt = self.opts[i]
-        cast(Any, opt).restart()  # its first message pulls the current model
+        cast(Any, self.opts[i]).restart()  # its first message pulls the current model
         self.log.append(("restart", self.now, i))
         self._request(i)
-        if opt.should_stop():
-            self._stopping[i] = True
-            if not opt.exchanges.lock.locked():
-                self._finish(i)
-        else:
-            self._at(self.now + self.compute.draw(i), "computed", i, self._epoch[i])
+        self._go_on(i)
 
 
 def compute_times(backend: Choice, network: NetworkConfig, seed: int, n: int) -> ComputeTimes:
