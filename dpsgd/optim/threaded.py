@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from dpsgd.comm import CommError, PeerTimeoutError
 from dpsgd.comm.pending import poll_until
 
 
 class ThreadedPeer:
-    label: Any
+    label: ClassVar[Any]
     comm: Any
     clock: Any
     run_budget: Any
