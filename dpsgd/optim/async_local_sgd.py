@@ -567,6 +567,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self.finished_at = self.clock()
         try:
             self.run_budget.report(self.samples, final=True)
+            if self.threaded and self.steps_in_round > 0:  # the budget ran out between its pushes (the shared
+                self._push_and_pull()  # samples budget's answer comes a step late): its last steps are not lost
             if self.threaded and self.comm.size > 1:
                 self._final_exchange()
             elif self.merger is not None and not self.threaded:
