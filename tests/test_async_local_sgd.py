@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -358,3 +359,40 @@ def test_state_dict_holds_the_round_and_the_merger():
     c, _ = opt(1)
     with pytest.raises(ValueError, match="was saved on rank 0 and cannot load on rank 1"):
         c.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("quorum", [1, 3])
+def test_local_backend_under_random_delays(quorum):
+    """Real threads sleeping a random 0-4 ms before each step (seeded per peer): every push arrives once, every step
+    is merged (quorum 1, no grace: each on arrival), and every peer ends on the same finite final model."""
+    import random
+
+    def peer(comm):
+        rng = random.Random(comm.rank)
+        torch.manual_seed(comm.rank)
+        w = torch.nn.Parameter(torch.randn(8))
+        opt = AsyncLocalSGD(
+            torch.optim.SGD([w], lr=0.05),
+            comm=comm,
+            period=3,
+            quorum=quorum,
+            grace_s=0.003 * (quorum > 1),
+            budget="samples",
+        )
+        opt.set_budget(samples=120, samples_per_step=1)
+        opt.start()
+        while not opt.should_stop():
+            time.sleep(rng.uniform(0, 0.004))
+            opt.zero_grad()
+            (w - comm.rank).pow(2).sum().backward()
+            opt.step()
+        opt.finish()
+        return w.detach().clone(), opt.measurements()
+
+    results = run_local(4, peer, timeout_s=20)
+    s = AsyncLocalSGD.summary(None, [m for _, m in results])  # type: ignore[arg-type]
+    assert s["arrivals"] == sum(s["pushes_per_peer"]) and s["useful_steps"] == sum(s["steps_per_peer"]) >= 120
+    assert s["merges"] <= s["arrivals"] and (quorum == 1) == (s["merges"] == s["arrivals"])
+    for w, _ in results:
+        assert torch.isfinite(w).all()
+        torch.testing.assert_close(w, results[0][0], rtol=0, atol=0)
