@@ -278,6 +278,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self.run_budget = Budget(self, seconds)
         self.samples_per_step = 1
         self.lock = threading.Lock()  # held from a push until its reply is loaded (the event simulator)
+        self._merger_lock = threading.Lock()  # rank 0: its own pushes and its thread's serve the merger in turn
         with torch.no_grad():
             self.live = flatten(self.params()).clone()  # x_i after the last step (what the simulator shows)
         self.anchor = self.live.clone()  # x_pulled: the global model this round started from
@@ -472,13 +473,6 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         with self._merger_lock:
             self.merger.tick(self.clock())
             return self.merger.due()
-
-    @property
-    def _merger_lock(self) -> threading.Lock:
-        lock = self.__dict__.get("_mlock")
-        if lock is None:
-            lock = self.__dict__["_mlock"] = threading.Lock()
-        return lock
 
     # --- failures (the event simulator's schedule) --------------------------------------------------
     def fail(self) -> None:
