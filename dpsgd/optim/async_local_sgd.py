@@ -336,6 +336,11 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         return HEADER + self.live.numel()
 
     @property
+    def carries_on(self) -> bool:
+        """With a quorum, silent workers are left behind (the merger, the shared samples budget's coordinator)."""
+        return self.quorum > 1
+
+    @property
     def staleness(self) -> int:
         """Outer updates the merger applied since this worker pulled (known at its next pull; 0 here)."""
         return 0

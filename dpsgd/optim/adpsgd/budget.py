@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from dpsgd.comm import PeerTimeoutError
 from dpsgd.comm.pending import Request
 
 from .averaging import receive_any
@@ -110,8 +111,15 @@ class Budget:
         msg = torch.zeros(3, dtype=torch.float64)
         while len(final) < n - 1:
             senders = f"peer(s) {sorted(set(reported) - final)}"
-            listener = "rank 0: AD-PSGD's coordinator"
-            if not receive_any(control, msg, TAG_PROGRESS, timeout_s, self.opt._abort.is_set, listener, senders):
+            listener = f"rank 0: {self.opt.label}'s coordinator"
+            try:
+                heard = receive_any(control, msg, TAG_PROGRESS, timeout_s, self.opt._abort.is_set, listener, senders)
+            except PeerTimeoutError:
+                if not getattr(self.opt, "carries_on", False):
+                    raise
+                self.stop.set()  # the algorithm goes on without silent peers (a quorum merge): the budget ends here
+                return
+            if not heard:
                 return
             sender = int(msg[0].item())
             reported[sender] = max(reported[sender], msg[1].item())
@@ -121,4 +129,4 @@ class Budget:
                 self.stop.set()
             answer = torch.tensor([1.0 if self.stop.is_set() else 0.0], dtype=torch.float64)
             send = control.start_send(answer, sender, TAG_ANSWER)
-            control.wait_request("AD-PSGD coordinator answer", send, [sender])
+            control.wait_request(f"{self.opt.label} coordinator answer", send, [sender])
