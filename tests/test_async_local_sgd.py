@@ -162,6 +162,12 @@ def test_options_are_refused_in_one_line():
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             AsyncLocalSGD(torch.optim.SGD([w], lr=0.1), comm=comm, broadcast_initial=False, **options)
 
+    def real(comm):
+        AsyncLocalSGD(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1), comm=comm, failures=[[1, 0.1, 1]])
+
+    with pytest.raises(ValueError, match="on real peers inject a failure with faults.kill_peer"):
+        run_local(2, real)
+
 
 # --- whole runs --------------------------------------------------------------------------------------
 def config(peers=4, backend="fleet", epochs=1, **options) -> dict:

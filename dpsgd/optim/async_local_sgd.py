@@ -267,6 +267,11 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         if periods is not None and not all(float(p).is_integer() for p in periods):
             raise ValueError(f"{name} periods must be whole numbers of local steps, got {periods!r}")
         self.failures = _failures(failures, n, name)
+        if self.failures and getattr(comm, "clock", None) is None:  # real peers: only the event simulator schedules
+            raise ValueError(
+                f"{name} failures is a schedule in the event simulator's virtual time (backend=fleet); on real peers "
+                "inject a failure with faults.kill_peer (and faults.kill_mode=hang)"
+            )
         self.period, self.dylu, self.quorum = period, bool(dylu), quorum
         self.budget = budget
         self.clock = getattr(comm, "clock", time.monotonic)
