@@ -186,7 +186,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
     The merger's outer update t (t = 1, 2, ...) with outer gradient g_t (outer lr eps = `outer_lr`, momentum
     beta = `outer_momentum`, N = `dn_every`, m_0 = 0, Delta-bar_0 = 0):
 
-    - delayed Nesterov (`delayed_nesterov: true`, the paper's Algorithm 3):
+    - delayed Nesterov (`delayed_nesterov: true`, the paper's Algorithm 3 as public code implements it):
           Delta-bar <- Delta-bar + g_t
           if t mod N == 0:  m <- beta m + Delta-bar / N;  x <- x - eps (g_t / N + beta m);  Delta-bar <- 0
           else:             x <- x - eps g_t / N
@@ -203,8 +203,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
 
     Dynamic local updates (`dylu: true`): the merger answers each push with the worker's next period
     H_i = max(1, floor(H v_i / v_max)), v_i the steps per second worker i measured over its last round (compute
-    only, on `comm.clock`: the event simulator's virtual clock, so there the compute model's speeds) or the
-    given `speeds`; v_max the largest known. `periods` fixes each worker's H_i instead.
+    only; on the event simulator's virtual clock, or a modelled network's emulated clock, so there the compute
+    model's speeds) or the given `speeds`; v_max the largest known. `periods` fixes each worker's H_i instead.
 
     Failures: the event simulator takes `failures` ([[peer, at_s, down_s], ...]: peer fails at virtual time
     at_s, losing the round in progress, and restarts down_s later from the current global model); on real peers
@@ -322,6 +322,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self.wait_s = 0.0
         self.down = False
         self._due = False  # a round ended: a push is due (the simulator calls request())
+        self._sent = PUSH  # what the message in flight is (a restarted worker's first is a pull)
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.threaded = True
@@ -422,8 +423,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             return None
         self._due = False
         self.lock.acquire()
-        kind = PULL if self.steps_in_round == 0 else PUSH
-        return 0, self._message(kind)
+        self._sent = PULL if self.steps_in_round == 0 else PUSH
+        return 0, self._message(self._sent)
 
     def serve(self, message: torch.Tensor) -> torch.Tensor | None:
         """The merger (rank 0): take a push, a pull or a DONE; answer [version, the sender's next period, x]
@@ -458,7 +459,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             if not self.down:
                 self._adopt(reply[REPLY_HEADER:], int(reply[0].item()))
                 self.my_period = int(reply[1].item())
-                self.pushes += 1
+                self.pushes += self._sent == PUSH
+                self._sent = PUSH
         finally:
             if self.lock.locked():
                 self.lock.release()

@@ -19,10 +19,10 @@ BUDGETS = ("steps", "samples", "seconds")
 TAG_PROGRESS, TAG_ANSWER = 13, 14
 
 
-def check_budget(kind: str) -> str:
+def check_budget(kind: str, who: str = "ADPSGD") -> str:
     """`kind` if it is one of BUDGETS (steps, samples, seconds); a ValueError naming them otherwise."""
     if kind not in BUDGETS:
-        raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
+        raise ValueError(f"{who} budget must be one of {BUDGETS}, got {kind!r}")
     return kind
 
 
@@ -32,7 +32,7 @@ class Budget:
     once `opt._abort` is set."""
 
     def __init__(self, opt, seconds: float | None):  # opt: the ADPSGD (whose module imports this one)
-        self.opt, self.kind, self.comm = opt, check_budget(opt.budget), opt.comm
+        self.opt, self.kind, self.comm = opt, check_budget(opt.budget, type(opt).__name__), opt.comm
         self.amounts: dict[str, float | None] = {"steps": None, "samples": None, "seconds": None}
         self.set(seconds=seconds)
         # a simulator's world (dpsgd.sim.events) shares every peer's samples here, read at once
