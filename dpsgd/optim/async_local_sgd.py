@@ -625,16 +625,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             self._adopt(final[REPLY_HEADER:], int(final[0].item()))
             return
         self._finished_own = time.monotonic()
-        deadline = time.monotonic() + 3 * self.comm.timeout_s
-        for t in self._threads:
-            while t.is_alive():
-                t.join(timeout=0.05)
-                self._raise_thread_error()
-                if time.monotonic() > deadline:
-                    raise PeerTimeoutError(
-                        f"rank 0: async Local-SGD's {t.name} thread did not end within {3 * self.comm.timeout_s:g} s"
-                    )
-        self._raise_thread_error()
+        self._join_threads(3 * self.comm.timeout_s)
         merger = self.merger
         self._adopt(merger.x, merger.version)
         final[0], final[1] = float(merger.version), 0.0

@@ -75,3 +75,17 @@ class ThreadedPeer:
                 f"rank {self.comm.rank}: {self.label}'s {what} within {self.comm.timeout_s:g} s{then}"
             )
         self.wait_s += self.clock() - since
+
+    def _join_threads(self, seconds: float) -> None:
+        """Wait for every communication thread to end, raising a thread's error at once, and past `seconds` an error
+        naming the thread that did not end."""
+        deadline = time.monotonic() + seconds
+        for t in self._threads:
+            while t.is_alive():
+                t.join(timeout=0.05)
+                self._raise_thread_error()
+                if time.monotonic() > deadline:
+                    raise PeerTimeoutError(
+                        f"rank {self.comm.rank}: {self.label}'s {t.name} thread did not end within {seconds:g} s"
+                    )
+        self._raise_thread_error()

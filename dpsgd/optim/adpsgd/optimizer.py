@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from dpsgd.comm import PeerTimeoutError
 from dpsgd.comm.base import flatten, unflatten
 from dpsgd.seeds import protocol_jitter_seed
 
@@ -189,17 +188,7 @@ class ADPSGD(DistributedOptimizer, ThreadedPeer):
             self.run_budget.report(self.samples, final=True)
             if self.role == "active":
                 self.averaging.stop()
-            deadline = time.monotonic() + 2 * self.comm.timeout_s
-            for t in self._threads:
-                while t.is_alive():
-                    t.join(timeout=0.05)
-                    self._raise_thread_error()
-                    if time.monotonic() > deadline:
-                        raise PeerTimeoutError(
-                            f"rank {self.comm.rank}: AD-PSGD's {t.name} thread did not end within "
-                            f"{2 * self.comm.timeout_s:g} s"
-                        )
-            self._raise_thread_error()
+            self._join_threads(2 * self.comm.timeout_s)
         except BaseException:
             self.abort()
             raise
