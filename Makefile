@@ -103,7 +103,9 @@ reproductions: setup
 # runtime and mpi4py, as wheels for Python $(GPU_PY) on x86-64 in .whl/ (about 20 MB). gpu-check (there, offline):
 # installs them beside that machine's own torch (never the venv: its torch is this machine's CPU build) and runs
 # experiments/bench/gpu_check.py: the `gpu` tests, peers on the GPU against the same runs on CPU, an nccl world
-# of one, the fleet's scaling table; a table on stdout and $(GPU_CHECK_OUT). GPU_CHECK_DRY=1: the same on CPU.
+# of one, the fleet's scaling table, ... and a check per feature (every algorithm, optimizer, robust rule, precision,
+# sparse topology at 8,192 peers, trainer): a PASS/FAIL line each, a table on stdout and $(GPU_CHECK_OUT).
+# GPU_CHECK_DRY=1: the same on CPU.
 GPU_PY ?= 3.12
 GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 PyYAML==6.0.4 packaging==26.4 mpi4py==4.1.2 mpich==5.0.2
 PYTHON ?= python3

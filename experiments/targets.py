@@ -12,3 +12,8 @@ def slow_peer_pace(peers: int, batch: int, scale: float, compute_time: float) ->
     """All-reduce's ceiling in samples/s (all peers together) with one peer `scale` x slower: every step waits for
     it, and its step takes at least scale x compute_time."""
     return peers * batch / (scale * compute_time)
+
+
+# Liu et al. 2024 (experiments.reproductions.liu2024 and tests/test_async_local_sgd.py): asynchronous Local-SGD with
+# delayed Nesterov and dynamic local updates ends within this many test-accuracy points of synchronous DiLoCo
+LIU2024_TOLERANCE = 0.03

@@ -67,8 +67,9 @@ def test_bench_quick_dry_run(tmp_path, capsys):
     assert [(r["model"], r["peers"]) for r in fb["rows"]] == [("mlp", 64)] and len(fb["targets"]) == 1
     report = json.loads((tmp_path / "bench_quick.json").read_text())
     measured = [v for v in report["verdicts"] if v["measured"] is not None]
-    # every target --dry measures has its recorded figure: 12 cells, 2 overlap ratios, the waiter, the MLP at 64
-    assert len(measured) == 16 and report["broken"] == [], report["broken"]
+    # every target --dry measures has its recorded figure: 12 cells, 2 overlap ratios, the waiter's 2, the step
+    # module's 7, the MLP at 64
+    assert len(measured) == 24 and report["broken"] == [], report["broken"]
     assert all(v["state"] in ("PASS", "MISS") and v["against_recorded"] for v in measured)
     assert "PASS, " in printed and "recorded 1.44-1.83 (benchmarks.md, 2026-12-04)" in printed
 

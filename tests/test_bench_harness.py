@@ -12,10 +12,29 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import allreduce_vs_ddp, cli, comm_overhead, fleet_vs_batch, harness, regression, waiter_cost
+from experiments.bench import (
+    allreduce_vs_ddp,
+    cli,
+    comm_overhead,
+    fleet_vs_batch,
+    harness,
+    regression,
+    step_work,
+    waiter_cost,
+)
 
 BENCH_DIR = Path(harness.__file__).parent
-NOT_BENCHMARKS = {"cli", "__init__", "__main__", "harness", "ranks", "steps", "regression"}
+NOT_BENCHMARKS = {
+    "cli",
+    "__init__",
+    "__main__",
+    "harness",
+    "ranks",
+    "steps",
+    "regression",
+    "gpu_features",
+    "gpu_trainers",
+}
 
 
 def test_the_registry_names_every_benchmark_module_and_only_those():
@@ -131,6 +150,8 @@ def target_names() -> set[tuple[str, str]]:
     targets, _ = allreduce_vs_ddp.summarize({"step_s": s, "in_opt_step_s": s})
     names |= {("allreduce_vs_ddp", t.name) for t in targets if "overlap" in t.name}  # with overlap against DDP
     names.add(("waiter_cost", "computing rank, partner in the toolkit's wait / asleep"))
+    names.add(("waiter_cost", "computing rank, partner in the toolkit's collective wait / asleep"))
+    names |= {("step_work", f"step module, {variant} / by hand") for variant in step_work.OPTIONS}
     for model, ladder in fleet_vs_batch.QUICK.items():
         for n in ladder:
             row = {"model": model, "peers": n, "batch": fleet_vs_batch.BATCH[model], "device": "cpu", "ratio": 1.0,
@@ -190,3 +211,21 @@ def test_make_bench_runs_each_benchmark_of_its_set_through_the_harness(monkeypat
     assert cli.main(["--all", "--quick"]) == 1  # a broken benchmark: exit 1, the others still ran
     assert ran == [b.name for b in harness.BENCHES if b.in_make_bench]
     assert capsys.readouterr().out.strip().endswith("broken: overlap")
+
+
+def test_step_work_times_the_step_module_against_torchs_idioms(tmp_path):
+    """`step_work` at its smallest: each step option's ratio measured, and the two sides equal step for step (a
+    schedule, clipping, precision or accumulation that differs from torch's idiom would fail the benchmark)."""
+    out = tmp_path / "step_work.json"
+    assert step_work.main(["--rounds", "1", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["rows"]] == list(step_work.OPTIONS)
+    assert all(r["max_param_difference"] == 0 and r["ours_ms"] > 0 for r in result["rows"])
+    assert len(result["targets"]) == len(step_work.OPTIONS)
+
+
+def test_step_work_notices_a_step_that_differs(monkeypatch):
+    """A step module that forgot to clip, against torch's idiom that clips: the check sees the difference."""
+    original = step_work.ours
+    monkeypatch.setattr(step_work, "ours", lambda variant, total, comm: original("fp32", total, comm))
+    assert step_work.same_steps("clip_grad_norm") > 0

@@ -247,7 +247,8 @@ def test_help_shows_the_keywords_every_optimizer_takes(name):
     assert handed_on or {"topology", "comm", "broadcast_initial", "module", "buffers"} <= set(parameters)
 
 
-REFUSE_NEW_GROUPS = {"adpsgd", "streaming_diloco"}  # x_i flattened at construction; fragments of that vector
+# x_i (a global model) flattened at construction; fragments of that vector
+REFUSE_NEW_GROUPS = {"adpsgd", "async_local_sgd", "streaming_diloco"}
 # the rules act in 4 steps (SPARTA's 0.5% of entries would seldom reach the 18 of the head in 4 steps)
 SHORT_PERIODS = {"period": 2, "param_period": 2, "momentum_period": 2, "variance_period": 2, "fraction": 0.5}
 

@@ -151,8 +151,8 @@ def test_bad_staging_and_device_are_refused_in_one_line(app, tmp_path):
         assert words in proc.stderr, proc.stderr
 
 
-@pytest.mark.slow  # soak: the whole device check, app runs and all (its parts run in make test on their own)
-@pytest.mark.timeout(300)
+@pytest.mark.slow  # soak: the whole device check, app runs and all (its coverage: tests/test_gpu_check_coverage.py)
+@pytest.mark.timeout(600)
 def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     """`make gpu-check` with GPU_CHECK_DRY=1: the prepared device check's own script, on CPU tensors."""
     import json
@@ -168,8 +168,10 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
         f"GPU_CHECK_OUT={out}",
         f"WHEELS={tmp_path / 'no-wheels'}",  # CI has none: the checkout's own Python packages
     ]
-    proc = subprocess.run(cmd, env={**os.environ, "GPU_CHECK_DRY": "1"}, capture_output=True, text=True, timeout=290)
+    proc = subprocess.run(cmd, env={**os.environ, "GPU_CHECK_DRY": "1"}, capture_output=True, text=True, timeout=590)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    from experiments.bench import gpu_features
+
     result = json.loads(out.read_text())
     assert result["dry_run"] and set(result["parts"]) == {
         "gpu_tests",
@@ -180,7 +182,12 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
         "events",
         "fleet_vs_batch",
         "cifar10",
+        *gpu_features.CHECKS,  # every feature's check (tests/test_gpu_check_coverage.py: they cover every feature)
     }
+    for name in gpu_features.CHECKS:  # each passed, or was skipped with its reason (a trainer's extra not installed)
+        part = result["parts"][name]
+        assert part.get("passed") or part.get("skipped"), (name, part)
+        assert f"{name} " in proc.stdout and part["seconds"] >= 0
     cifar = result["parts"]["cifar10"]  # the CIFAR-10 recipe cut short, on synthetic files in the binary layout
     assert cifar["passed"] and cifar["synthetic"] and cifar["steps"] >= 1, cifar
     assert all(r["differences"]["train_loss"] == 0 for r in result["parts"]["peers"]["runs"])  # staged == direct

@@ -257,3 +257,18 @@ def test_fp16_clipping_acts_on_unscaled_gradients_as_torchs_amp_recipe():
         for name, (a, b) in enumerate(zip(model.parameters(), ref.parameters())):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, s=step, n=name: f"step {s}, tensor {n}: {m}")
     assert stepper.skipped == 0 and stepper.scaler.get_scale() == scaler.get_scale()
+
+
+def test_the_overflow_check_sees_any_non_finite_entry():
+    """fp16's overflow check (one fused pass per device and dtype): an inf or a nan in any tensor of any dtype."""
+    from dpsgd.stepping import all_finite
+
+    tensors = [torch.randn(7), torch.randn(3, 3).half(), torch.randn(4, dtype=torch.bfloat16)]
+    assert all_finite(tensors) and all_finite([])
+    for t in tensors:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            kept = t.reshape(-1)[-1].item()
+            t.reshape(-1)[-1] = bad
+            assert not all_finite(tensors), (t.dtype, bad)
+            t.reshape(-1)[-1] = kept
+    assert all_finite(tensors)

@@ -58,6 +58,10 @@ def _as_buffer(t: torch.Tensor):
     return t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
+# a collective's ranks arrive about together: its first milliseconds are polled without sleeping (pending.poll_until)
+SPIN_S = 2e-3
+
+
 class _Requests(Exchange):
     """MPI requests, each with its peer (-1 for a collective's); an exchange's `received` buffers."""
 
@@ -67,7 +71,9 @@ class _Requests(Exchange):
 
     def wait(self, deadline: float) -> None:
         try:
-            poll_until(lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding)
+            poll_until(
+                lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding, spin_s=SPIN_S
+            )
         except self._MPI.Exception as exc:  # MPICH: a peer's process ended under a pending request
             peers = sorted({p for p in self._peers if p >= 0})
             raise PeerFailedError(

@@ -9,6 +9,7 @@ from topologies import Topology
 
 from .adpsgd import ADPSGD
 from .allreduce import AllReduce
+from .async_local_sgd import AsyncLocalSGD
 from .base import AsynchronousOptimizer, DistributedOptimizer
 from .choco import Choco
 from .d2 import D2
@@ -38,6 +39,7 @@ ALGORITHMS = {
     "gradient_tracking": GradientTracking,
     "qgm": QGM,
     "adpsgd": ADPSGD,
+    "async_local_sgd": AsyncLocalSGD,
     "noloco": NoLoCo,
     "demo": DeMo,
     "sparseloco": SparseLoCo,
@@ -63,6 +65,7 @@ __all__ = [
     "SGP",
     "SPARTA",
     "AllReduce",
+    "AsyncLocalSGD",
     "AsynchronousOptimizer",
     "Choco",
     "DeMo",

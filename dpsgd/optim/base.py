@@ -368,17 +368,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 class PairwiseExchanges(Protocol):
-    """One peer's side of an asynchronous algorithm's pairwise exchanges, in three parts that its own thread
-    calls on real peers and the event simulator calls in virtual time: the active side's `request` (locks
-    x_i, None when no neighbour now) and `complete`, the passive side's atomic `serve`."""
+    """One peer's side of an asynchronous algorithm's exchanges, in parts that its own threads call on real
+    peers and the event simulator (dpsgd.sim.events) calls in virtual time: the asking side's `request` (after
+    each step; locks x_i and returns (partner, message), None when nothing is due), the answering side's atomic
+    `serve` (the reply, or None for a message that needs none) and the asker's `complete`; `tick` lets the
+    answering side act on its own (a quorum's grace window: the time it next wants to act, None for never);
+    `closing` is the message a finished peer sends each partner in virtual time (None: nothing it acts on)."""
 
     lock: Any  # held from request to complete: a step waits for it
     partners: frozenset[int]
     message_numel: int  # entries of a request (a closing DONE has as many)
 
     def request(self) -> tuple[int, torch.Tensor] | None: ...
-    def serve(self, request: torch.Tensor) -> torch.Tensor: ...
+    def serve(self, request: torch.Tensor) -> torch.Tensor | None: ...
     def complete(self, partner: int, reply: torch.Tensor) -> None: ...
+    def tick(self) -> float | None: ...
+    def closing(self) -> torch.Tensor | None: ...
 
 
 @runtime_checkable
@@ -389,15 +394,18 @@ class AsynchronousOptimizer(Protocol):
     (a ValueError saying what to use). It describes its own measurements: `measurements()` are one
     peer's figures (JSON values, with at least `steps` and `samples`), and `summary(rows)`, from every
     peer's figures in rank order (each with the loop's `slowdown_s`), is summary.json's block `summary_key`.
-    The event simulator (dpsgd.sim.events) runs it with `start(threads=False)` and performs its pairwise
-    exchanges with `averaging.request`, `serve` and `complete`, in virtual time (`comm.clock`)."""
+    The event simulator (dpsgd.sim.events) runs it with `start(threads=False)` and performs its exchanges
+    (`exchanges`: request, serve, complete, tick, closing) in virtual time (`comm.clock`). Optional: a class
+    with `final_broadcast = True` ends with every peer on rank 0's model (the simulator calls rank 0's
+    `conclude()` and the others' `adopt_final(x)`), and a `failures` schedule ([(peer, at_s, down_s)]) makes
+    the simulator call that peer's `fail()` and, down_s later, `restart()`."""
 
     asynchronous: ClassVar[bool]
     summary_key: ClassVar[str]
     step_count: int
     budget: str  # what ends a peer's run: "steps", "samples" or "seconds"
     role: str  # "active" (starts exchanges), "passive" (serves them) or "alone"
-    averaging: PairwiseExchanges
+    exchanges: PairwiseExchanges
     live: torch.Tensor  # x_i, flat
     staleness: int  # exchanges applied to x_i since the snapshot the next gradient is taken at
     wait_s: float  # time its steps waited for x_i (locked by an exchange in flight)

@@ -12,6 +12,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -124,6 +125,8 @@ class Simulation:
         self._waiting: list[float | None] = [None] * n  # (time computed) of a step waiting for the lock
         self._stopping = [False] * n
         self._server_free = [0.0] * n
+        self._epoch = [0] * n  # bumped when a peer fails: its events scheduled before are lost
+        self._tick_at: list[float | None] = [None] * n
         self._heap: list = []
         self._seq = itertools.count()
         self._grad = grad_and_value(self._loss)
@@ -161,7 +164,10 @@ class Simulation:
         if not self._started:
             self._started = True
             for r in range(self.n):
-                self._at(self.compute.draw(r), "computed", r)
+                self._at(self.compute.draw(r), "computed", r, 0)
+            for peer, at, down in getattr(self.opts[0], "failures", ()):
+                self._at(at, "fail", peer)
+                self._at(at + down, "restart", peer)
         self._stepped = None
         while self._heap and self._stepped is None:
             t, _, kind, args = heapq.heappop(self._heap)
@@ -173,6 +179,11 @@ class Simulation:
                 self.now = t
                 opt.finish()
             self.now = self.end_time
+            if getattr(self.opts[0], "final_broadcast", False):  # every peer takes rank 0's final model
+                root: Any = self.opts[0]
+                root.conclude()
+                for opt in self.opts[1:]:
+                    cast(Any, opt).adopt_final(root.live)
         return self._stepped
 
     def done(self) -> bool:
@@ -188,8 +199,10 @@ class Simulation:
     def _loss(self, params, x, y):
         return self.loss_fn(functional_call(self.model, dict(zip(self.names, params)), (x,)), y)
 
-    def _on_computed(self, i: int) -> None:
-        if self.opts[i].averaging.lock.locked():  # the averaging in flight holds x_i: the step waits
+    def _on_computed(self, i: int, epoch: int = 0) -> None:
+        if epoch != self._epoch[i]:  # computed before the peer failed: lost with it
+            return
+        if self.opts[i].exchanges.lock.locked():  # the exchange in flight holds x_i: the step waits
             self._waiting[i] = self.now
             return
         self._step(i)
@@ -205,40 +218,69 @@ class Simulation:
         self.losses[i].append(float(loss))
         if opt.role == "active":
             self._request(i)
-        if opt.should_stop():
-            self._stopping[i] = True
-            if not opt.averaging.lock.locked():
-                self._finish(i)
-        else:
-            self._at(self.now + self.compute.draw(i), "computed", i)
+        self._go_on(i)
         self._stepped = i
 
+    def _go_on(self, i: int) -> None:
+        """After a step (or a restart): peer i finishes once its budget is spent, else computes its next step."""
+        opt = self.opts[i]
+        if opt.should_stop():
+            self._stopping[i] = True
+            if not opt.exchanges.lock.locked():
+                self._finish(i)
+        else:
+            self._at(self.now + self.compute.draw(i), "computed", i, self._epoch[i])
+
     # --- the communication threads --------------------------------------------------------------
+    def _message_time(self, i: int, j: int, nbytes: int) -> float:
+        return 0.0 if i == j else self.link.message_time(nbytes)  # a peer's message to itself stays in memory
+
     def _request(self, i: int) -> None:
-        begun = self.opts[i].averaging.request()
+        begun = self.opts[i].exchanges.request()
         if begun is None:
             return
         j, message = begun
         nbytes = message.numel() * message.element_size()
-        self.bytes_sent[i] += nbytes
-        self._at(self.now + self.link.message_time(nbytes), "request", j, i, message)
+        if i != j:
+            self.bytes_sent[i] += nbytes
+        self._at(self.now + self._message_time(i, j, nbytes), "request", j, i, message, self._epoch[i])
 
-    def _on_request(self, j: int, i: int, message: torch.Tensor) -> None:
+    def _on_request(self, j: int, i: int, message: torch.Tensor, epoch: int = 0) -> None:
         if self._server_free[j] > self.now:  # still sending its previous reply: serve in arrival order
-            self._at(self._server_free[j], "request", j, i, message)
+            self._at(self._server_free[j], "request", j, i, message, epoch)
             return
-        self.bytes_received[j] += message.numel() * message.element_size()
-        reply = self.opts[j].averaging.serve(message)
+        if i != j:
+            self.bytes_received[j] += message.numel() * message.element_size()
+        exchanges = self.opts[j].exchanges
+        reply = exchanges.serve(message)
+        self._schedule_tick(j, exchanges.tick())
+        if reply is None:  # a closing message: nothing to answer
+            return
         self.log.append(("avg", self.now, i, int(message[2].item()), j))
         nbytes = reply.numel() * reply.element_size()
-        self.bytes_sent[j] += nbytes
-        self._server_free[j] = done = self.now + self.link.message_time(nbytes)
-        self._at(done, "reply", i, j, reply)
+        if i != j:
+            self.bytes_sent[j] += nbytes
+        self._server_free[j] = done = self.now + self._message_time(i, j, nbytes)
+        self._at(done, "reply", i, j, reply, epoch)
 
-    def _on_reply(self, i: int, j: int, reply: torch.Tensor) -> None:
+    def _schedule_tick(self, j: int, due: float | None) -> None:
+        """Peer j's exchanges want to act on their own at virtual time `due` (a quorum's grace window)."""
+        if due is not None and due > self.now and self._tick_at[j] != due:
+            self._tick_at[j] = due
+            self._at(due, "tick", j)
+
+    def _on_tick(self, j: int) -> None:
+        if self._tick_at[j] == self.now:
+            self._tick_at[j] = None
+            self._schedule_tick(j, self.opts[j].exchanges.tick())
+
+    def _on_reply(self, i: int, j: int, reply: torch.Tensor, epoch: int = 0) -> None:
+        if epoch != self._epoch[i]:  # the peer failed since it asked: the answer is lost
+            return
         opt = self.opts[i]
-        self.bytes_received[i] += reply.numel() * reply.element_size()
-        opt.averaging.complete(j, reply)
+        if i != j:
+            self.bytes_received[i] += reply.numel() * reply.element_size()
+        opt.exchanges.complete(j, reply)
         waiting = self._waiting[i]
         if waiting is not None:
             opt.wait_s += self.now - waiting  # its main thread waited for the lock since then
@@ -248,15 +290,36 @@ class Simulation:
             self._finish(i)
 
     def _finish(self, i: int) -> None:
-        averaging = self.opts[i].averaging
+        exchanges = self.opts[i].exchanges
         if self.opts[i].role == "active":  # DONE to every partner, one message each
-            nbytes = averaging.message_numel * self.opts[i].live.element_size()
-            for j in sorted(averaging.partners):
+            nbytes = exchanges.message_numel * self.opts[i].live.element_size()
+            closing = exchanges.closing()
+            for j in sorted(exchanges.partners):
                 self.bytes_sent[i] += nbytes
-                self.bytes_received[j] += nbytes
                 arrival = self.now + self.link.message_time(nbytes)
+                if closing is not None:  # the partner acts on it (the merger counts its workers done)
+                    self._at(arrival, "request", j, i, closing, self._epoch[i])
+                else:
+                    self.bytes_received[j] += nbytes
                 self.finished_at[j] = max(self.finished_at[j], arrival)
         self.finished_at[i] = max(self.finished_at[i], self.now)
+
+    # --- failures: peers that stop and restart (the optimizer's `failures` schedule) ---------------
+    def _on_fail(self, i: int) -> None:
+        if self._stopping[i]:  # it had finished its part: nothing left to lose
+            return
+        self._epoch[i] += 1  # its scheduled step and any answer on the way are lost
+        self._waiting[i] = None
+        cast(Any, self.opts[i]).fail()
+        self.log.append(("fail", self.now, i))
+
+    def _on_restart(self, i: int) -> None:
+        if self._stopping[i]:
+            return
+        cast(Any, self.opts[i]).restart()  # its first message pulls the current model
+        self.log.append(("restart", self.now, i))
+        self._request(i)
+        self._go_on(i)
 
 
 def compute_times(backend: Choice, network: NetworkConfig, seed: int, n: int) -> ComputeTimes:

@@ -1,23 +1,38 @@
-"""The prepared GPU check: `make gpu-check` on a machine with one GPU (docs/guide/clusters.md); parts 1-7 took about
-5 minutes on an H200, part 8 (cifar10, added since) is not yet timed on a GPU (its limit: 240 s).
+"""The prepared GPU check: `make gpu-check` on a machine with one GPU (docs/guide/clusters.md).
 
-Parts, each on its own (one that fails or cannot run here is recorded with why, and the next runs):
+Parts, each on its own (one that fails or cannot run here is recorded with why, and the next runs), each with its
+PASS, FAIL or SKIP line and its time on stdout and in the JSON:
 1. gpu_tests: the `gpu`-marked tests (tests/test_gpu.py).
 2. peers: 4 peers sharing the GPU (device_share=true) on ResNet-20 with CIFAR-shaped synthetic data, as
    in-process threads, torch/gloo processes and mpi processes (the last two through pinned host staging),
    D-PSGD (also with overlap) and all-reduce, each against the same run on the CPU: the summaries agree
-   within float tolerance (TF32 off for these runs: NVIDIA_TF32_OVERRIDE=0).
+   within float tolerance (TF32 off for these runs: NVIDIA_TF32_OVERRIDE=0). The six cases run at once.
 3. adpsgd: AD-PSGD's peers on the GPU over torch/gloo, their averaging thread staging its messages.
 4. nccl: a world of one over nccl (an all-reduce and a barrier), and the app's training loop on it.
-5. fleet: the fleet's scaling table (experiments.bench.fleet_gpu): ResNet-20 peers per GPU.
+5. fleet: the fleet's scaling table (experiments.bench.fleet_gpu): ResNet-20 peers per GPU, 64 to 2,048.
 6. events: AD-PSGD's event simulator (dpsgd.sim.events) with its peers on the GPU against the CPU.
-7. fleet_vs_batch: the fleet against one model at batch n*b (experiments.bench.fleet_vs_batch), 40-90 s.
+7. fleet_vs_batch: the fleet against one model at batch n*b (experiments.bench.fleet_vs_batch), 64 to 1,024 peers.
 8. cifar10: the CIFAR-10 ResNet-20 recipe cut short (experiment=cifar10_resnet20_short: 16 peers on the fleet, 4
    epochs) end to end, on the files under CIFAR10_ROOT when it is set, else on synthetic files in CIFAR-10's binary
    layout (5,000 + 1,000 random images: the reader and the run, no accuracy to read); its time and accuracy.
+9. the feature checks (experiments.bench.gpu_features), one part each: every algorithm (diloco also with
+   outer_delay=1, without and with eager), every base optimizer (muon among them), every robust rule against a
+   corrupt peer, fp16 and bf16 with clipping, accumulation and a schedule in the step, every sparse topology at
+   8,192 peers on the wide fleet, and a tiny run of each trainer's integration (skipped, with the reason, where
+   its extra is not installed).
 One JSON (--out, default GPU_CHECK_OUT or outputs/gpu_check.json), rewritten after each part, and a table on stdout.
 GPU_CHECK_DRY=1 runs the same script on CPU tensors, small (the CPU's peers stage with backend.staging=always,
-the fleet's ladder is 4 and 8 peers): what CI runs, since no CI machine has a GPU.
+the fleet's ladder is 4 and 8 peers; the feature checks at the same sizes as on the GPU): `make soak` runs it, and
+`make test` checks that the feature checks cover every feature (tests/test_gpu_check_coverage.py).
+
+Time on one H100, estimated from the sizes and the H200 runs of 2026-12-04 (parts 1-5: 204 s and 285 s), not
+measured: gpu_tests 35 s, peers 65 (one wave of six runs where that run had two: 92-126 s), adpsgd 30, nccl 40,
+fleet 35 (its budget 40 s; 4,096 peers needed 118 GiB), events 15, fleet_vs_batch 30 (budget 20 s), cifar10 30 (about
+40 fleet steps of 16 ResNet-20 peers, and the app's start), the 45 fleet feature checks 40 (29 s on 2 CPU cores in
+the dry run: imports and set-up, each run small), the 3 trainers 30 (processes of about 10 s; 22 s in the dry run):
+about 320 s (5.3 minutes) with the trainers skipped, as the wheels of `make gpu-wheels` leave them (they hold no
+trainer), and about 350 s (5.8 minutes) where their extras are installed. Each part's limit (PART_TIMEOUT_S)
+bounds a machine where something hangs.
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench import cli, harness
+from experiments.bench import cli, gpu_features, harness
 from experiments.bench.harness import ROOT, BenchError
 
 DRY = os.environ.get("GPU_CHECK_DRY") == "1"
@@ -111,7 +126,7 @@ def part_peers(work: Path) -> dict:
             "cpu": {k: reference[k] for k in (*TOLERANCE, "test_accuracy", "wall_time_s", "comm_overlap_s")},
         }
 
-    pool = ThreadPoolExecutor(1 if DRY else 3)  # each run is 4 processes; the GPU has room for all
+    pool = ThreadPoolExecutor(1 if DRY else len(cases))  # one wave: each run is 4 processes; the GPU has room for all
     try:
         rows = list(pool.map(one, range(len(cases))))
     finally:  # past the part's limit: runs not started are dropped, those running end at RUN_TIMEOUT_S
@@ -168,8 +183,8 @@ def part_fleet(work: Path) -> dict:
 
     if DRY:
         return {"passed": True, **fleet_gpu.scan("cpu", [4, 8], batch_size=2, steps=2, budget_s=20)}
-    ladder = [64 * 2**k for k in range(7)]  # 64 ... 4096
-    return {"passed": True, **fleet_gpu.scan(DEVICE, ladder, batch_size=8, steps=3, budget_s=80)}
+    ladder = [64 * 2**k for k in range(6)]  # 64 ... 2048 (4096 took 118 GiB on the H200: more than an H100 holds)
+    return {"passed": True, **fleet_gpu.scan(DEVICE, ladder, batch_size=8, steps=3, budget_s=40)}
 
 
 def part_events(work: Path) -> dict:
@@ -198,8 +213,8 @@ def part_fleet_vs_batch(work: Path) -> dict:
     if DRY:
         argv = ["--models", "mlp", "cnn", "--peers", "4", "--steps", "1", "--repeats", "1", "--bandwidth-mib", "8"]
     else:
-        ladder = ["64", "256", "1024", "4096"]
-        argv = ["--device", DEVICE, "--peers", *ladder, "--steps", "2", "--repeats", "2", "--budget-s", "40"]
+        ladder = ["64", "256", "1024"]
+        argv = ["--device", DEVICE, "--peers", *ladder, "--steps", "2", "--repeats", "2", "--budget-s", "20"]
         argv += ["--memory-fraction", "0.8"]
     stopped = "the ladder's end or its budget"
     try:
@@ -253,17 +268,30 @@ PARTS = {
     "cifar10": part_cifar10,
 }
 # each part's own limit (s): a hang is recorded as that part's failure and the next part runs. The sum is a
-# bound for a machine where everything hangs, well above what a healthy run takes (about 5 minutes on the H200)
+# bound for a machine where everything hangs, well above what a healthy run takes (the estimate above)
 PART_TIMEOUT_S = {
     "gpu_tests": 120,
     "peers": 180,
     "adpsgd": 90,
     "nccl": 90,
-    "fleet": 120,
+    "fleet": 90,
     "events": 60,
-    "fleet_vs_batch": 90,
+    "fleet_vs_batch": 60,
     "cifar10": 240,
 }
+
+
+def feature_part(name: str):
+    """The part that runs gpu_features.CHECKS[name] on the device."""
+
+    def part(work: Path) -> dict:
+        return gpu_features.run_check(gpu_features.CHECKS[name], DEVICE, work / name.replace(":", "-"))
+
+    return part
+
+
+PARTS.update({name: feature_part(name) for name in gpu_features.CHECKS})
+PART_TIMEOUT_S.update({name: gpu_features.timeout_s(name) for name in gpu_features.CHECKS})
 
 
 class PartTimeout(Exception):
@@ -284,9 +312,9 @@ def run(args) -> harness.Result:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "parts": {},
     }
+    os.environ.setdefault("DPSGD_PROGRESS", "off")  # the runs in this process: one line per part, no progress
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for name, part in PARTS.items():
-            print(f"== {name}", flush=True)
             start = time.monotonic()
             signal.signal(signal.SIGALRM, _timed_out)
             signal.alarm(PART_TIMEOUT_S[name])
@@ -300,18 +328,27 @@ def run(args) -> harness.Result:
                 signal.alarm(0)
             outcome["seconds"] = round(time.monotonic() - start, 1)
             result["parts"][name] = outcome
+            print(line(name, outcome), flush=True)
             harness.write(args, result)
     print(table(result))
     failed = [f"part {n} failed: {p.get('error', '')}" for n, p in result["parts"].items() if not p.get("passed", True)]
     return harness.Result(result, problems=failed)
 
 
+def verdict(part: dict) -> str:
+    return "SKIP" if "skipped" in part else ("PASS" if part.get("passed") else "FAIL")
+
+
+def line(name: str, part: dict) -> str:
+    """A part's line: its name, PASS, FAIL or SKIP, its time, and why (a skip's reason, a failure's error)."""
+    why = part.get("skipped") or part.get("error") or part.get("summary") or ""
+    return f"{name:38s} {verdict(part)} {part['seconds']:6.1f} s  {why}".rstrip()
+
+
 def table(result: dict) -> str:
     lines = [f"GPU check{' (dry run, CPU)' if result['dry_run'] else ''}: {result['gpu']}, torch {result['torch']}"]
     for name, p in result["parts"].items():
-        state = "skipped" if "skipped" in p else ("passed" if p.get("passed") else "FAILED")
-        why = p.get("skipped") or p.get("error") or p.get("summary") or ""
-        lines.append(f"{name:10s} {state:8s} {p['seconds']:6.1f} s  {why}")
+        lines.append(line(name, p))
         for r in p.get("runs", []):
             d = r.get("differences")
             shown = ", ".join(f"{k} {v:.1e}" for k, v in d.items()) if d else r.get("error", "")

@@ -62,6 +62,8 @@ BENCHES = (
           quick=("--reps", "10", "--warmup", "3", "--check-steps", "3")),
     Bench("waiter_cost", "a computing rank's speed while its partner waits in the toolkit, against the partner asleep "
           "and in MPICH's blocking receive", {"peers": 4, "rounds": 10, "warmup": 3, **RANKS}, quick=()),
+    Bench("step_work", "the step module (schedule, precision, clipping, GradScaler agreement, accumulation) against "
+          "the same step by hand with torch's idioms", {"rounds": 20}, quick=("--rounds", "6", "--steps", "3")),
     Bench("local_sgd_vs_torch", "LocalSGD against torch's post-local SGD (PostLocalSGDOptimizer): time per step and "
           "parameters", {"peers": 4, "floor_reps": 10, "seed": 0, "batch": 32, **RANKS},
           quick=("--warmup-steps", "8", "--windows", "10")),

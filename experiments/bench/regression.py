@@ -2,7 +2,8 @@
 
 It runs, one after the other and each in its quick form, the benchmarks whose figures guard the communication,
 optimizer and step code: comm_overhead at 1 and 11 MiB (mpi and torch: neighbor_exchange, neighbor_average,
-allreduce_mean), allreduce_vs_ddp (AllReduce with overlap against DDP), waiter_cost and fleet_vs_batch --quick
+allreduce_mean), allreduce_vs_ddp (AllReduce with overlap against DDP), waiter_cost, step_work (the step module
+against torch's idioms) and fleet_vs_batch --quick
 (without its vmap side, a figure shown and not a target).
 Every figure is a ratio its benchmark measured side by side in one run, so a loaded machine slows both sides
 and does not fake a regression. Each is printed PASS or MISS against its target, beside the figure the results
@@ -35,6 +36,7 @@ RUNS = {
     "allreduce_vs_ddp": (["--quick"], ["--hidden", "16", "--batch", "4", "--reps", "2", "--warmup", "1",
                                        "--check-steps", "2", "--floor-reps", "2"]),
     "waiter_cost": (["--quick"], ["--matmuls", "5", "--matrix", "64", "--rounds", "2", "--warmup", "1"]),
+    "step_work": (["--quick"], ["--rounds", "1", "--steps", "1"]),
     "fleet_vs_batch": (["--quick", "--without-vmap"], ["--models", "mlp", "--peers", "64", "--steps", "1",
                                                        "--repeats", "1", "--bandwidth-mib", "8"]),
 }  # fmt: skip

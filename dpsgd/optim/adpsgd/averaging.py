@@ -146,6 +146,14 @@ class Averaging:
         self.served += 1
         return answer
 
+    def tick(self) -> float | None:
+        """Nothing of AD-PSGD's acts on its own between messages."""
+        return None
+
+    def closing(self) -> torch.Tensor | None:
+        """A passive partner needs no closing message in virtual time (the threads send DONE)."""
+        return None
+
     def complete(self, partner: int, reply: torch.Tensor) -> None:
         """Active: average the partner's reply in and release the lock."""
         try:

@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from dpsgd.comm import PeerTimeoutError
 from dpsgd.comm.pending import Request
 
 from .averaging import receive_any
@@ -18,10 +19,10 @@ BUDGETS = ("steps", "samples", "seconds")
 TAG_PROGRESS, TAG_ANSWER = 13, 14
 
 
-def check_budget(kind: str) -> str:
+def check_budget(kind: str, who: str = "ADPSGD") -> str:
     """`kind` if it is one of BUDGETS (steps, samples, seconds); a ValueError naming them otherwise."""
     if kind not in BUDGETS:
-        raise ValueError(f"ADPSGD budget must be one of {BUDGETS}, got {kind!r}")
+        raise ValueError(f"{who} budget must be one of {BUDGETS}, got {kind!r}")
     return kind
 
 
@@ -31,7 +32,7 @@ class Budget:
     once `opt._abort` is set."""
 
     def __init__(self, opt, seconds: float | None):  # opt: the ADPSGD (whose module imports this one)
-        self.opt, self.kind, self.comm = opt, check_budget(opt.budget), opt.comm
+        self.opt, self.kind, self.comm = opt, check_budget(opt.budget, type(opt).__name__), opt.comm
         self.amounts: dict[str, float | None] = {"steps": None, "samples": None, "seconds": None}
         self.set(seconds=seconds)
         # a simulator's world (dpsgd.sim.events) shares every peer's samples here, read at once
@@ -51,7 +52,8 @@ class Budget:
 
     def require(self) -> None:
         if self.amounts[self.kind] is None:
-            raise ValueError(f"ADPSGD(budget={self.kind!r}) needs set_budget({self.kind}=...) before training")
+            name = type(self.opt).__name__
+            raise ValueError(f"{name}(budget={self.kind!r}) needs set_budget({self.kind}=...) before training")
 
     def spent(self, steps: int, samples: int, seconds: float) -> bool:
         """True once this peer's share is spent (never blocks)."""
@@ -109,8 +111,15 @@ class Budget:
         msg = torch.zeros(3, dtype=torch.float64)
         while len(final) < n - 1:
             senders = f"peer(s) {sorted(set(reported) - final)}"
-            listener = "rank 0: AD-PSGD's coordinator"
-            if not receive_any(control, msg, TAG_PROGRESS, timeout_s, self.opt._abort.is_set, listener, senders):
+            listener = f"rank 0: {self.opt.label}'s coordinator"
+            try:
+                heard = receive_any(control, msg, TAG_PROGRESS, timeout_s, self.opt._abort.is_set, listener, senders)
+            except PeerTimeoutError:
+                if not getattr(self.opt, "carries_on", False):
+                    raise
+                self.stop.set()  # the algorithm goes on without silent peers (a quorum merge): the budget ends here
+                return
+            if not heard:
                 return
             sender = int(msg[0].item())
             reported[sender] = max(reported[sender], msg[1].item())
@@ -120,4 +129,4 @@ class Budget:
                 self.stop.set()
             answer = torch.tensor([1.0 if self.stop.is_set() else 0.0], dtype=torch.float64)
             send = control.start_send(answer, sender, TAG_ANSWER)
-            control.wait_request("AD-PSGD coordinator answer", send, [sender])
+            control.wait_request(f"{self.opt.label} coordinator answer", send, [sender])

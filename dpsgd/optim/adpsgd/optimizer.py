@@ -13,17 +13,16 @@ import time
 
 import torch
 
-from dpsgd.comm import CommError, PeerTimeoutError
 from dpsgd.comm.base import flatten, unflatten
-from dpsgd.comm.pending import poll_until
 from dpsgd.seeds import protocol_jitter_seed
 
 from ..base import DistributedOptimizer
+from ..threaded import ThreadedPeer
 from .averaging import Averaging
 from .budget import Budget
 
 
-class ADPSGD(DistributedOptimizer):
+class ADPSGD(DistributedOptimizer, ThreadedPeer):
     """AD-PSGD (Lian et al. 2018): asynchronous pairwise averaging, no global step.
 
     Each peer takes its gradient g_i at a snapshot of x_i while x_i may change underneath; an active peer
@@ -85,19 +84,12 @@ class ADPSGD(DistributedOptimizer):
         self._errors: list[BaseException] = []
         self._finished = False
 
-    # --- set-up -----------------------------------------------------------------------------
-    def set_budget(
-        self,
-        steps: int | None = None,
-        samples: int | None = None,
-        seconds: float | None = None,
-        samples_per_step: int | None = None,
-    ) -> None:
-        """The amounts of the budgets (only the one named by `budget` ends the run)."""
-        self.run_budget.set(steps=steps, samples=samples, seconds=seconds)
-        if samples_per_step is not None:
-            self.samples_per_step = int(samples_per_step)
+    @property
+    def exchanges(self) -> Averaging:
+        """Its exchanges, as the event simulator asks for them (AsynchronousOptimizer)."""
+        return self.averaging
 
+    # --- set-up -----------------------------------------------------------------------------
     def start(self, threads: bool = True) -> None:
         """Start the communication threads and the clock (call it after a barrier, on every peer).
         `threads=False`: no thread; the caller performs the averagings with `averaging.request`, `serve`
@@ -116,18 +108,6 @@ class ADPSGD(DistributedOptimizer):
             self._spawn(self.averaging.run_passive, "server")
         if self.run_budget.coordinating:
             self._spawn(self.run_budget.coordinate, "coordinator")
-
-    def _spawn(self, target, what: str) -> None:
-        def run():
-            try:
-                target()
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                self._errors.append(exc)
-                self._abort.set()
-
-        t = threading.Thread(target=run, name=f"adpsgd-{what}-{self.comm.rank}", daemon=True)
-        self._threads.append(t)
-        t.start()
 
     def param_group_added(self, params: list[torch.Tensor]) -> None:
         raise ValueError(
@@ -191,19 +171,6 @@ class ADPSGD(DistributedOptimizer):
         operands, so they hold bit-identical values afterwards and the sum of all parameters is conserved."""
         own.add_(other).mul_(0.5)
 
-    def _wait(self, test, what: str, then: str) -> None:
-        """Wait for `test()` within the communicator's deadline, counted in `wait_s`; a communication
-        thread's error is raised instead, and past the deadline an error saying that `what`."""
-        t0, since = time.monotonic(), self.clock()
-        try:
-            done = poll_until(test, t0 + self.comm.timeout_s, abort=self._abort.is_set)
-        except PeerTimeoutError:
-            done = False
-        if not done:
-            self._raise_thread_error()
-            raise PeerTimeoutError(f"rank {self.comm.rank}: AD-PSGD's {what} within {self.comm.timeout_s:g} s{then}")
-        self.wait_s += self.clock() - since
-
     def _load_into_model(self, flat: torch.Tensor) -> None:
         params = self.params()
         for p, value in zip(params, unflatten(flat, params)):
@@ -221,17 +188,7 @@ class ADPSGD(DistributedOptimizer):
             self.run_budget.report(self.samples, final=True)
             if self.role == "active":
                 self.averaging.stop()
-            deadline = time.monotonic() + 2 * self.comm.timeout_s
-            for t in self._threads:
-                while t.is_alive():
-                    t.join(timeout=0.05)
-                    self._raise_thread_error()
-                    if time.monotonic() > deadline:
-                        raise PeerTimeoutError(
-                            f"rank {self.comm.rank}: AD-PSGD's {t.name} thread did not end within "
-                            f"{2 * self.comm.timeout_s:g} s"
-                        )
-            self._raise_thread_error()
+            self._join_threads(2 * self.comm.timeout_s)
         except BaseException:
             self.abort()
             raise
@@ -252,15 +209,6 @@ class ADPSGD(DistributedOptimizer):
         """Stop the communication threads without the closing handshake (after an error)."""
         self._abort.set()
         self.averaging.stop()
-
-    def _raise_thread_error(self) -> None:
-        if self._errors:
-            exc = self._errors[0]
-            if isinstance(exc, CommError):
-                raise exc
-            raise CommError(
-                f"rank {self.comm.rank}: AD-PSGD's communication thread failed: {type(exc).__name__}: {exc}"
-            ) from exc
 
     def _jitter(self) -> None:
         if self.jitter_s > 0:
