@@ -62,6 +62,7 @@ def at_8192(topology: str) -> Check:
 
 ALGORITHMS = {
     "adpsgd": ["topology=ring"],
+    "async_local_sgd": ["algorithm.period=2"],
     "desloc": ["algorithm.param_period=2", "algorithm.momentum_period=4", "algorithm.variance_period=8"],
     "diloco": ["algorithm.period=2"],
     "noloco": ["algorithm.period=2"],
@@ -69,7 +70,19 @@ ALGORITHMS = {
     "streaming_diloco": ["algorithm.period=4", "algorithm.fragments=2", "algorithm.delay=1"],
 }
 ALGORITHM_NAMES = [
-    *("adpsgd", "allreduce", "bmuf", "choco", "d2", "demo", "desloc", "diloco", "dpsgd", "gradient_tracking"),
+    *(
+        "adpsgd",
+        "async_local_sgd",
+        "allreduce",
+        "bmuf",
+        "choco",
+        "d2",
+        "demo",
+        "desloc",
+        "diloco",
+        "dpsgd",
+        "gradient_tracking",
+    ),
     *("local_sgd", "noloco", "qgm", "sgp", "slowmo", "sparseloco", "sparta", "streaming_diloco"),
 ]
 # base_k is left out: it builds its 13 matrices dense at 8,192 peers (64 s and 14 GB on 2 CPU cores); 4 peers run it
