@@ -21,10 +21,11 @@ from dpsgd.comm.pending import poll_until
 
 from .adpsgd.budget import Budget
 from .base import DistributedOptimizer
+from .hierarchical import GroupServer, group_of
 from .threaded import ThreadedPeer
 
 TAG_PUSH, TAG_REPLY = 21, 22
-PUSH, PULL, DONE = 0.0, 1.0, 2.0
+PUSH, PULL, DONE, UP = 0.0, 1.0, 2.0, 3.0  # UP: a group server's push to the global merger (groups > 1)
 HEADER = 6  # kind, sender, samples of the round, steps of the round, speed (steps/s, 0: unknown), version pulled
 REPLY_HEADER = 2  # version of the global model, the worker's next period
 
@@ -212,6 +213,17 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
     summary) when quorum > 1, and raises naming it otherwise. Goodput: the steps whose outer gradient was merged,
     per second of the run (virtual seconds on the simulator).
 
+    Hierarchical (`groups: G` > 1, in the spirit of HALoS; the event simulator only): the peers split into G
+    contiguous groups of s = n / G; group g's first rank g s holds a local server (dpsgd.optim.hierarchical's
+    GroupServer) whose merger applies its workers' Delta_i to the group model y_g by the rule above (N = `dn_every`,
+    default s), and rank 0 also holds the global merger (x; delayed Nesterov with eps = `global_lr`, beta =
+    `global_momentum`, N = `global_dn_every`, default G). With anchor_g = x_0 at the start, K = `global_every`:
+          every K local merges with no push of the group in flight (and once more when the group's workers are
+          done): D_g = anchor_g - y_g;  y_sent = y_g;  anchor_g <- y_g;  D_g goes to rank 0,
+          which applies it on arrival as an outer gradient: x <- DN_global(x, D_g), and answers with x;
+          the answer arrives: y_g <- x + (y_g - y_sent);  anchor_g <- x.
+    `groups: 1` is the flat rule, number for number.
+
     `budget` (steps per peer, total samples, seconds) ends the run as AD-PSGD's does. At the end every worker
     pushes its last (partial) round, the merger merges what is buffered and every peer takes the final global
     model."""
@@ -241,6 +253,11 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         failures: list | None = None,
         budget: str = "samples",
         seconds: float | None = None,
+        groups: int = 1,
+        global_every: int = 1,
+        global_lr: float = 1.0,
+        global_momentum: float = 0.0,
+        global_dn_every: int | None = None,
         **common,
     ):
         super().__init__(base, **common)
@@ -255,8 +272,21 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             )
         if not grace_s >= 0:
             raise ValueError(f"{name} grace_s must be >= 0 seconds, got {grace_s}")
+        hierarchical = _check_groups(name, n, groups, global_every, global_lr, global_momentum, global_dn_every)
+        if hierarchical and (quorum > 1 or failures):
+            raise ValueError(
+                f"{name} groups > 1 takes neither a quorum nor failures yet: set quorum: 1 and failures: null, "
+                "or groups: 1"
+            )
+        if hierarchical and getattr(comm, "clock", None) is None:
+            raise ValueError(
+                f"{name} groups > 1 runs on the event simulator (backend=fleet) only so far; use groups: 1 on real "
+                "peers"
+            )
+        self.groups = int(groups)
+        self.group, self.leader, members = group_of(comm.rank, n, self.groups)
         if dn_every is None:
-            dn_every = max(1, n // quorum)
+            dn_every = max(1, n // quorum) if not hierarchical else len(members)
         if isinstance(dn_every, bool) or not isinstance(dn_every, int) or dn_every < 1:
             raise ValueError(f"{name} dn_every must be an integer >= 1 or null (n // quorum), got {dn_every!r}")
         for key, values in (("periods", periods), ("speeds", speeds)):
@@ -288,10 +318,10 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             self.live = flatten(self.params()).clone()  # x_i after the last step (what the simulator shows)
         self.anchor = self.live.clone()  # x_pulled: the global model this round started from
         self.pulled_version = 0
-        self.merger = (
+        self.merger = (  # the global merger (groups: 1), or this group's local server's merger (on its leader)
             Merger(
                 self.live,
-                n,
+                len(members),
                 lr=outer_lr,
                 momentum=outer_momentum,
                 delayed_nesterov=delayed_nesterov,
@@ -303,12 +333,31 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                 dylu=dylu,
                 speeds=speeds,
             )
-            if comm.rank == 0
+            if comm.rank == self.leader
             else None
         )
+        self.group_server: GroupServer | None = None  # groups > 1, on a group's leader
+        self.global_merger: Merger | None = None  # groups > 1, on rank 0
+        if hierarchical and self.merger is not None:
+            self.group_server = GroupServer(self.merger, global_every, members)
+            if comm.rank == 0:
+                self.global_merger = Merger(
+                    self.live,
+                    self.groups,
+                    lr=global_lr,
+                    momentum=global_momentum,
+                    delayed_nesterov=delayed_nesterov,
+                    dn_every=global_dn_every or self.groups,
+                    quorum=1,
+                    grace_s=0.0,
+                    period=period,
+                    periods=None,
+                    dylu=False,
+                    speeds=None,
+                )
         self.my_period = int(periods[comm.rank]) if periods is not None else period
         self.role = "active"  # every peer pushes (rank 0 to its own merger, alone too)
-        self.partners = frozenset({0}) if comm.rank != 0 else frozenset()
+        self.partners = frozenset({self.leader}) if comm.rank != self.leader else frozenset()
         self.link = comm.duplicate() if n > 1 else None  # collective: every peer makes it
         if n > 1 and hasattr(comm, "require_thread_multiple"):
             comm.require_thread_multiple(f"{name} (rank 0 serves pushes from a communication thread)")
@@ -330,6 +379,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self._errors: list[BaseException] = []
         self._finished = False
         self.departed: list[int] = []
+        self._last_round = False  # this worker's round in progress is its last (its budget is spent)
 
     # --- the asynchronous optimizer's protocol ----------------------------------------------------
     @property
@@ -398,6 +448,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         spent = self.run_budget.spent(self.step_count, self.samples, self.clock() - (self.started_at or 0.0))
         if self.steps_in_round >= self.my_period or spent:
             self._due = True
+            self._last_round = bool(spent)
             if self.threaded:
                 self._push_and_pull()
 
@@ -424,7 +475,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self._due = False
         self.lock.acquire()
         self._sent = PULL if self.steps_in_round == 0 else PUSH
-        return 0, self._message(self._sent)
+        return self.leader, self._message(self._sent)
 
     def serve(self, message: torch.Tensor) -> torch.Tensor | None:
         """The merger (rank 0): take a push, a pull or a DONE; answer [version, the sender's next period, x]
@@ -433,6 +484,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         if merger is None:
             raise CommError(f"rank {self.comm.rank} got a message for the merger, which is rank 0")
         kind, sender = message[0].item(), int(message[1].item())
+        if kind == UP:
+            return self._serve_group(message)
         with self._merger_lock:
             if kind == DONE:
                 merger.done.add(sender)
@@ -448,10 +501,56 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                     self.clock(),
                     int(message[5].item()),
                 )
+                if sender == self.comm.rank and self._last_round and self.group_server is not None:
+                    merger.done.add(sender)  # the leader's own worker pushed its last round
             reply = torch.empty(REPLY_HEADER + merger.x.numel(), dtype=merger.x.dtype)
             reply[0], reply[1] = float(merger.version), float(merger.period_of(sender))
             reply[REPLY_HEADER:].copy_(merger.x)
         return reply
+
+    # --- groups > 1: a group server's exchange with the global merger (the event simulator's upstream) -----
+    def upstream(self) -> tuple[int, torch.Tensor] | None:
+        """A group's leader: its push of the group delta D_g to the global merger (rank 0) when one is due (every
+        `global_every` local merges, and the rest once its workers are done); None otherwise."""
+        group = self.group_server
+        if group is None or not group.due():
+            return None
+        delta = group.take_push()
+        message = torch.empty(self.message_numel, dtype=self.live.dtype)
+        merger = group.merger
+        message[0], message[1] = UP, float(self.comm.rank)
+        message[2], message[3] = float(merger.useful_samples), float(merger.useful_steps)
+        message[4], message[5] = 0.0, float(group.global_version)
+        message[HEADER:].copy_(delta)
+        return 0, message
+
+    def _serve_group(self, message: torch.Tensor) -> torch.Tensor:
+        """The global merger (rank 0): apply a group's delta D_g with the global outer optimizer and answer with the
+        global model [version, 0, x]."""
+        merger = self.global_merger
+        if merger is None:
+            raise CommError(f"rank {self.comm.rank} got a group's push for the global merger, which is rank 0")
+        sender = int(message[1].item())
+        with self._merger_lock:
+            merger.push(
+                sender // (self.comm.size // self.groups),
+                message[HEADER:].to(merger.x.device),
+                int(message[2].item()),
+                int(message[3].item()),
+                self.clock(),
+                int(message[5].item()),
+            )
+            reply = torch.empty(REPLY_HEADER + merger.x.numel(), dtype=merger.x.dtype)
+            reply[0], reply[1] = float(merger.version), 0.0
+            reply[REPLY_HEADER:].copy_(merger.x)
+        return reply
+
+    def complete_upstream(self, partner: int, reply: torch.Tensor) -> None:
+        """A group's leader: adopt the global model of the reply (y <- x + (y - y_sent), anchor <- x)."""
+        group = self.group_server
+        assert group is not None
+        with self._merger_lock:
+            group.adopt(reply[REPLY_HEADER:].to(group.merger.x.device), int(reply[0].item()))
 
     def complete(self, partner: int, reply: torch.Tensor) -> None:
         """The worker: load the global model of the reply, start the next round, release x_i."""
@@ -595,10 +694,11 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
 
     def conclude(self) -> None:
         """The simulator: every worker is done; the merger merges what is buffered and rank 0 takes the result."""
-        if self.merger is not None:
+        root = self.global_merger if self.global_merger is not None else self.merger
+        if root is not None:
             with self._merger_lock:
-                self.merger.finish()
-            self._adopt(self.merger.x, self.merger.version)
+                root.finish()
+            self._adopt(root.x, root.version)
 
     def adopt_final(self, x: torch.Tensor) -> None:
         """Take rank 0's final global model (the simulator's `final_broadcast`)."""
@@ -675,18 +775,33 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                 departed=list(self.departed),
                 speeds={str(r): v for r, v in sorted(m.speeds.items())},
             )
+        if self.group_server is not None:
+            row.update(role="group server", global_pushes=self.group_server.pushes)
+        g = self.global_merger
+        if g is not None:
+            row.update(role="global merger", global_arrivals=g.arrivals, global_staleness=list(g.staleness))
         return row
 
     def summary(self, rows: list[dict]) -> dict:
         """summary.json's `async_local_sgd` block: the merger's counts, goodput and staleness, per-peer lists."""
         server = rows[0]
         elapsed = max(float(r["elapsed_s"]) for r in rows)
-        stale = server.get("staleness", [])
+        servers = [r for r in rows if "arrivals" in r]  # the merger (groups: 1) or each group's server
+        stale = [s for r in servers for s in r["staleness"]]
         steps = sum(int(r["steps"]) for r in rows)
-        useful = int(server.get("useful_steps", 0))
+        useful = sum(int(r["useful_steps"]) for r in servers)
+        hierarchy = {}
+        if "global_arrivals" in server:  # groups > 1: the global merger's counts (staleness in its updates)
+            global_stale = server["global_staleness"]
+            hierarchy = {
+                "global_arrivals": int(server["global_arrivals"]),
+                "global_pushes_per_group": [int(r["global_pushes"]) for r in servers],
+                "global_staleness_mean": sum(global_stale) / len(global_stale) if global_stale else 0.0,
+            }
         return {
-            "arrivals": int(server.get("arrivals", 0)),
-            "merges": int(server.get("merges", 0)),
+            **hierarchy,
+            "arrivals": sum(int(r["arrivals"]) for r in servers),
+            "merges": sum(int(r["merges"]) for r in servers),
             "useful_steps": useful,
             "lost_steps": steps - useful,
             "goodput_steps_per_s": useful / elapsed if elapsed > 0 else 0.0,
@@ -695,7 +810,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
             "staleness_max": max(stale, default=0),
             "departed": server.get("departed", []),
-            "speeds": server.get("speeds", {}),
+            "speeds": {k: v for r in servers for k, v in r.get("speeds", {}).items()},
             "steps_per_peer": [int(r["steps"]) for r in rows],
             "pushes_per_peer": [int(r["pushes"]) for r in rows],
             "period_per_peer": [int(r["period"]) for r in rows],
@@ -717,6 +832,10 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         if self.merger is not None:
             with self._merger_lock:
                 state["merger"] = self.merger.state_dict()
+                if self.group_server is not None:
+                    state["group_server"] = self.group_server.state_dict()
+                if self.global_merger is not None:
+                    state["global_merger"] = self.global_merger.state_dict()
         return state
 
     def load_algorithm_state(self, state):
@@ -737,6 +856,25 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         if self.merger is not None:
             with self._merger_lock:
                 self.merger.load_state_dict(state["merger"])
+                if self.group_server is not None:
+                    self.group_server.load_state_dict(state["group_server"])
+                if self.global_merger is not None:
+                    self.global_merger.load_state_dict(state["global_merger"])
+
+
+def _check_groups(name, n, groups, every, lr, momentum, dn_every) -> bool:
+    """The hierarchical options checked (one line each); True when there is more than one group."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or n % groups:
+        raise ValueError(
+            f"{name} groups must be a whole divisor of the peers ({n}) (G equal contiguous groups), got {groups!r}"
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{name} global_every must be an integer >= 1 (local merges per global push), got {every!r}")
+    if not (isinstance(lr, int | float) and lr > 0) or not (isinstance(momentum, int | float) and 0 <= momentum < 1):
+        raise ValueError(f"{name} needs global_lr > 0 and 0 <= global_momentum < 1, got {lr!r}, {momentum!r}")
+    if dn_every is not None and (isinstance(dn_every, bool) or not isinstance(dn_every, int) or dn_every < 1):
+        raise ValueError(f"{name} global_dn_every must be an integer >= 1 or null (groups), got {dn_every!r}")
+    return groups > 1
 
 
 def _failures(failures, n: int, name: str) -> list[tuple[int, float, float]]:
