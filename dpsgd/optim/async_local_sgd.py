@@ -25,6 +25,7 @@ from .hierarchical import GroupServer, group_of
 from .threaded import ThreadedPeer
 
 TAG_PUSH, TAG_REPLY = 21, 22
+TAG_UP, TAG_UP_REPLY = 23, 24  # groups > 1 on real peers: a group server and the global merger
 PUSH, PULL, DONE, UP = 0.0, 1.0, 2.0, 3.0  # UP: a group server's push to the global merger (groups > 1)
 HEADER = 6  # kind, sender, samples of the round, steps of the round, speed (steps/s, 0: unknown), version pulled
 REPLY_HEADER = 2  # version of the global model, the worker's next period
@@ -213,7 +214,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
     summary) when quorum > 1, and raises naming it otherwise. Goodput: the steps whose outer gradient was merged,
     per second of the run (virtual seconds on the simulator).
 
-    Hierarchical (`groups: G` > 1, in the spirit of HALoS; the event simulator only): the peers split into G
+    Hierarchical (`groups: G` > 1, in the spirit of HALoS; quorum 1, no `failures`): the peers split into G
     contiguous groups of s = n / G; group g's first rank g s holds a local server (dpsgd.optim.hierarchical's
     GroupServer) whose merger applies its workers' Delta_i to the group model y_g by the rule above (N = `dn_every`,
     default s), and rank 0 also holds the global merger (x; delayed Nesterov with eps = `global_lr`, beta =
@@ -222,7 +223,9 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
           done): D_g = anchor_g - y_g;  y_sent = y_g;  anchor_g <- y_g;  D_g goes to rank 0,
           which applies it on arrival as an outer gradient: x <- DN_global(x, D_g), and answers with x;
           the answer arrives: y_g <- x + (y_g - y_sent);  anchor_g <- x.
-    `groups: 1` is the flat rule, number for number.
+    `groups: 1` is the flat rule, number for number. On real peers each leader's communication thread serves its
+    group and keeps one push to rank 0 in flight (`_GlobalLink`); rank 0's own group's pushes are served in memory;
+    at the end every leader says DONE to rank 0, which sends every peer the final x.
 
     `budget` (steps per peer, total samples, seconds) ends the run as AD-PSGD's does. At the end every worker
     pushes its last (partial) round, the merger merges what is buffered and every peer takes the final global
@@ -277,11 +280,6 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             raise ValueError(
                 f"{name} groups > 1 takes neither a quorum nor failures yet: set quorum: 1 and failures: null, "
                 "or groups: 1"
-            )
-        if hierarchical and getattr(comm, "clock", None) is None:
-            raise ValueError(
-                f"{name} groups > 1 runs on the event simulator (backend=fleet) only so far; use groups: 1 on real "
-                "peers"
             )
         self.groups = int(groups)
         self.group, self.leader, members = group_of(comm.rank, n, self.groups)
@@ -513,9 +511,12 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         """A group's leader: its push of the group delta D_g to the global merger (rank 0) when one is due (every
         `global_every` local merges, and the rest once its workers are done); None otherwise."""
         group = self.group_server
-        if group is None or not group.due():
+        if group is None:
             return None
-        delta = group.take_push()
+        with self._merger_lock:
+            if not group.due():
+                return None
+            delta = group.take_push()
         message = torch.empty(self.message_numel, dtype=self.live.dtype)
         merger = group.merger
         message[0], message[1] = UP, float(self.comm.rank)
@@ -601,10 +602,10 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
     # --- real peers: the worker's blocking push and rank 0's thread ---------------------------------
     def _push_and_pull(self) -> None:
         """Real peers: push this round's outer gradient and load the answer (rank 0: to its own merger)."""
-        if self.merger is not None:  # rank 0 is its own merger
+        if self.merger is not None:  # rank 0 (a group's leader) is its own merger
             reply = self.serve(self._message(PUSH))
             assert reply is not None
-            self.complete(0, reply)
+            self.complete(self.comm.rank, reply)
             self._due = False
             return
         link = self.link
@@ -612,26 +613,31 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self._due = False
         message = self._message(PUSH)
         reply = torch.empty(REPLY_HEADER + self.live.numel(), dtype=self.live.dtype)
-        recv = link.start_recv(reply, 0, TAG_REPLY)
-        send = link.start_send(message, 0, TAG_PUSH)
+        recv = link.start_recv(reply, self.leader, TAG_REPLY)
+        send = link.start_send(message, self.leader, TAG_PUSH)
         then = "; the merger died or hangs (raise comm.timeout_s if it is slow)"
-        self._wait(lambda: send.test() and recv.test(), "push to the merger (rank 0) was not answered", then)
-        self.complete(0, reply)
+        what = f"push to the merger (rank {self.leader}) was not answered"
+        self._wait(lambda: send.test() and recv.test(), what, then)
+        self.complete(self.leader, reply)
 
     def _serve_loop(self) -> None:
-        """Rank 0's communication thread: answer pushes, merge quorums whose grace ran out, until every other
-        worker said DONE. A worker silent for comm.timeout_s after rank 0's own worker is done is departed
-        (quorum > 1: the merger ends without it) or named in a PeerTimeoutError (quorum 1)."""
+        """Rank 0's communication thread (with groups, each group leader's): answer pushes, merge quorums whose grace
+        ran out, until every other worker (of the group) said DONE; with groups, also the exchange with the global
+        merger (`_GlobalLink`) until it is settled. A worker silent for comm.timeout_s after this rank's own worker is
+        done is departed (quorum > 1: the merger ends without it) or named in a PeerTimeoutError (quorum 1)."""
         link, merger, timeout_s = self.link, self.merger, self.comm.timeout_s
         assert link is not None and merger is not None
-        workers = set(range(1, self.comm.size))
+        workers = set(group_of(self.comm.rank, self.comm.size, self.groups)[2]) - {self.comm.rank}
         heard = {r: time.monotonic() for r in workers}
         incoming = torch.empty(self.message_numel, dtype=self.live.dtype)
-        recv = link.start_recv(incoming, None, TAG_PUSH)
-        while workers - merger.done:
+        recv = link.start_recv(incoming, None, TAG_PUSH) if workers else None
+        upper = _GlobalLink(self) if self.group_server is not None else None
+        while workers - merger.done or (upper is not None and not upper.settled()):
             if self._abort.is_set():
                 return
-            if not recv.test():
+            if upper is not None:
+                upper.pump()
+            if recv is None or not (workers - merger.done) or not recv.test():
                 self.tick()
                 if self._finished_own is not None:  # rank 0's worker is done: silence now counts
                     now = time.monotonic()
@@ -639,7 +645,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                     silent = sorted(r for r in waiting if now - max(heard[r], self._finished_own) > timeout_s)
                     if silent and self.quorum == 1:
                         raise PeerTimeoutError(
-                            f"rank 0: the async Local-SGD merger heard nothing for {timeout_s:g} s from worker(s) "
+                            f"rank {self.comm.rank}: the async Local-SGD merger heard nothing for {timeout_s:g} s "
+                            f"from worker(s) "
                             f"{silent}; a peer died or hangs (algorithm.quorum > 1 carries on without it; raise "
                             "comm.timeout_s if peers are just slow)"
                         )
@@ -708,9 +715,16 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         link = self.link
         assert link is not None
         final = torch.empty(REPLY_HEADER + self.live.numel(), dtype=self.live.dtype)
-        if self.merger is None:
+        leader = self.merger is not None and self.comm.rank != 0  # groups > 1: a group's leader other than rank 0
+        if leader and self.merger is not None:
+            self._finished_own = time.monotonic()
+            with self._merger_lock:
+                self.merger.done.add(self.comm.rank)  # its own worker is done: the group's last push may go
+            self._join_threads(3 * self.comm.timeout_s)
+        if self.merger is None or leader:  # say DONE (a leader to the global merger) and take the final model
             recv = link.start_recv(final, 0, TAG_REPLY)
-            send = link.start_send(self._message(DONE), 0, TAG_PUSH)
+            closing = self._message(DONE)
+            send = link.start_send(closing, 0, TAG_UP) if leader else link.start_send(closing, self.leader, TAG_PUSH)
             deadline = 2 * self.comm.timeout_s
             t0 = time.monotonic()
             try:
@@ -725,8 +739,15 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             self._adopt(final[REPLY_HEADER:], int(final[0].item()))
             return
         self._finished_own = time.monotonic()
+        if self.group_server is not None:
+            with self._merger_lock:
+                self.group_server.merger.done.add(0)  # rank 0's own worker is done
         self._join_threads(3 * self.comm.timeout_s)
-        merger = self.merger
+        if self.group_server is not None:  # its own group's last pushes, in memory
+            while (begun := self.upstream()) is not None:
+                self.complete_upstream(0, self._serve_group(begun[1]))
+        merger = self.global_merger if self.global_merger is not None else self.merger
+        assert merger is not None
         self._adopt(merger.x, merger.version)
         final[0], final[1] = float(merger.version), 0.0
         final[REPLY_HEADER:].copy_(merger.x)
@@ -860,6 +881,51 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                     self.group_server.load_state_dict(state["group_server"])
                 if self.global_merger is not None:
                     self.global_merger.load_state_dict(state["global_merger"])
+
+
+class _GlobalLink:
+    """groups > 1 on real peers, in a group leader's communication thread: its group's pushes to the global merger
+    (rank 0) and their answers, one in flight at a time (rank 0's own group's in memory); on rank 0 also the other
+    groups' pushes, each answered with the global model, and their DONE."""
+
+    def __init__(self, opt: AsyncLocalSGD):
+        assert opt.link is not None
+        self.opt, self.link = opt, opt.link
+        n, groups = opt.comm.size, opt.groups
+        self.leaders = {g * (n // groups) for g in range(1, groups)} if opt.global_merger is not None else set()
+        self.leaders_done: set[int] = set()
+        self.incoming = torch.empty(opt.message_numel, dtype=opt.live.dtype)
+        self.recv = self.link.start_recv(self.incoming, None, TAG_UP) if self.leaders else None
+        self.flight: tuple | None = None  # (send, recv, message, answer) of this group's push in flight
+
+    def settled(self) -> bool:
+        """Rank 0: every other group said DONE; another leader: its group is done and its last push answered."""
+        opt, group = self.opt, self.opt.group_server
+        assert group is not None
+        if opt.global_merger is not None:
+            return self.leaders <= self.leaders_done
+        return group.finished and self.flight is None and not group.due()
+
+    def pump(self) -> None:
+        opt, link = self.opt, self.link
+        if self.recv is not None and self.recv.test():  # rank 0: a group's push (answered) or its DONE
+            sender = int(self.incoming[1].item())
+            if self.incoming[0].item() == DONE:
+                self.leaders_done.add(sender)
+            else:
+                send = link.start_send(opt._serve_group(self.incoming), sender, TAG_UP_REPLY)
+                link.wait_request("async Local-SGD global merger's reply", send, [sender])
+            self.recv = link.start_recv(self.incoming, None, TAG_UP) if self.leaders - self.leaders_done else None
+        if self.flight is not None and self.flight[0].test() and self.flight[1].test():
+            opt.complete_upstream(0, self.flight[3])
+            self.flight = None
+        if self.flight is None and (begun := opt.upstream()) is not None:
+            if opt.comm.rank == 0:
+                opt.complete_upstream(0, opt._serve_group(begun[1]))
+            else:
+                answer = torch.empty(REPLY_HEADER + opt.live.numel(), dtype=opt.live.dtype)
+                recv = link.start_recv(answer, 0, TAG_UP_REPLY)
+                self.flight = (link.start_send(begun[1], 0, TAG_UP), recv, begun[1], answer)
 
 
 def _check_groups(name, n, groups, every, lr, momentum, dn_every) -> bool:
