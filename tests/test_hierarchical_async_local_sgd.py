@@ -206,6 +206,30 @@ def test_local_backend_threads_under_random_delays(peers, groups):
     assert not torch.allclose(results[0][0], torch.zeros(8))
 
 
+def test_a_silent_group_is_named_by_the_global_merger():
+    """On the local backend, group 1 (ranks 2 and 3) stops after 3 steps without a word: once rank 0's worker is done,
+    the global merger names the silent leader within comm.timeout_s instead of waiting for ever."""
+    from dpsgd.comm import PeerTimeoutError
+
+    def peer(comm):
+        torch.manual_seed(comm.rank)
+        w = torch.nn.Parameter(torch.randn(6))
+        opt = AsyncLocalSGD(torch.optim.SGD([w], lr=0.05), comm=comm, period=2, groups=2, budget="steps")
+        opt.set_budget(steps=12, samples_per_step=1)
+        opt.start()
+        while not opt.should_stop():
+            if comm.rank >= 2 and opt.step_count == 3:
+                return None  # silent from here on
+            opt.zero_grad()
+            w.pow(2).sum().backward()
+            opt.step()
+        opt.finish()
+        return w.detach().clone()
+
+    with pytest.raises(PeerTimeoutError, match=r"global merger heard nothing for 0.5 s from group leader\(s\) \[2\]"):
+        run_local(4, peer, timeout_s=0.5)
+
+
 def test_local_backend_agrees_with_the_event_simulator_on_constant_compute_times(tmp_path):
     """4 peers in 2 groups, peer 3 3x slower (real threads sleeping its compute, and the event simulator drawing it):
     DyLU gives it the same period within its group, every push and group delta merges, the accuracies are close."""

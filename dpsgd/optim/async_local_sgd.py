@@ -894,6 +894,7 @@ class _GlobalLink:
         n, groups = opt.comm.size, opt.groups
         self.leaders = {g * (n // groups) for g in range(1, groups)} if opt.global_merger is not None else set()
         self.leaders_done: set[int] = set()
+        self.heard = {r: time.monotonic() for r in self.leaders}
         self.incoming = torch.empty(opt.message_numel, dtype=opt.live.dtype)
         self.recv = self.link.start_recv(self.incoming, None, TAG_UP) if self.leaders else None
         self.flight: tuple | None = None  # (send, recv, message, answer) of this group's push in flight
@@ -910,12 +911,22 @@ class _GlobalLink:
         opt, link = self.opt, self.link
         if self.recv is not None and self.recv.test():  # rank 0: a group's push (answered) or its DONE
             sender = int(self.incoming[1].item())
+            self.heard[sender] = time.monotonic()
             if self.incoming[0].item() == DONE:
                 self.leaders_done.add(sender)
             else:
                 send = link.start_send(opt._serve_group(self.incoming), sender, TAG_UP_REPLY)
                 link.wait_request("async Local-SGD global merger's reply", send, [sender])
             self.recv = link.start_recv(self.incoming, None, TAG_UP) if self.leaders - self.leaders_done else None
+        elif self.recv is not None and opt._finished_own is not None:  # rank 0's worker is done: silence counts
+            now, timeout_s = time.monotonic(), opt.comm.timeout_s
+            waiting = self.leaders - self.leaders_done
+            silent = sorted(r for r in waiting if now - max(self.heard[r], opt._finished_own) > timeout_s)
+            if silent:
+                raise PeerTimeoutError(
+                    f"rank 0: the async Local-SGD global merger heard nothing for {timeout_s:g} s from group "
+                    f"leader(s) {silent}; a peer died or hangs (raise comm.timeout_s if groups are just slow)"
+                )
         if self.flight is not None and self.flight[0].test() and self.flight[1].test():
             opt.complete_upstream(0, self.flight[3])
             self.flight = None
