@@ -274,6 +274,24 @@ def test_the_app_runs_two_groups_on_mpi_processes(tmp_path):
     assert a["global_arrivals"] == sum(a["global_pushes_per_group"]) >= 2
 
 
+def test_two_regions_over_a_slow_link_the_groups_finish_sooner_at_the_flat_runs_metric(tmp_path):
+    """8 peers on 2 hosts of 4 (network.peers_per_host: 4), 50 ms between the hosts, nothing inside a host, 10 epochs
+    on the event simulator: flat, each of host 1's workers pulls across the slow link and waits for it every round;
+    with 2 groups only its leader's group pushes cross it. Measured 2026-12-06 (virtual time, so load-free): flat 0.931
+    in 1.38 emulated s, groups 0.936 in 0.68 s (staleness 6.5 -> 2.8 local updates)."""
+    results = {}
+    for name, options in (("flat", {}), ("groups", {"groups": 2, "global_every": 2})):
+        cfg = config(epochs=10, period=8, **options)
+        cfg["network"].update(peers_per_host=4, latency_s=0.05, compute_time=0.01, mode="model")
+        (tmp_path / name).mkdir()
+        train_fleet(parse(cfg), tmp_path / name)
+        results[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    flat, grouped = results["flat"], results["groups"]
+    assert grouped["emulated_time_s"] < 0.6 * flat["emulated_time_s"]
+    assert grouped["test_accuracy"] > flat["test_accuracy"] - 0.03 and grouped["test_accuracy"] > 0.85
+    assert grouped["async_local_sgd"]["staleness_mean"] < flat["async_local_sgd"]["staleness_mean"]
+
+
 def test_hierarchical_options_are_refused_in_one_line():
     w = torch.nn.Parameter(torch.zeros(3))
     cases = {

@@ -90,7 +90,9 @@ class Simulation:
     def __init__(self, config: RunConfig, link=None, compute: ComputeTimes | None = None):
         n, bs = config.peers, config.batch_size
         self.n, self.batch_size = n, bs
-        self.link = link if link is not None else NetworkEmulator.from_config(config.network).link
+        emulator = NetworkEmulator.from_config(config.network)
+        self.link = link if link is not None else emulator.link
+        self.hosts = emulator.hosts  # network.peers_per_host > 1: a message inside a host takes the intra-host link
         self.compute = compute if compute is not None else compute_times(config.backend, config.network, config.seed, n)
         self.plan = run = plan(config, n)
         self.batches = [run.batches(r) for r in range(n)]
@@ -233,7 +235,11 @@ class Simulation:
 
     # --- the communication threads --------------------------------------------------------------
     def _message_time(self, i: int, j: int, nbytes: int) -> float:
-        return 0.0 if i == j else self.link.message_time(nbytes)  # a peer's message to itself stays in memory
+        if i == j:  # a peer's message to itself stays in memory
+            return 0.0
+        if self.hosts.peers_per_host > 1 and self.hosts.host(i) == self.hosts.host(j):
+            return self.hosts.intra.message_time(nbytes)
+        return self.link.message_time(nbytes)
 
     def _request(self, i: int) -> None:
         begun = self.opts[i].exchanges.request()
@@ -333,7 +339,7 @@ class Simulation:
             closing = exchanges.closing()
             for j in sorted(exchanges.partners):
                 self.bytes_sent[i] += nbytes
-                arrival = self.now + self.link.message_time(nbytes)
+                arrival = self.now + self._message_time(i, j, nbytes)
                 if closing is not None:  # the partner acts on it (the merger counts its workers done)
                     self._at(arrival, "request", j, i, closing, self._epoch[i])
                 else:
