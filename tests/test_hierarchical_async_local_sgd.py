@@ -330,6 +330,17 @@ def test_state_dict_holds_the_group_server_and_the_global_merger():
     for left, right in ((b.merger.x, a.merger.x), (b.group_server.anchor, a.group_server.anchor)):
         torch.testing.assert_close(left, right, rtol=0, atol=0)
     torch.testing.assert_close(b.global_merger.x, a.global_merger.x, rtol=0, atol=0)
+    leader = AsyncLocalSGD(
+        torch.optim.SGD([torch.nn.Parameter(torch.arange(4.0))], lr=0.1),
+        comm=SimulatedCommunicator(2, 4, lambda: 0.0, {}),
+        groups=2,
+        broadcast_initial=False,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"saved on a rank with other servers \(another rank, or other groups\) and cannot load on rank 2",
+    ):
+        leader.load_state_dict(a.state_dict())  # rank 0's (with the global merger) on group 1's leader
 
 
 def test_the_apps_check_takes_groups_and_refuses_bad_values_in_one_line():

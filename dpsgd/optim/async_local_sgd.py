@@ -861,9 +861,14 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
-        if (self.merger is None) != ("merger" not in state):
+        roles = ("merger", "group_server", "global_merger")  # which servers a rank holds (groups > 1: leaders, 0)
+        if [self.merger is None, self.group_server is None, self.global_merger is None] != [
+            r not in state for r in roles
+        ]:
+            flat = f"rank {'0' if 'merger' in state else '> 0'}"
+            saved = flat if self.groups == 1 else "a rank with other servers (another rank, or other groups)"
             raise ValueError(
-                f"this {type(self).__name__} state_dict was saved on rank {'0' if 'merger' in state else '> 0'} and "
+                f"this {type(self).__name__} state_dict was saved on {saved} and "
                 f"cannot load on rank {self.comm.rank}: load each rank's own checkpoint"
             )
         with self.lock:
