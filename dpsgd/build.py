@@ -305,11 +305,12 @@ def build_peer(comm, run: RunConfig) -> Peer:
     )
 
 
-def check_build(run: RunConfig, peers: int, processes: bool = False) -> None:
+def check_build(run: RunConfig, peers: int, processes: bool = False, simulated: bool = False) -> None:
     """What building the run's peers would refuse, found before any starts: peer 0 of a world of `peers` built as
     a real peer builds itself (the plan: data, partition, budget; the model; the algorithm with its options on this
     topology), alone (it must not wait for the others' parameters) and on the CPU (the driver keeps off the GPUs its
-    peers will use); with `processes`, the GPU peer 0 would take is checked too."""
+    peers will use); with `processes`, the GPU peer 0 would take is checked too. `simulated`: the event simulator's
+    peer, whose communicator keeps a virtual clock (what an optimizer's simulator-only options look for)."""
     from dpsgd.comm import LocalCommunicator, LocalWorld
     from dpsgd.config import FaultsConfig
 
@@ -324,4 +325,7 @@ def check_build(run: RunConfig, peers: int, processes: bool = False) -> None:
         device="cpu",
         algorithm=Choice(a.name, a.target, {**a.options, "broadcast_initial": False}),
     )
-    build_peer(LocalCommunicator(LocalWorld(peers), 0, run.comm.timeout_s), alone)
+    comm = LocalCommunicator(LocalWorld(peers), 0, run.comm.timeout_s)
+    if simulated:
+        comm.clock = lambda: 0.0  # type: ignore[attr-defined]
+    build_peer(comm, alone)

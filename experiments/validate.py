@@ -161,7 +161,7 @@ def validate(source: RunConfig | Mapping, world_size: int | None = None, launche
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"topology {run.topology.name!r} with peers={peers}: {exc}") from None
     try:
-        build.check_build(run, peers, processes=record.processes)
+        build.check_build(run, peers, processes=record.processes, simulated=asynchronous and not record.real_peers)
         if not record.real_peers:  # every peer in one simulation: what the fleet refuses of a model
             from dpsgd.sim import check_model
 

@@ -176,8 +176,9 @@ def config(peers=4, backend="fleet", epochs=1, **options) -> dict:
     return cfg
 
 
-def test_event_simulator_straggler_takes_fewer_local_steps_and_every_step_is_merged():
-    sim = Simulation(parse(config()), compute=ComputeTimes(4, 0.01, scales={3: 4.0})).run()
+@pytest.mark.parametrize("options", [{}, {"groups": 1}])  # groups: 1 (the default) is the flat rule, number for number
+def test_event_simulator_straggler_takes_fewer_local_steps_and_every_step_is_merged(options):
+    sim = Simulation(parse(config(**options)), compute=ComputeTimes(4, 0.01, scales={3: 4.0})).run()
     rows = [o.measurements() for o in sim.opts]
     s = sim.opts[0].summary(rows)
     assert s["period_per_peer"] == [8, 8, 8, 2]  # DyLU from the speeds measured in virtual time

@@ -21,10 +21,12 @@ from dpsgd.comm.pending import poll_until
 
 from .adpsgd.budget import Budget
 from .base import DistributedOptimizer
+from .hierarchical import GroupServer, group_of
 from .threaded import ThreadedPeer
 
 TAG_PUSH, TAG_REPLY = 21, 22
-PUSH, PULL, DONE = 0.0, 1.0, 2.0
+TAG_UP, TAG_UP_REPLY = 23, 24  # groups > 1 on real peers: a group server and the global merger
+PUSH, PULL, DONE, UP = 0.0, 1.0, 2.0, 3.0  # UP: a group server's push to the global merger (groups > 1)
 HEADER = 6  # kind, sender, samples of the round, steps of the round, speed (steps/s, 0: unknown), version pulled
 REPLY_HEADER = 2  # version of the global model, the worker's next period
 
@@ -212,6 +214,19 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
     summary) when quorum > 1, and raises naming it otherwise. Goodput: the steps whose outer gradient was merged,
     per second of the run (virtual seconds on the simulator).
 
+    Hierarchical (`groups: G` > 1, in the spirit of HALoS; quorum 1, no `failures`): the peers split into G
+    contiguous groups of s = n / G; group g's first rank g s holds a local server (dpsgd.optim.hierarchical's
+    GroupServer) whose merger applies its workers' Delta_i to the group model y_g by the rule above (N = `dn_every`,
+    default s), and rank 0 also holds the global merger (x; delayed Nesterov with eps = `global_lr`, beta =
+    `global_momentum`, N = `global_dn_every`, default G). With anchor_g = x_0 at the start, K = `global_every`:
+          every K local merges with no push of the group in flight (and once more when the group's workers are
+          done): D_g = anchor_g - y_g;  y_sent = y_g;  anchor_g <- y_g;  D_g goes to rank 0,
+          which applies it on arrival as an outer gradient: x <- DN_global(x, D_g), and answers with x;
+          the answer arrives: y_g <- x + (y_g - y_sent);  anchor_g <- x.
+    `groups: 1` is the flat rule, number for number. On real peers each leader's communication thread serves its
+    group and keeps one push to rank 0 in flight (`_GlobalLink`); rank 0's own group's pushes are served in memory;
+    at the end every leader says DONE to rank 0, which sends every peer the final x.
+
     `budget` (steps per peer, total samples, seconds) ends the run as AD-PSGD's does. At the end every worker
     pushes its last (partial) round, the merger merges what is buffered and every peer takes the final global
     model."""
@@ -241,6 +256,11 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         failures: list | None = None,
         budget: str = "samples",
         seconds: float | None = None,
+        groups: int = 1,
+        global_every: int = 1,
+        global_lr: float = 1.0,
+        global_momentum: float = 0.0,
+        global_dn_every: int | None = None,
         **common,
     ):
         super().__init__(base, **common)
@@ -255,8 +275,16 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             )
         if not grace_s >= 0:
             raise ValueError(f"{name} grace_s must be >= 0 seconds, got {grace_s}")
+        hierarchical = _check_groups(name, n, groups, global_every, global_lr, global_momentum, global_dn_every)
+        if hierarchical and (quorum > 1 or failures):
+            raise ValueError(
+                f"{name} groups > 1 takes neither a quorum nor failures yet: set quorum: 1 and failures: null, "
+                "or groups: 1"
+            )
+        self.groups = int(groups)
+        self.group, self.leader, members = group_of(comm.rank, n, self.groups)
         if dn_every is None:
-            dn_every = max(1, n // quorum)
+            dn_every = max(1, n // quorum) if not hierarchical else len(members)
         if isinstance(dn_every, bool) or not isinstance(dn_every, int) or dn_every < 1:
             raise ValueError(f"{name} dn_every must be an integer >= 1 or null (n // quorum), got {dn_every!r}")
         for key, values in (("periods", periods), ("speeds", speeds)):
@@ -288,10 +316,10 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             self.live = flatten(self.params()).clone()  # x_i after the last step (what the simulator shows)
         self.anchor = self.live.clone()  # x_pulled: the global model this round started from
         self.pulled_version = 0
-        self.merger = (
+        self.merger = (  # the global merger (groups: 1), or this group's local server's merger (on its leader)
             Merger(
                 self.live,
-                n,
+                len(members),
                 lr=outer_lr,
                 momentum=outer_momentum,
                 delayed_nesterov=delayed_nesterov,
@@ -303,12 +331,31 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                 dylu=dylu,
                 speeds=speeds,
             )
-            if comm.rank == 0
+            if comm.rank == self.leader
             else None
         )
+        self.group_server: GroupServer | None = None  # groups > 1, on a group's leader
+        self.global_merger: Merger | None = None  # groups > 1, on rank 0
+        if hierarchical and self.merger is not None:
+            self.group_server = GroupServer(self.merger, global_every, members)
+            if comm.rank == 0:
+                self.global_merger = Merger(
+                    self.live,
+                    self.groups,
+                    lr=global_lr,
+                    momentum=global_momentum,
+                    delayed_nesterov=delayed_nesterov,
+                    dn_every=global_dn_every or self.groups,
+                    quorum=1,
+                    grace_s=0.0,
+                    period=period,
+                    periods=None,
+                    dylu=False,
+                    speeds=None,
+                )
         self.my_period = int(periods[comm.rank]) if periods is not None else period
         self.role = "active"  # every peer pushes (rank 0 to its own merger, alone too)
-        self.partners = frozenset({0}) if comm.rank != 0 else frozenset()
+        self.partners = frozenset({self.leader}) if comm.rank != self.leader else frozenset()
         self.link = comm.duplicate() if n > 1 else None  # collective: every peer makes it
         if n > 1 and hasattr(comm, "require_thread_multiple"):
             comm.require_thread_multiple(f"{name} (rank 0 serves pushes from a communication thread)")
@@ -330,6 +377,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self._errors: list[BaseException] = []
         self._finished = False
         self.departed: list[int] = []
+        self._last_round = False  # this worker's round in progress is its last (its budget is spent)
 
     # --- the asynchronous optimizer's protocol ----------------------------------------------------
     @property
@@ -398,6 +446,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         spent = self.run_budget.spent(self.step_count, self.samples, self.clock() - (self.started_at or 0.0))
         if self.steps_in_round >= self.my_period or spent:
             self._due = True
+            self._last_round = bool(spent)
             if self.threaded:
                 self._push_and_pull()
 
@@ -424,7 +473,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self._due = False
         self.lock.acquire()
         self._sent = PULL if self.steps_in_round == 0 else PUSH
-        return 0, self._message(self._sent)
+        return self.leader, self._message(self._sent)
 
     def serve(self, message: torch.Tensor) -> torch.Tensor | None:
         """The merger (rank 0): take a push, a pull or a DONE; answer [version, the sender's next period, x]
@@ -433,6 +482,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         if merger is None:
             raise CommError(f"rank {self.comm.rank} got a message for the merger, which is rank 0")
         kind, sender = message[0].item(), int(message[1].item())
+        if kind == UP:
+            return self._serve_group(message)
         with self._merger_lock:
             if kind == DONE:
                 merger.done.add(sender)
@@ -448,10 +499,59 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                     self.clock(),
                     int(message[5].item()),
                 )
+                if sender == self.comm.rank and self._last_round and self.group_server is not None:
+                    merger.done.add(sender)  # the leader's own worker pushed its last round
             reply = torch.empty(REPLY_HEADER + merger.x.numel(), dtype=merger.x.dtype)
             reply[0], reply[1] = float(merger.version), float(merger.period_of(sender))
             reply[REPLY_HEADER:].copy_(merger.x)
         return reply
+
+    # --- groups > 1: a group server's exchange with the global merger (the event simulator's upstream) -----
+    def upstream(self) -> tuple[int, torch.Tensor] | None:
+        """A group's leader: its push of the group delta D_g to the global merger (rank 0) when one is due (every
+        `global_every` local merges, and the rest once its workers are done); None otherwise."""
+        group = self.group_server
+        if group is None:
+            return None
+        with self._merger_lock:
+            if not group.due():
+                return None
+            delta = group.take_push()
+        message = torch.empty(self.message_numel, dtype=self.live.dtype)
+        merger = group.merger
+        message[0], message[1] = UP, float(self.comm.rank)
+        message[2], message[3] = float(merger.useful_samples), float(merger.useful_steps)
+        message[4], message[5] = 0.0, float(group.global_version)
+        message[HEADER:].copy_(delta)
+        return 0, message
+
+    def _serve_group(self, message: torch.Tensor) -> torch.Tensor:
+        """The global merger (rank 0): apply a group's delta D_g with the global outer optimizer and answer with the
+        global model [version, 0, x]."""
+        merger = self.global_merger
+        if merger is None:
+            raise CommError(f"rank {self.comm.rank} got a group's push for the global merger, which is rank 0")
+        sender = int(message[1].item())
+        with self._merger_lock:
+            merger.push(
+                sender // (self.comm.size // self.groups),
+                message[HEADER:].to(merger.x.device),
+                int(message[2].item()),
+                int(message[3].item()),
+                self.clock(),
+                int(message[5].item()),
+            )
+            reply = torch.empty(REPLY_HEADER + merger.x.numel(), dtype=merger.x.dtype)
+            reply[0], reply[1] = float(merger.version), 0.0
+            reply[REPLY_HEADER:].copy_(merger.x)
+        return reply
+
+    def complete_upstream(self, partner: int, reply: torch.Tensor) -> None:
+        """A group's leader: adopt the global model of the reply (y <- x + (y - y_sent), anchor <- x)."""
+        group = self.group_server
+        assert group is not None
+        with self._merger_lock:
+            group.adopt(reply[REPLY_HEADER:].to(group.merger.x.device), int(reply[0].item()))
 
     def complete(self, partner: int, reply: torch.Tensor) -> None:
         """The worker: load the global model of the reply, start the next round, release x_i."""
@@ -502,10 +602,10 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
     # --- real peers: the worker's blocking push and rank 0's thread ---------------------------------
     def _push_and_pull(self) -> None:
         """Real peers: push this round's outer gradient and load the answer (rank 0: to its own merger)."""
-        if self.merger is not None:  # rank 0 is its own merger
+        if self.merger is not None:  # rank 0 (a group's leader) is its own merger
             reply = self.serve(self._message(PUSH))
             assert reply is not None
-            self.complete(0, reply)
+            self.complete(self.comm.rank, reply)
             self._due = False
             return
         link = self.link
@@ -513,26 +613,31 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         self._due = False
         message = self._message(PUSH)
         reply = torch.empty(REPLY_HEADER + self.live.numel(), dtype=self.live.dtype)
-        recv = link.start_recv(reply, 0, TAG_REPLY)
-        send = link.start_send(message, 0, TAG_PUSH)
+        recv = link.start_recv(reply, self.leader, TAG_REPLY)
+        send = link.start_send(message, self.leader, TAG_PUSH)
         then = "; the merger died or hangs (raise comm.timeout_s if it is slow)"
-        self._wait(lambda: send.test() and recv.test(), "push to the merger (rank 0) was not answered", then)
-        self.complete(0, reply)
+        what = f"push to the merger (rank {self.leader}) was not answered"
+        self._wait(lambda: send.test() and recv.test(), what, then)
+        self.complete(self.leader, reply)
 
     def _serve_loop(self) -> None:
-        """Rank 0's communication thread: answer pushes, merge quorums whose grace ran out, until every other
-        worker said DONE. A worker silent for comm.timeout_s after rank 0's own worker is done is departed
-        (quorum > 1: the merger ends without it) or named in a PeerTimeoutError (quorum 1)."""
+        """Rank 0's communication thread (with groups, each group leader's): answer pushes, merge quorums whose grace
+        ran out, until every other worker (of the group) said DONE; with groups, also the exchange with the global
+        merger (`_GlobalLink`) until it is settled. A worker silent for comm.timeout_s after this rank's own worker is
+        done is departed (quorum > 1: the merger ends without it) or named in a PeerTimeoutError (quorum 1)."""
         link, merger, timeout_s = self.link, self.merger, self.comm.timeout_s
         assert link is not None and merger is not None
-        workers = set(range(1, self.comm.size))
+        workers = set(group_of(self.comm.rank, self.comm.size, self.groups)[2]) - {self.comm.rank}
         heard = {r: time.monotonic() for r in workers}
         incoming = torch.empty(self.message_numel, dtype=self.live.dtype)
-        recv = link.start_recv(incoming, None, TAG_PUSH)
-        while workers - merger.done:
+        recv = link.start_recv(incoming, None, TAG_PUSH) if workers else None
+        upper = _GlobalLink(self) if self.group_server is not None else None
+        while workers - merger.done or (upper is not None and not upper.settled()):
             if self._abort.is_set():
                 return
-            if not recv.test():
+            if upper is not None:
+                upper.pump()
+            if recv is None or not (workers - merger.done) or not recv.test():
                 self.tick()
                 if self._finished_own is not None:  # rank 0's worker is done: silence now counts
                     now = time.monotonic()
@@ -540,7 +645,8 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                     silent = sorted(r for r in waiting if now - max(heard[r], self._finished_own) > timeout_s)
                     if silent and self.quorum == 1:
                         raise PeerTimeoutError(
-                            f"rank 0: the async Local-SGD merger heard nothing for {timeout_s:g} s from worker(s) "
+                            f"rank {self.comm.rank}: the async Local-SGD merger heard nothing for {timeout_s:g} s "
+                            f"from worker(s) "
                             f"{silent}; a peer died or hangs (algorithm.quorum > 1 carries on without it; raise "
                             "comm.timeout_s if peers are just slow)"
                         )
@@ -595,10 +701,11 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
 
     def conclude(self) -> None:
         """The simulator: every worker is done; the merger merges what is buffered and rank 0 takes the result."""
-        if self.merger is not None:
+        root = self.global_merger if self.global_merger is not None else self.merger
+        if root is not None:
             with self._merger_lock:
-                self.merger.finish()
-            self._adopt(self.merger.x, self.merger.version)
+                root.finish()
+            self._adopt(root.x, root.version)
 
     def adopt_final(self, x: torch.Tensor) -> None:
         """Take rank 0's final global model (the simulator's `final_broadcast`)."""
@@ -608,9 +715,16 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         link = self.link
         assert link is not None
         final = torch.empty(REPLY_HEADER + self.live.numel(), dtype=self.live.dtype)
-        if self.merger is None:
+        leader = self.merger is not None and self.comm.rank != 0  # groups > 1: a group's leader other than rank 0
+        if leader and self.merger is not None:
+            self._finished_own = time.monotonic()
+            with self._merger_lock:
+                self.merger.done.add(self.comm.rank)  # its own worker is done: the group's last push may go
+            self._join_threads(3 * self.comm.timeout_s)
+        if self.merger is None or leader:  # say DONE (a leader to the global merger) and take the final model
             recv = link.start_recv(final, 0, TAG_REPLY)
-            send = link.start_send(self._message(DONE), 0, TAG_PUSH)
+            closing = self._message(DONE)
+            send = link.start_send(closing, 0, TAG_UP) if leader else link.start_send(closing, self.leader, TAG_PUSH)
             deadline = 2 * self.comm.timeout_s
             t0 = time.monotonic()
             try:
@@ -625,8 +739,15 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             self._adopt(final[REPLY_HEADER:], int(final[0].item()))
             return
         self._finished_own = time.monotonic()
+        if self.group_server is not None:
+            with self._merger_lock:
+                self.group_server.merger.done.add(0)  # rank 0's own worker is done
         self._join_threads(3 * self.comm.timeout_s)
-        merger = self.merger
+        if self.group_server is not None:  # its own group's last pushes, in memory
+            while (begun := self.upstream()) is not None:
+                self.complete_upstream(0, self._serve_group(begun[1]))
+        merger = self.global_merger if self.global_merger is not None else self.merger
+        assert merger is not None
         self._adopt(merger.x, merger.version)
         final[0], final[1] = float(merger.version), 0.0
         final[REPLY_HEADER:].copy_(merger.x)
@@ -675,18 +796,33 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
                 departed=list(self.departed),
                 speeds={str(r): v for r, v in sorted(m.speeds.items())},
             )
+        if self.group_server is not None:
+            row.update(role="group server", global_pushes=self.group_server.pushes)
+        g = self.global_merger
+        if g is not None:
+            row.update(role="global merger", global_arrivals=g.arrivals, global_staleness=list(g.staleness))
         return row
 
     def summary(self, rows: list[dict]) -> dict:
         """summary.json's `async_local_sgd` block: the merger's counts, goodput and staleness, per-peer lists."""
         server = rows[0]
         elapsed = max(float(r["elapsed_s"]) for r in rows)
-        stale = server.get("staleness", [])
+        servers = [r for r in rows if "arrivals" in r]  # the merger (groups: 1) or each group's server
+        stale = [s for r in servers for s in r["staleness"]]
         steps = sum(int(r["steps"]) for r in rows)
-        useful = int(server.get("useful_steps", 0))
+        useful = sum(int(r["useful_steps"]) for r in servers)
+        hierarchy = {}
+        if "global_arrivals" in server:  # groups > 1: the global merger's counts (staleness in its updates)
+            global_stale = server["global_staleness"]
+            hierarchy = {
+                "global_arrivals": int(server["global_arrivals"]),
+                "global_pushes_per_group": [int(r["global_pushes"]) for r in servers],
+                "global_staleness_mean": sum(global_stale) / len(global_stale) if global_stale else 0.0,
+            }
         return {
-            "arrivals": int(server.get("arrivals", 0)),
-            "merges": int(server.get("merges", 0)),
+            **hierarchy,
+            "arrivals": sum(int(r["arrivals"]) for r in servers),
+            "merges": sum(int(r["merges"]) for r in servers),
             "useful_steps": useful,
             "lost_steps": steps - useful,
             "goodput_steps_per_s": useful / elapsed if elapsed > 0 else 0.0,
@@ -695,7 +831,7 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
             "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
             "staleness_max": max(stale, default=0),
             "departed": server.get("departed", []),
-            "speeds": server.get("speeds", {}),
+            "speeds": {k: v for r in servers for k, v in r.get("speeds", {}).items()},
             "steps_per_peer": [int(r["steps"]) for r in rows],
             "pushes_per_peer": [int(r["pushes"]) for r in rows],
             "period_per_peer": [int(r["period"]) for r in rows],
@@ -717,13 +853,22 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         if self.merger is not None:
             with self._merger_lock:
                 state["merger"] = self.merger.state_dict()
+                if self.group_server is not None:
+                    state["group_server"] = self.group_server.state_dict()
+                if self.global_merger is not None:
+                    state["global_merger"] = self.global_merger.state_dict()
         return state
 
     def load_algorithm_state(self, state):
         super().load_algorithm_state(state)
-        if (self.merger is None) != ("merger" not in state):
+        roles = ("merger", "group_server", "global_merger")  # which servers a rank holds (groups > 1: leaders, 0)
+        if [self.merger is None, self.group_server is None, self.global_merger is None] != [
+            r not in state for r in roles
+        ]:
+            flat = f"rank {'0' if 'merger' in state else '> 0'}"
+            saved = flat if self.groups == 1 else "a rank with other servers (another rank, or other groups)"
             raise ValueError(
-                f"this {type(self).__name__} state_dict was saved on rank {'0' if 'merger' in state else '> 0'} and "
+                f"this {type(self).__name__} state_dict was saved on {saved} and "
                 f"cannot load on rank {self.comm.rank}: load each rank's own checkpoint"
             )
         with self.lock:
@@ -737,6 +882,81 @@ class AsyncLocalSGD(DistributedOptimizer, ThreadedPeer):
         if self.merger is not None:
             with self._merger_lock:
                 self.merger.load_state_dict(state["merger"])
+                if self.group_server is not None:
+                    self.group_server.load_state_dict(state["group_server"])
+                if self.global_merger is not None:
+                    self.global_merger.load_state_dict(state["global_merger"])
+
+
+class _GlobalLink:
+    """groups > 1 on real peers, in a group leader's communication thread: its group's pushes to the global merger
+    (rank 0) and their answers, one in flight at a time (rank 0's own group's in memory); on rank 0 also the other
+    groups' pushes, each answered with the global model, and their DONE."""
+
+    def __init__(self, opt: AsyncLocalSGD):
+        assert opt.link is not None
+        self.opt, self.link = opt, opt.link
+        n, groups = opt.comm.size, opt.groups
+        self.leaders = {g * (n // groups) for g in range(1, groups)} if opt.global_merger is not None else set()
+        self.leaders_done: set[int] = set()
+        self.heard = {r: time.monotonic() for r in self.leaders}
+        self.incoming = torch.empty(opt.message_numel, dtype=opt.live.dtype)
+        self.recv = self.link.start_recv(self.incoming, None, TAG_UP) if self.leaders else None
+        self.flight: tuple | None = None  # (send, recv, message, answer) of this group's push in flight
+
+    def settled(self) -> bool:
+        """Rank 0: every other group said DONE; another leader: its group is done and its last push answered."""
+        opt, group = self.opt, self.opt.group_server
+        assert group is not None
+        if opt.global_merger is not None:
+            return self.leaders <= self.leaders_done
+        return group.finished and self.flight is None and not group.due()
+
+    def pump(self) -> None:
+        opt, link = self.opt, self.link
+        if self.recv is not None and self.recv.test():  # rank 0: a group's push (answered) or its DONE
+            sender = int(self.incoming[1].item())
+            self.heard[sender] = time.monotonic()
+            if self.incoming[0].item() == DONE:
+                self.leaders_done.add(sender)
+            else:
+                send = link.start_send(opt._serve_group(self.incoming), sender, TAG_UP_REPLY)
+                link.wait_request("async Local-SGD global merger's reply", send, [sender])
+            self.recv = link.start_recv(self.incoming, None, TAG_UP) if self.leaders - self.leaders_done else None
+        elif self.recv is not None and opt._finished_own is not None:  # rank 0's worker is done: silence counts
+            now, timeout_s = time.monotonic(), opt.comm.timeout_s
+            waiting = self.leaders - self.leaders_done
+            silent = sorted(r for r in waiting if now - max(self.heard[r], opt._finished_own) > timeout_s)
+            if silent:
+                raise PeerTimeoutError(
+                    f"rank 0: the async Local-SGD global merger heard nothing for {timeout_s:g} s from group "
+                    f"leader(s) {silent}; a peer died or hangs (raise comm.timeout_s if groups are just slow)"
+                )
+        if self.flight is not None and self.flight[0].test() and self.flight[1].test():
+            opt.complete_upstream(0, self.flight[3])
+            self.flight = None
+        if self.flight is None and (begun := opt.upstream()) is not None:
+            if opt.comm.rank == 0:
+                opt.complete_upstream(0, opt._serve_group(begun[1]))
+            else:
+                answer = torch.empty(REPLY_HEADER + opt.live.numel(), dtype=opt.live.dtype)
+                recv = link.start_recv(answer, 0, TAG_UP_REPLY)
+                self.flight = (link.start_send(begun[1], 0, TAG_UP), recv, begun[1], answer)
+
+
+def _check_groups(name, n, groups, every, lr, momentum, dn_every) -> bool:
+    """The hierarchical options checked (one line each); True when there is more than one group."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or n % groups:
+        raise ValueError(
+            f"{name} groups must be a whole divisor of the peers ({n}) (G equal contiguous groups), got {groups!r}"
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{name} global_every must be an integer >= 1 (local merges per global push), got {every!r}")
+    if not (isinstance(lr, int | float) and lr > 0) or not (isinstance(momentum, int | float) and 0 <= momentum < 1):
+        raise ValueError(f"{name} needs global_lr > 0 and 0 <= global_momentum < 1, got {lr!r}, {momentum!r}")
+    if dn_every is not None and (isinstance(dn_every, bool) or not isinstance(dn_every, int) or dn_every < 1):
+        raise ValueError(f"{name} global_dn_every must be an integer >= 1 or null (groups), got {dn_every!r}")
+    return groups > 1
 
 
 def _failures(failures, n: int, name: str) -> list[tuple[int, float, float]]:

@@ -90,7 +90,9 @@ class Simulation:
     def __init__(self, config: RunConfig, link=None, compute: ComputeTimes | None = None):
         n, bs = config.peers, config.batch_size
         self.n, self.batch_size = n, bs
-        self.link = link if link is not None else NetworkEmulator.from_config(config.network).link
+        emulator = NetworkEmulator.from_config(config.network)
+        self.link = link if link is not None else emulator.link
+        self.hosts = emulator.hosts  # network.peers_per_host > 1: a message inside a host takes the intra-host link
         self.compute = compute if compute is not None else compute_times(config.backend, config.network, config.seed, n)
         self.plan = run = plan(config, n)
         self.batches = [run.batches(r) for r in range(n)]
@@ -233,7 +235,11 @@ class Simulation:
 
     # --- the communication threads --------------------------------------------------------------
     def _message_time(self, i: int, j: int, nbytes: int) -> float:
-        return 0.0 if i == j else self.link.message_time(nbytes)  # a peer's message to itself stays in memory
+        if i == j:  # a peer's message to itself stays in memory
+            return 0.0
+        if self.hosts.peers_per_host > 1 and self.hosts.host(i) == self.hosts.host(j):
+            return self.hosts.intra.message_time(nbytes)
+        return self.link.message_time(nbytes)
 
     def _request(self, i: int) -> None:
         begun = self.opts[i].exchanges.request()
@@ -254,6 +260,7 @@ class Simulation:
         exchanges = self.opts[j].exchanges
         reply = exchanges.serve(message)
         self._schedule_tick(j, exchanges.tick())
+        self._upstream(j)
         if reply is None:  # a closing message: nothing to answer
             return
         self.log.append(("avg", self.now, i, int(message[2].item()), j))
@@ -262,6 +269,42 @@ class Simulation:
             self.bytes_sent[j] += nbytes
         self._server_free[j] = done = self.now + self._message_time(i, j, nbytes)
         self._at(done, "reply", i, j, reply, epoch)
+
+    # --- a server's exchange with a server above it (hierarchical algorithms: `upstream`) ----------
+    def _upstream(self, j: int) -> None:
+        """Peer j's exchanges may owe a message to a server above it (`upstream()`: (k, message) or None): it travels
+        over the link, k serves it in arrival order and the answer comes back to j's `complete_upstream`."""
+        ask = getattr(self.opts[j].exchanges, "upstream", None)
+        begun = ask() if ask is not None else None
+        if begun is None:
+            return
+        k, message = begun
+        nbytes = message.numel() * message.element_size()
+        if j != k:
+            self.bytes_sent[j] += nbytes
+        self._at(self.now + self._message_time(j, k, nbytes), "upstream", k, j, message)
+
+    def _on_upstream(self, k: int, j: int, message: torch.Tensor) -> None:
+        if self._server_free[k] > self.now:  # still sending a previous reply: serve in arrival order
+            self._at(self._server_free[k], "upstream", k, j, message)
+            return
+        if j != k:
+            self.bytes_received[k] += message.numel() * message.element_size()
+        reply = self.opts[k].exchanges.serve(message)
+        if reply is None:
+            raise RuntimeError(f"peer {k} did not answer peer {j}'s upstream message")
+        nbytes = reply.numel() * reply.element_size()
+        if j != k:
+            self.bytes_sent[k] += nbytes
+        self._server_free[k] = done = self.now + self._message_time(j, k, nbytes)
+        self.finished_at[j] = max(self.finished_at[j], done)
+        self._at(done, "upstream_reply", j, k, reply)
+
+    def _on_upstream_reply(self, j: int, k: int, reply: torch.Tensor) -> None:
+        if j != k:
+            self.bytes_received[j] += reply.numel() * reply.element_size()
+        cast(Any, self.opts[j].exchanges).complete_upstream(k, reply)
+        self._upstream(j)  # the next push may be due already (or the last, once the group is done)
 
     def _schedule_tick(self, j: int, due: float | None) -> None:
         """Peer j's exchanges want to act on their own at virtual time `due` (a quorum's grace window)."""
@@ -296,7 +339,7 @@ class Simulation:
             closing = exchanges.closing()
             for j in sorted(exchanges.partners):
                 self.bytes_sent[i] += nbytes
-                arrival = self.now + self.link.message_time(nbytes)
+                arrival = self.now + self._message_time(i, j, nbytes)
                 if closing is not None:  # the partner acts on it (the merger counts its workers done)
                     self._at(arrival, "request", j, i, closing, self._epoch[i])
                 else:
