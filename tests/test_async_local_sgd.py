@@ -216,13 +216,15 @@ def test_quorum_merge_with_2_of_8_peers_killed_and_restarted(tmp_path):
 
 
 def test_local_backend_agrees_with_the_event_simulator_on_constant_compute_times(tmp_path):
-    """The same run, real threads sleeping a 3x straggler's compute, and the event simulator drawing it: DyLU gives
-    the straggler the same period, every push merges, and the final accuracies are close."""
+    """The same run, real threads on the emulator's modelled compute clock with a 3x straggler, and the event
+    simulator drawing it: DyLU gives every peer the same period, every push merges, and the final accuracies are
+    close. The modelled clock, not sleeps: speeds measured on the wall clock move with the machine's load (a few ms
+    of load on each step already make the straggler's period 3)."""
     from dpsgd.training import train
 
     common = dict(epochs=1)
     cfg = config(peers=4, backend="local", **common)
-    cfg["network"].update(mode="sleep", slow_peers=[3], compute_scale=3.0, compute_time=0.03)
+    cfg["network"].update(mode="model", slow_peers=[3], compute_scale=3.0, compute_time=0.03)
     (tmp_path / "local").mkdir()
     run_local(4, lambda comm: train(comm, parse(cfg), tmp_path / "local"), timeout_s=60)
     fleet = config(peers=4, **common)
@@ -231,8 +233,7 @@ def test_local_backend_agrees_with_the_event_simulator_on_constant_compute_times
     train_fleet(parse(fleet), tmp_path / "fleet")
     real, sim = (json.loads((tmp_path / k / "summary.json").read_text()) for k in ("local", "fleet"))
     a, b = real["async_local_sgd"], sim["async_local_sgd"]
-    assert a["period_per_peer"][3] == b["period_per_peer"][3] == 2  # floor(8 / 3)
-    assert min(a["period_per_peer"][:3]) > 2 and b["period_per_peer"][:3] == [8, 8, 8]  # real speeds jitter
+    assert a["period_per_peer"] == b["period_per_peer"] == [8, 8, 8, 2]  # floor(8 / 3) for the straggler
     for s in (a, b):
         assert s["arrivals"] == s["merges"] == sum(s["pushes_per_peer"]) and s["lost_steps"] == 0
     assert min(real["samples"], sim["samples"]) >= 11 * 32 * 4  # the synchronous run's samples, each a few steps over

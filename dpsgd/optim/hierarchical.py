@@ -7,12 +7,21 @@ AsyncLocalSGD (`groups: G`) carries the messages. Equations: AsyncLocalSGD's doc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .async_local_sgd import Merger
+
+class LocalMerger(Protocol):
+    """What a group's server asks of its local merger (async_local_sgd.Merger, which imports this module)."""
+
+    x: torch.Tensor
+    merges: int
+    done: set[int]
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def group_of(rank: int, n: int, groups: int) -> tuple[int, int, range]:
@@ -33,7 +42,7 @@ class GroupServer:
             y <- x + (y - y_sent);  anchor <- x                     (keep the local merges made in flight)
     """
 
-    def __init__(self, merger: Merger, every: int, members: range):
+    def __init__(self, merger: LocalMerger, every: int, members: range):
         self.merger, self.every, self.members = merger, int(every), members
         self.anchor = merger.x.clone()
         self.sent: torch.Tensor | None = None  # y at the push in flight (None: none in flight)
