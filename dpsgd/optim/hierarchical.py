@@ -13,11 +13,14 @@ import torch
 
 
 class LocalMerger(Protocol):
-    """What a group's server asks of its local merger (async_local_sgd.Merger, which imports this module)."""
+    """What a group's server (and AsyncLocalSGD through it) reads of its local merger: async_local_sgd.Merger, which
+    imports this module."""
 
     x: torch.Tensor
     merges: int
     done: set[int]
+    useful_steps: int
+    useful_samples: int
 
     def state_dict(self) -> dict: ...
 
