@@ -108,7 +108,8 @@ reproductions: setup
 # GPU_CHECK_DRY=1: the same on CPU.
 GPU_PY ?= 3.12
 GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 PyYAML==6.0.4 packaging==26.4 mpi4py==4.1.2 mpich==5.0.2
-PYTHON ?= python3
+# the machine's python3 on the GPU machine; the venv for the dry run (GPU_CHECK_DRY=1: CPU tensors, this checkout's set-up)
+PYTHON ?= $(if $(GPU_CHECK_DRY),$(PY),python3)
 GPU_SITE ?= /tmp/dpsgd-site
 WHEELS ?= .whl
 GPU_CHECK_OUT ?= outputs/gpu_check.json

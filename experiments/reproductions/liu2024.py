@@ -48,6 +48,8 @@ SWEEPS = {
         f"epochs={ASYNC_EPOCHS}",
         "algorithm=async_local_sgd",
         f"++algorithm.period={PERIOD}",  # ++: the sweep is composed with the default algorithm first
+        "++algorithm.outer_lr=0.7",  # DiLoCo's outer step, as the paper (the yaml's default is gentler)
+        "++algorithm.outer_momentum=0.9",
         "++algorithm.delayed_nesterov=true,false",
         "++algorithm.dylu=true,false",
     ],
@@ -57,6 +59,8 @@ SWEEPS = {
         f"epochs={ASYNC_EPOCHS}",
         "algorithm=async_local_sgd",
         f"++algorithm.period={PERIOD}",
+        "++algorithm.outer_lr=0.7",  # DiLoCo's outer step, as the paper (the yaml's default is gentler)
+        "++algorithm.outer_momentum=0.9",
         f"++algorithm.quorum={QUORUM}",
         f"++algorithm.grace_s={GRACE_S}",
         "++algorithm.failures=" + str(FAILURES).replace(" ", ""),
