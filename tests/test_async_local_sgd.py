@@ -222,7 +222,7 @@ def test_local_backend_agrees_with_the_event_simulator_on_constant_compute_times
     of load on each step already make the straggler's period 3)."""
     from dpsgd.training import train
 
-    common = dict(epochs=1)
+    common = dict(epochs=2)  # two passes: at one, the threads' arrival order moved the accuracy by up to 0.11
     cfg = config(peers=4, backend="local", **common)
     cfg["network"].update(mode="model", slow_peers=[3], compute_scale=3.0, compute_time=0.03)
     (tmp_path / "local").mkdir()
@@ -236,7 +236,7 @@ def test_local_backend_agrees_with_the_event_simulator_on_constant_compute_times
     assert a["period_per_peer"] == b["period_per_peer"] == [8, 8, 8, 2]  # floor(8 / 3) for the straggler
     for s in (a, b):
         assert s["arrivals"] == s["merges"] == sum(s["pushes_per_peer"]) and s["lost_steps"] == 0
-    assert min(real["samples"], sim["samples"]) >= 11 * 32 * 4  # the synchronous run's samples, each a few steps over
+    assert min(real["samples"], sim["samples"]) >= 22 * 32 * 4  # the synchronous run's samples, each a few steps over
     assert abs(real["test_accuracy"] - sim["test_accuracy"]) < 0.1
 
 
