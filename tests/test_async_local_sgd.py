@@ -388,14 +388,7 @@ def test_local_backend_under_random_delays(quorum):
             budget="samples",
         )
         opt.set_budget(samples=120, samples_per_step=1)
-        opt.start()
-        while not opt.should_stop():
-            time.sleep(rng.uniform(0, 0.004))
-            opt.zero_grad()
-            (w - comm.rank).pow(2).sum().backward()
-            opt.step()
-        opt.finish()
-        return w.detach().clone(), opt.measurements()
+        return steps_under_random_delays(opt, w, comm.rank, rng)
 
     results = run_local(4, peer, timeout_s=20)
     s = AsyncLocalSGD.summary(None, [m for _, m in results])  # type: ignore[arg-type]
@@ -415,3 +408,16 @@ def test_the_default_config_trains_the_default_workload(tmp_path):
     train_fleet(run_config("algorithm=async_local_sgd", "backend=fleet"), tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["test_accuracy"] > 0.9, summary["test_accuracy"]
+
+
+def steps_under_random_delays(opt, w, rank: int, rng) -> tuple:
+    """A peer's loop with a random pause (up to 4 ms) before each step, towards w = rank: its final w and its
+    measurements."""
+    opt.start()
+    while not opt.should_stop():
+        time.sleep(rng.uniform(0, 0.004))
+        opt.zero_grad()
+        (w - rank).pow(2).sum().backward()
+        opt.step()
+    opt.finish()
+    return w.detach().clone(), opt.measurements()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from runs import algorithm, experiment
+from test_async_local_sgd import steps_under_random_delays
 
 from dpsgd.comm import run_local
 from dpsgd.config import parse
@@ -178,7 +179,6 @@ def test_local_backend_threads_under_random_delays(peers, groups):
     """Real threads sleeping a random 0-4 ms before each step: every push reaches its group server, every group delta
     the global merger (rank 0's in memory, the others' over the link), every peer ends on the same finite model."""
     import random
-    import time
 
     def peer(comm):
         rng = random.Random(comm.rank)
@@ -186,14 +186,7 @@ def test_local_backend_threads_under_random_delays(peers, groups):
         w = torch.nn.Parameter(torch.randn(8))
         opt = AsyncLocalSGD(torch.optim.SGD([w], lr=0.05), comm=comm, period=3, groups=groups, global_every=2)
         opt.set_budget(samples=40 * peers, samples_per_step=1)
-        opt.start()
-        while not opt.should_stop():
-            time.sleep(rng.uniform(0, 0.004))
-            opt.zero_grad()
-            (w - comm.rank).pow(2).sum().backward()
-            opt.step()
-        opt.finish()
-        return w.detach().clone(), opt.measurements()
+        return steps_under_random_delays(opt, w, comm.rank, rng)
 
     results = run_local(peers, peer, timeout_s=20)
     s = AsyncLocalSGD.summary(None, [m for _, m in results])  # type: ignore[arg-type]
