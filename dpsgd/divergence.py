@@ -246,11 +246,13 @@ def claim(out_dir: Path | None, exc: Diverged, summary: dict) -> Diverged:
     return exc
 
 
-def summary(exc: Diverged, describe: dict, last: dict) -> dict:
-    """summary.json of a run that `stop` ended: what it was, its last record, `status: diverged`."""
+def summary(exc: Diverged, describe: dict, last: dict, blocks: dict | None = None) -> dict:
+    """summary.json of a run that `stop` ended: what it was, its last record, the blocks its run could still say
+    (e.g. the event simulator's asynchronous figures), `status: diverged`."""
     return {
         **describe,
         **{k: v for k, v in last.items() if k not in ("step", "scope")},
+        **(blocks or {}),
         "steps": exc.step,
         "status": exc.status,
         "diverged": exc.as_dict(),
@@ -258,11 +260,15 @@ def summary(exc: Diverged, describe: dict, last: dict) -> dict:
 
 
 @contextlib.contextmanager
-def ending(out_dir: str | Path | None, describe, last):
-    """Around a run's loop: a `Diverged` leaving it is claimed (`claim`, with the summary from `describe()` and
-    the last record `last()`), and the claimed one is raised."""
+def ending(out_dir: str | Path | None, describe, last, blocks=dict):
+    """Around a run's loop: a `Diverged` leaving it is claimed (`claim`, with the summary from `describe()`, the
+    last record `last()` and `blocks()`, what the run can say without its peers), and the claimed one is raised."""
     try:
         yield
     except Diverged as exc:
-        run_summary = summary(exc, describe(), last())
+        try:
+            said = blocks()
+        except Exception as why:  # a diverged run's figures may not compute: the summary names the divergence anyway
+            said = {"blocks_error": f"{type(why).__name__}: {why}"}
+        run_summary = summary(exc, describe(), last(), said)
         raise claim(Path(out_dir) if out_dir is not None else None, exc, run_summary) from None

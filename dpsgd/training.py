@@ -72,6 +72,9 @@ class Run(Protocol):
     def state(self, extra: dict) -> dict | None:  # a checkpoint's state (None: this run keeps none)
         return None
 
+    def diverged_blocks(self) -> dict:  # summary blocks a diverged run can still say without its peers
+        return {}
+
 
 def describe(config: RunConfig, topology: Topology, comm: Communicator) -> dict:
     """What the run was: the first keys of every summary.json."""
@@ -180,7 +183,7 @@ def run_loop(
         print(f"note: {unsynced}", file=sys.stderr, flush=True)
     status = ""
     try:
-        with divergence.ending(out_dir, lambda: run.describe(config), lambda: last):
+        with divergence.ending(out_dir, lambda: run.describe(config), lambda: last, run.diverged_blocks):
             while not run.done():
                 loss = run.train_step()
                 if loss is None:

@@ -7,6 +7,11 @@ numbers, never written by hand. Writes OUT/result.md and OUT/result.json (defaul
 `--docs` also copies the plots into docs/reproductions/ (the figures docs/reproductions.md shows). Extra overrides
 apply to every run (`peers=32`, `backend=mpi`). The same command again reads the sweeps that are complete.
 `--list` names the reproductions.
+
+A reproduction that tunes (kale2025) also declares `SEARCH` (name -> overrides sweeping a grid on a validation
+split, `SEARCH_RUNS` settings each) and `choose(searched)`: the search runs first (`--search-seeds` seeds, default
+1), then each sweep runs with the values `choose` picked for it (written to OUT/SWEEP.chosen.json; a finished sweep
+run with other values is an error, not reused). `--no-search` runs the sweeps at their own (the paper's) settings.
 """
 
 from __future__ import annotations
@@ -140,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 per setting (default 3)")
     parser.add_argument("--out", type=Path, default=None, help="default outputs/reproductions/NAME")
     parser.add_argument("--docs", action="store_true", help="copy the plots into docs/reproductions/")
+    parser.add_argument("--search-seeds", type=int, default=1, help="seeds per setting of a search (default 1)")
+    parser.add_argument("--no-search", action="store_true", help="skip a search: the sweeps at their own settings")
     args, overrides = parser.parse_known_args(argv)
     if args.list or not args.name:
         for name in available():
@@ -149,34 +156,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no reproduction named {args.name!r}; choose one of {', '.join(available())}")
     if any(o.startswith("-") for o in overrides):
         parser.error(f"unknown option(s): {' '.join(o for o in overrides if o.startswith('-'))}")
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
+    if args.seeds < 1 or args.search_seeds < 1:
+        parser.error("--seeds and --search-seeds must be >= 1")
     module = importlib.import_module(f"experiments.reproductions.{args.name}")
     out = args.out or Path("outputs/reproductions") / args.name
     out.mkdir(parents=True, exist_ok=True)
 
     runs, timings = {}, []
+    searches = {} if args.no_search else getattr(module, "SEARCH", {})
+    for name, search_overrides in searches.items():
+        expected = module.SEARCH_RUNS[name] * args.search_seeds
+        folder = out / "search" / name
+        runs[f"search/{name}"] = _sweep(
+            args.name, folder, expected, search_overrides, overrides, args.search_seeds, timings
+        )
+    chosen = module.choose({n: configurations(runs[f"search/{n}"]) for n in searches}) if searches else {}
     for sweep, sweep_overrides in module.SWEEPS.items():
-        folder = out / sweep
-        expected = module.RUNS[sweep] * args.seeds
-        timing_file = folder.with_suffix(".timing.json")
-        if not finished(folder, expected):
-            print(f"{args.name}: sweep {sweep!r} ({expected} runs) ...", flush=True)
-            started, load, cpu = time.perf_counter(), os.getloadavg()[0], _children_cpu_s()
-            run_sweep(
-                [*sweep_overrides, *fleet_threads(sweep_overrides + overrides), *overrides]
-                + [f"seed=range({args.seeds})"],
-                folder,
-            )
-            timing = {
-                "seconds": time.perf_counter() - started,
-                "cpu_seconds": _children_cpu_s() - cpu,
-                "load_average": [load, os.getloadavg()[0]],
-            }
-            timing_file.write_text(json.dumps(timing) + "\n")
-        if timing_file.exists():  # a sweep read again keeps the time it took when it ran
-            timings.append(json.loads(timing_file.read_text()))
-        runs[sweep] = load_runs(folder)
+        picked = chosen.get(sweep, [])
+        _check_chosen(out / sweep, module.RUNS[sweep] * args.seeds, picked)
+        runs[sweep] = _sweep(
+            args.name, out / sweep, module.RUNS[sweep] * args.seeds, [*sweep_overrides, *picked], overrides, args.seeds,
+            timings,
+        )  # fmt: skip
     seconds = sum(t["seconds"] for t in timings)
     cpu_seconds = sum(t["cpu_seconds"] for t in timings)
     load_before = max((t["load_average"][0] for t in timings), default=os.getloadavg()[0])
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         # hardly does; a one-process sweep takes about this long on a quiet core
         "sweep_cpu_seconds": round(cpu_seconds, 1),
         "load_average_at_start": round(load_before, 1),  # the highest of the sweeps'
+        "chosen": chosen,  # by a search: sweep -> the overrides it picked
         "holds": finding.holds,
         "verdict": finding.verdict,
         "plots": [str(p) for p in finding.plots],
@@ -215,6 +217,41 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     print(f"wrote {out / 'result.md'}, {out / 'result.json'}")
     return 0
+
+
+def _sweep(
+    name: str, folder: Path, expected: int, sweep: list[str], overrides: list[str], seeds: int, timings: list[dict]
+) -> list[dict]:
+    """Run one sweep over seeds 0 .. seeds-1 unless the folder holds its runs already; its runs, its timing appended."""
+    timing_file = folder.with_suffix(".timing.json")
+    if not finished(folder, expected):
+        print(f"{name}: sweep {str(folder)!r} ({expected} runs) ...", flush=True)
+        started, load, cpu = time.perf_counter(), os.getloadavg()[0], _children_cpu_s()
+        run_sweep([*sweep, *fleet_threads(sweep + overrides), *overrides] + [f"seed=range({seeds})"], folder)
+        timing = {
+            "seconds": time.perf_counter() - started,
+            "cpu_seconds": _children_cpu_s() - cpu,
+            "load_average": [load, os.getloadavg()[0]],
+        }
+        timing_file.write_text(json.dumps(timing) + "\n")
+    if timing_file.exists():  # a sweep read again keeps the time it took when it ran
+        timings.append(json.loads(timing_file.read_text()))
+    return load_runs(folder)
+
+
+def _check_chosen(folder: Path, expected: int, picked: list[str]) -> None:
+    """A sweep's runs are reused only with the values the search picks now: its record says which it ran with."""
+    record = folder.with_suffix(".chosen.json")
+    if finished(folder, expected):
+        ran = json.loads(record.read_text()) if record.exists() else []
+        if ran != picked:
+            raise SystemExit(
+                f"{folder} was run with {ran or 'its own settings'}, but the search now picks {picked or 'none'}: "
+                f"delete {folder} (and {record.name}) to run it again, or pass the --out of a fresh folder"
+            )
+    else:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(picked) + "\n")
 
 
 if __name__ == "__main__":

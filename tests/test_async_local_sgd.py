@@ -421,3 +421,55 @@ def steps_under_random_delays(opt, w, rank: int, rng) -> tuple:
         opt.step()
     opt.finish()
     return w.detach().clone(), opt.measurements()
+
+
+ASYNC_RESUME = ["algorithm=async_local_sgd", "algorithm.budget=steps", "log_every=5", "backend=local"]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_the_app_resumes_an_async_run_to_the_numbers_of_an_uninterrupted_one(app, tmp_path):
+    """One peer (the merger training as a worker: a deterministic schedule) killed at step 25 and resumed from its
+    checkpoint at 20 ends with the uninterrupted run's records and merger counts."""
+    from runs import summary, timeless_records
+
+    args = [*ASYNC_RESUME, "peers=1", "epochs=1", "checkpoint.every=10"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert app(args, full, timeout=150).returncode == 0
+    proc = app([*args, "faults.kill_peer=0", "faults.at_step=25"], killed, timeout=150)
+    assert proc.returncode == 1 and "peer 0 exited at step 25" in proc.stderr, proc.stderr
+    proc = app([*args, "resume=true"], killed, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    a, b = summary(full), summary(killed)
+    assert b["resumed_from"] == 20
+    for key in ("steps", "samples", "test_accuracy", "test_loss", "train_loss"):
+        assert json.dumps(a[key]) == json.dumps(b[key]), key
+    counts = ("arrivals", "merges", "useful_steps", "steps_per_peer", "pushes_per_peer", "period_per_peer")
+    assert {k: a["async_local_sgd"][k] for k in counts} == {k: b["async_local_sgd"][k] for k in counts}
+
+    def records(run_dir):  # the final record's block holds timings (goodput, speeds): its counts are checked above
+        return [{k: v for k, v in r.items() if k != "async_local_sgd"} for r in timeless_records(run_dir)]
+
+    assert records(full) == records(killed)
+
+
+@pytest.mark.slow  # soak: three runs of four local peers (about 20 s)
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_four_peers_resume_after_a_worker_is_killed(app, tmp_path):
+    """Worker 2 killed at step 13, all resumed from step 10: the same steps, every push merged, an accuracy near
+    the uninterrupted run's (the arrival order is the threads', so not its numbers)."""
+    from runs import summary
+
+    args = [*ASYNC_RESUME, "peers=4", "epochs=2", "checkpoint.every=5"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert app(args, full, timeout=150).returncode == 0
+    proc = app([*args, "faults.kill_peer=2", "faults.at_step=13"], killed, timeout=150)
+    assert proc.returncode == 1 and "peer 2 exited at step 13" in proc.stderr, proc.stderr
+    proc = app([*args, "resume=true"], killed, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    a, b = summary(full), summary(killed)
+    assert b["resumed_from"] == 10 and a["steps"] == b["steps"]
+    assert a["async_local_sgd"]["steps_per_peer"] == b["async_local_sgd"]["steps_per_peer"]
+    assert b["async_local_sgd"]["arrivals"] == b["async_local_sgd"]["merges"] > 0
+    assert abs(a["test_accuracy"] - b["test_accuracy"]) < 0.1

@@ -165,6 +165,17 @@ def test_event_simulator_is_checked_too(tmp_path):
     assert _outputs_clean(tmp_path)["status"] == "diverged"
 
 
+@pytest.mark.parametrize("name", ["adpsgd", "async_local_sgd"])
+def test_a_diverged_event_simulation_keeps_its_asynchronous_figures(tmp_path, name):
+    """The summary of an asynchronous run that diverged on the simulator still has its block (goodput, staleness,
+    steps per peer): the figures wanted most when diagnosing one."""
+    cfg = {**_config(1e6), "algorithm": load("algorithm", name), "backend": {"name": "fleet"}}
+    with pytest.raises(divergence.Diverged):
+        train_fleet(parse(cfg), tmp_path)
+    saved = _outputs_clean(tmp_path)
+    assert saved["status"] == "diverged" and sum(saved[name]["steps_per_peer"]) >= 1, saved.keys()
+
+
 def test_mark_names_the_first_peer_to_diverge_not_a_later_one():
     """on_divergence=mark over 4 real peers: peer 1 diverges at step 4, peer 2 at step 2 (its loss), peer 3 at
     step 5; each stays diverged afterwards. The summary every peer writes names peer 2 at step 2: the earliest

@@ -324,6 +324,27 @@ def test_sparseloco_index_packing_at_the_papers_setting():
 
 
 @pytest.mark.parametrize("bits", [None, 2])
+def test_a_block_kept_whole_sends_no_positions(bits):
+    """topk >= a block's size keeps every entry, at positions 0 .. k-1 every peer knows: the message is the values
+    alone (MuLoCo's dense 2-bit code: 2 bits an entry and a table of 5 float32 per tensor, 16x under float32; with
+    positions it was 14 bits an entry, more than half of float32's 32)."""
+    code = ChunkedTopK([(64, 64), (48,)], chunk=64, topk=4096, dct=False, bits=bits, sigmas=6.0)
+    assert not any(code.sends_positions(i) for i in range(2))
+    per_entry = 32 if bits is None else bits
+    assert code.nbytes(4) == (4096 + 48) * per_entry // 8 + (0 if bits is None else 2 * 5 * 4)
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(64, 64, generator=gen), torch.randn(48, generator=gen)]
+    message = code.encode(tensors)
+    buf = code.pack(message)
+    assert buf.numel() == code.nbytes(4)
+    for sent, got in zip(message, code.unpack(buf, torch.float32)):
+        assert torch.equal(sent.index, got.index) and torch.equal(sent.values, got.values)
+    if bits is None:  # the values in place: the dense tensors themselves
+        for x, back in zip(tensors, code.dense(code.unpack(buf, torch.float32))):
+            assert torch.equal(x, back)
+
+
+@pytest.mark.parametrize("bits", [None, 2])
 def test_packed_message_is_nbytes_and_unpacks_to_itself(bits):
     code = ChunkedTopK([(8, 6), (12,), ()], chunk=4, topk=3, dct=bits is None, bits=bits, sigmas=6.0)
     gen = torch.Generator().manual_seed(0)

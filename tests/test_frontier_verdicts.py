@@ -29,7 +29,8 @@ def no_drawing(monkeypatch, request):
 def config(algorithm: str, period: int | None = None, aggregate: str | None = None, **summary) -> Configuration:
     """One setting's measured means (half widths as KEY_ci95) with a one-point curve, as load_runs reads a run."""
     summary = {"steps": 250, "seeds": 3, "peers": 8, **summary}
-    setting = {"algorithm": algorithm, "algorithm.name": algorithm}
+    setting = {"algorithm": algorithm, "algorithm.name": algorithm, "algorithm.outer.lr": summary.pop("lr", 0.7)}
+    setting["algorithm.outer.momentum"] = summary.pop("momentum", 0.9)
     if period is not None:
         setting["algorithm.period"] = period
     if aggregate is not None:
@@ -164,6 +165,41 @@ def test_kale2025_decides_on_the_gap_eager_closes_and_the_hidden_exchange(
 def test_kale2025_refuses_hidden_at_different_bytes(tmp_path):
     finding = kale2025.analyze(kale(10.0, 12.0, 10.2, mbs=(3.5, 3.5, 3.6)), tmp_path)
     assert finding.holds is None and "not hidden" in finding.verdict and "different bytes" in finding.verdict
+
+
+def searched(losses: dict[str, dict[tuple[float, float], float]], on: str = "validation") -> dict:
+    """kale2025's search sweeps: per method, {(outer lr, momentum): validation loss}."""
+    return {
+        name: [config("diloco", 25, lr=lr, momentum=m, evaluated_on=on, test_loss=v) for (lr, m), v in table.items()]
+        for name, table in losses.items()
+    }
+
+
+SEARCHED = {  # each method's lowest: synchronous (0.7, 0.9), delayed (0.35, 0.3), eager (0.35, 0.6)
+    "synchronous": {(0.35, 0.3): 3.0, (0.35, 0.6): 2.95, (0.7, 0.9): 2.9},
+    "delayed": {(0.35, 0.3): 3.1, (0.35, 0.6): 3.2, (0.7, 0.9): 3.6},
+    "eager": {(0.35, 0.3): 3.05, (0.35, 0.6): 3.0, (0.7, 0.9): 3.3},
+}
+
+
+def test_kale2025_search_picks_each_methods_lowest_validation_loss_for_both_its_sweeps(tmp_path):
+    picks = kale2025.choose(searched(SEARCHED))
+    paper = ["algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9"]
+    assert picks["synchronous"] == picks["synchronous_emulated"] == paper
+    assert picks["delayed"] == picks["delayed_emulated"] == ["algorithm.outer.lr=0.35", "algorithm.outer.momentum=0.3"]
+    assert picks["eager"] == ["algorithm.outer.lr=0.35", "algorithm.outer.momentum=0.6"]
+    with pytest.raises(ValueError, match="validation split"):  # a search on the test split would tune on it
+        kale2025.choose(searched(SEARCHED, on="test"))
+    configs = {**kale(10.0, 10.2, 10.1), **{f"search/{n}": c for n, c in searched(SEARCHED).items()}}
+    for name, (lr, m) in {"delayed": (0.35, 0.3), "eager": (0.35, 0.6)}.items():  # the final runs as picked
+        configs[name][0].runs[0]["config"].update({"algorithm.outer.lr": lr, "algorithm.outer.momentum": m})
+    finding = kale2025.analyze(configs, tmp_path)
+    assert "| synchronous | delayed | eager |" in finding.table
+    assert "| 0.35, 0.3 | 3.0000 | **3.1000** | 3.0500 |" in finding.table
+    assert "| 0.7, 0.9 | **2.9000** | 3.6000 | 3.3000 |" in finding.table
+    words = "synchronous lr 0.7, momentum 0.9; delayed lr 0.35, momentum 0.3; eager lr 0.35, momentum 0.6"
+    assert words in finding.table and words in finding.verdict
+    assert "lr 0.7, momentum 0.9 for all" in kale2025.analyze(kale(10.0, 10.2, 10.1), tmp_path).verdict
 
 
 def muloco(muon_exact: float, muon_2bit: float, adamw_exact: float, adamw_2bit: float) -> dict:

@@ -34,14 +34,31 @@ def test_every_sweep_composes_into_the_run_it_names(module):
 SMALL = ["data.num_samples=800"]  # 25 steps an epoch: 50 on the fleet (2 rounds of 25), 25 emulated (1 round)
 
 
-@pytest.mark.slow  # soak: six runs of kale2025 at a small size (about 2 minutes on 2 loaded cores)
+def test_a_finished_sweep_is_reused_only_with_the_values_the_search_picks_now(tmp_path):
+    folder = tmp_path / "delayed"
+    reproduce._check_chosen(folder, 1, ["algorithm.outer.lr=0.35"])  # not run yet: the pick is recorded
+    (folder / "0").mkdir(parents=True)
+    (folder / "0" / "summary.json").write_text("{}")  # ... and the sweep ran with it
+    reproduce._check_chosen(folder, 1, ["algorithm.outer.lr=0.35"])  # the same pick: its runs are read
+    with pytest.raises(SystemExit, match=r"lr=0.35.*now picks.*lr=0.2.*delete"):
+        reproduce._check_chosen(folder, 1, ["algorithm.outer.lr=0.2"])
+
+
+@pytest.mark.slow  # soak: kale2025 at a small size, a 2-point search (12 runs, about 3 minutes on 2 loaded cores)
 @pytest.mark.processes
-def test_kale2025_runs_end_to_end(tmp_path):
+def test_kale2025_runs_end_to_end(tmp_path, monkeypatch):
+    grid = ["algorithm.outer.lr=0.35,0.7", "algorithm.outer.momentum=0.6"]
+    small = {n: [o for o in s if not o.startswith(tuple(kale2025.GRID))] + grid for n, s in kale2025.SEARCH.items()}
+    monkeypatch.setattr(kale2025, "SEARCH", small)
+    monkeypatch.setattr(kale2025, "SEARCH_RUNS", dict.fromkeys(small, 2))
     out = tmp_path / "kale2025"
     assert reproduce.main(["kale2025", "--seeds", "1", "--out", str(out), *SMALL]) == 0
     result = json.loads((out / "result.json").read_text())
-    assert result["runs"] == 6 and result["holds"] in (True, False, None)
+    assert result["runs"] == 6 + 3 * 2 and result["holds"] in (True, False, None)
     assert "ms synchronous against 0.0 ms delayed and 0.0 ms eager (hidden" in result["verdict"]
+    assert set(result["chosen"]) == set(kale2025.SWEEPS)
+    assert all(p[0] in ("algorithm.outer.lr=0.35", "algorithm.outer.lr=0.7") for p in result["chosen"].values())
+    assert "The search (validation loss" in (out / "result.md").read_text()
 
 
 @pytest.mark.slow  # soak: four runs of muloco2025 at a small size (Muon's runs are the slow ones)

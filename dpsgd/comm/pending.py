@@ -1,6 +1,7 @@
 """Operations in flight and how a peer waits for them: what a transport returns when it starts an
 exchange, an all-reduce or one message (`Pending`, `Exchange`, `Request`), the errors a wait ends with,
-and `poll_until`, the waiting without spinning that every transport shares.
+and `poll_until`, the wait every transport shares: sleeping polls that leave the core to computing peers,
+after an optional short spin for collectives whose ranks arrive together.
 """
 
 from __future__ import annotations

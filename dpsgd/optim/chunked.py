@@ -2,7 +2,7 @@
 tensor into chunks of c entries, a matrix into c1 x c2 tiles, c the largest divisor of the dimension <= the
 target chunk, as DeMo's reference does), optionally turned into orthonormal DCT-II coefficients per block,
 and only the k entries of largest magnitude of each block are kept. A peer's message holds their positions
-in the block (ceil(log2(block size)) bits each) and their values: 32-bit floats, or b-bit codes with a
+in the block (ceil(log2(block size)) bits each; none where k keeps a whole block) and their values: 32-bit floats, or b-bit codes with a
 shift and a table of 2^b centroids per tensor (SparseLoCo's statistical quantization). Every peer's message
 reaches every other one (an all-gather: n - 1 messages sent and received per peer), and each peer combines them
 in rank order: the mean over all peers, or each entry's mean over the peers that sent it (the reference codes'),
@@ -136,10 +136,14 @@ class ChunkedTopK:
     def index_bits(block_numel: int) -> int:
         return max(1, math.ceil(math.log2(block_numel)))
 
+    def sends_positions(self, i: int) -> bool:
+        """False where k keeps every entry of tensor i's blocks: the positions are then 0 .. k-1, known to all."""
+        return self.ks[i] < self.blocks[i].numel
+
     def part_nbytes(self, i: int, itemsize: int = 4) -> int:
         b, k = self.blocks[i], self.ks[i]
         entries = b.count * k
-        index = math.ceil(entries * self.index_bits(b.numel) / 8)
+        index = math.ceil(entries * self.index_bits(b.numel) / 8) if self.sends_positions(i) else 0
         if self.bits is None:
             return index + entries * itemsize
         return index + math.ceil(entries * self.bits / 8) + (1 + (1 << self.bits)) * itemsize
@@ -203,8 +207,9 @@ class ChunkedTopK:
     def pack(self, parts: Sequence[Part]) -> torch.Tensor:
         """One peer's message as bytes (exactly nbytes())."""
         out = []
-        for blocks, part in zip(self.blocks, parts):
-            out.append(pack_bits(part.index.reshape(-1), self.index_bits(blocks.numel)))
+        for i, (blocks, part) in enumerate(zip(self.blocks, parts)):
+            if self.sends_positions(i):
+                out.append(pack_bits(part.index.reshape(-1), self.index_bits(blocks.numel)))
             if part.codes is None:
                 out.append(part.values.detach().contiguous().reshape(-1).view(torch.uint8))
             else:
@@ -216,11 +221,14 @@ class ChunkedTopK:
     def unpack(self, buf: torch.Tensor, dtype: torch.dtype) -> list[Part]:
         parts, at = [], 0
         size = dtype.itemsize
-        for blocks, k in zip(self.blocks, self.ks):
+        for i, (blocks, k) in enumerate(zip(self.blocks, self.ks)):
             entries = blocks.count * k
-            width = math.ceil(entries * self.index_bits(blocks.numel) / 8)
-            index = unpack_bits(buf[at : at + width], entries, self.index_bits(blocks.numel)).view(blocks.count, k)
-            at += width
+            if self.sends_positions(i):
+                width = math.ceil(entries * self.index_bits(blocks.numel) / 8)
+                index = unpack_bits(buf[at : at + width], entries, self.index_bits(blocks.numel)).view(blocks.count, k)
+                at += width
+            else:
+                index = torch.arange(k, device=buf.device).expand(blocks.count, k).contiguous()
             if self.bits is None:
                 values = buf[at : at + entries * size].clone().view(dtype).view(blocks.count, k)
                 at += entries * size

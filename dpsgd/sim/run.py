@@ -131,6 +131,10 @@ class EventsRun(FleetRun):
         rows = [{**o.measurements(), "slowdown_s": 0.0} for o in sim.opts]  # compute times are drawn, not slept
         return {opt.summary_key: opt.summary(rows), "class_histograms": sim.plan.class_histograms()}
 
+    def diverged_blocks(self) -> dict:
+        """Every peer is in this process: the asynchronous figures up to the divergence (goodput, staleness)."""
+        return self.summary({}, 0.0)
+
 
 def train_fleet(config: RunConfig, out_dir: str | Path | None = None) -> dict:
     """Run the experiment `config` with every peer in this process; write metrics.jsonl and summary.json to

@@ -89,8 +89,8 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
             f"all, {seeds} seed(s). Inner AdamW lr 0.003, weight decay 0.1; inner Muon (optimizer=muon: Muon lr 0.02 "
             "on the hidden matrices, AdamW lr 0.003 on embeddings, head and gains). 2-bit: error feedback decay 0.9, "
             "statistical quantization (6 sigmas, 4 levels) of every entry of each tensor's delta, gathered from every "
-            "peer (algorithm=sparseloco with a top-k that keeps every entry; its bytes count a 12-bit position beside "
-            "each 2-bit value).",
+            "peer (algorithm=sparseloco with a top-k that keeps every entry: a message of the 2-bit codes and a table "
+            "of 5 floats per tensor, no positions; an all-gather sends it to each of the n - 1 other peers).",
             "",
             "| inner | outer deltas | test loss | test perplexity | vs exact | MB sent per peer |",
             "|---|---|---|---|---|---|",

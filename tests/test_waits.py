@@ -1,0 +1,66 @@
+"""How a peer waits (dpsgd.comm.pending.poll_until) on a fake clock: a collective's first milliseconds are tested
+without sleeping (MPICH moves a non-blocking operation only inside a test: sleeps between tests made a 1 MiB
+all-reduce several times slower), later tests sleep, and a deadline ends the wait with the peers named."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from dpsgd.comm import PeerTimeoutError, mpi, pending
+
+
+class Clock:
+    """time.monotonic advancing 1 us a read, and time.sleep recording each sleep (and advancing the clock by it)."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(pending, "time", types.SimpleNamespace(monotonic=c.monotonic, sleep=c.sleep))
+    return c
+
+
+def ready_after(polls: int):
+    count = [0]
+
+    def test() -> bool:
+        count[0] += 1
+        return count[0] > polls
+
+    return test, count
+
+
+def test_a_wait_spins_for_its_first_spin_s_then_sleeps_between_tests(clock):
+    test, count = ready_after(100)  # about 200 us of the fake clock
+    assert pending.poll_until(test, deadline=1.0, spin_s=2e-3) and count[0] == 101 and clock.sleeps == []
+    test, count = ready_after(100)
+    assert pending.poll_until(test, deadline=clock.now + 1.0, spin_s=0.0) and len(clock.sleeps) == 100
+    assert all(pending._POLL_MIN_S <= s <= pending._POLL_MAX_S for s in clock.sleeps)
+
+
+def test_the_mpi_backends_collective_waits_spin(clock):
+    """The MPI backend's exchanges and all-reduces wait through poll_until with SPIN_S: a collective done after 1,000
+    tests (about 2 ms of this clock) never slept."""
+    test, count = ready_after(1000)
+    fake_mpi = types.SimpleNamespace(Request=types.SimpleNamespace(Testall=lambda requests: test()), Exception=OSError)
+    mpi._Requests(fake_mpi, [object()], [-1]).wait(deadline=10.0)
+    assert count[0] == 1001 and clock.sleeps == [], f"slept {len(clock.sleeps)} times (SPIN_S = {mpi.SPIN_S})"
+
+
+def test_a_wait_past_its_deadline_names_the_peers_outstanding(clock):
+    test, _ = ready_after(10**9)
+    with pytest.raises(PeerTimeoutError, match=r"peers \[2, 3\] did not answer"):
+        pending.poll_until(test, deadline=0.05, outstanding=lambda: [2, 3], spin_s=2e-3)
