@@ -1,13 +1,13 @@
-"""Chunked top-k messages, the wire format of DeMo and SparseLoCo: each tensor is cut into blocks (a 1-D
-tensor into chunks of c entries, a matrix into c1 x c2 tiles, c the largest divisor of the dimension <= the
-target chunk, as DeMo's reference does), optionally turned into orthonormal DCT-II coefficients per block,
-and only the k entries of largest magnitude of each block are kept. A peer's message holds their positions
-in the block (ceil(log2(block size)) bits each; none where k keeps a whole block) and their values: 32-bit
-floats, or b-bit codes with a shift and a table of 2^b centroids per tensor (SparseLoCo's statistical
-quantization). Every peer's message reaches every other one (an all-gather: n - 1 messages sent and received per
-peer), and each peer combines them in rank order: the mean over all peers, or each entry's mean over the peers that sent it (the reference codes'),
-optionally after clipping each peer's values to the median norm (templar's). Tensors may carry leading peer
-axes (a fleet's): every peer's message is computed at once.
+"""Chunked top-k messages, the wire format of DeMo and SparseLoCo: each tensor is cut into blocks (a 1-D tensor into
+chunks of c entries, a matrix into c1 x c2 tiles, c the largest divisor of the dimension <= the target chunk, as
+DeMo's reference does), optionally turned into orthonormal DCT-II coefficients per block, and only the k entries of
+largest magnitude of each block are kept. A peer's message holds their positions in the block (ceil(log2(block
+size)) bits each; none where k keeps a whole block) and their values: 32-bit floats, or b-bit codes with a shift and
+a table of 2^b centroids per tensor (SparseLoCo's statistical quantization). Every peer's message reaches every
+other one (an all-gather: n - 1 messages sent and received per peer), and each peer combines them in rank order: the
+mean over all peers, or each entry's mean over the peers that sent it (the reference codes'), optionally after
+clipping each peer's values to the median norm (templar's). Tensors may carry leading peer axes (a fleet's): every
+peer's message is computed at once.
 """
 
 from __future__ import annotations
