@@ -126,7 +126,7 @@ def test_the_miss_causes_split_what_they_measured():
     cause = comm_overhead.miss_cause(row)
     # 2.0x = MPI's non-blocking path 1.33x x the toolkit's waiting 1.5x: the product is the ratio
     assert "non-blocking calls 1.33x" in cause and "wrapper 1.50x" in cause
-    assert cause.endswith("the toolkit's sleeping waits")
+    assert cause.endswith("the toolkit's waits and wrapper")
     torch_row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": None, "ratio": 2.0}
     assert "1.50 ms a call" in comm_overhead.miss_cause(torch_row)
     res = {

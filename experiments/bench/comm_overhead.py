@@ -245,7 +245,9 @@ def worker(args) -> None:
 def miss_cause(row: dict) -> str:
     """Where a row's excess over raw went, from its own measurements: on mpi, raw non-blocking (the toolkit's MPI
     calls completed by MPI's spinning Waitall) splits toolkit / raw into MPI's non-blocking path and the toolkit's
-    waiting (polls that sleep between tests: MPI progresses only inside a test)."""
+    waits and wrapper (its polls: MPI progresses only inside a test; fresh receive buffers; its Python layers).
+    Not told apart: on 4 ranks of 2 cores (2026-12-06) MPI's own Waitall in place of the polls measured the same
+    1.35-1.6x, so the polls are no longer the larger part of that factor."""
     excess_ms = (row["toolkit_s"] - row["raw_s"]) * 1e3
     if row["raw_nonblocking_s"] is None:
         return (
@@ -254,7 +256,7 @@ def miss_cause(row: dict) -> str:
         )
     path = row["raw_nonblocking_s"] / row["raw_s"]
     waiting = row["toolkit_s"] / row["raw_nonblocking_s"]
-    larger = "MPI's non-blocking path" if path > waiting else "the toolkit's sleeping waits"
+    larger = "MPI's non-blocking path" if path > waiting else "the toolkit's waits and wrapper"
     return (
         f"{row['ratio']:.2f}x = MPI's non-blocking calls {path:.2f}x (the same calls under MPI's spinning Waitall "
         f"against the blocking ones) x the toolkit's waiting and wrapper {waiting:.2f}x; the larger share: {larger}"
