@@ -145,39 +145,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 per setting (default 3)")
     parser.add_argument("--out", type=Path, default=None, help="default outputs/reproductions/NAME")
     parser.add_argument("--docs", action="store_true", help="copy the plots into docs/reproductions/")
-    parser.add_argument("--search-seeds", type=int, default=1, help="seeds per setting of a search (default 1)")
+    parser.add_argument("--search-seeds", type=int, default=None, help="seeds per setting of a search (default 1)")
     parser.add_argument("--no-search", action="store_true", help="skip a search: the sweeps at their own settings")
     args, overrides = parser.parse_known_args(argv)
     if args.list or not args.name:
+        width = max(map(len, available()))
         for name in available():
-            print(f"{name:<14} {importlib.import_module(f'experiments.reproductions.{name}').PAPER}")
+            module = importlib.import_module(f"experiments.reproductions.{name}")
+            tuned = " (tunes by a search first)" if getattr(module, "SEARCH", None) else ""
+            print(f"{name:<{width}}  {module.PAPER}{tuned}")
         return 0 if args.list else 2
     if args.name not in available():
         parser.error(f"no reproduction named {args.name!r}; choose one of {', '.join(available())}")
     if any(o.startswith("-") for o in overrides):
         parser.error(f"unknown option(s): {' '.join(o for o in overrides if o.startswith('-'))}")
-    if args.seeds < 1 or args.search_seeds < 1:
+    if args.seeds < 1 or (args.search_seeds is not None and args.search_seeds < 1):
         parser.error("--seeds and --search-seeds must be >= 1")
     module = importlib.import_module(f"experiments.reproductions.{args.name}")
+    if args.search_seeds is not None and (args.no_search or not getattr(module, "SEARCH", None)):
+        parser.error(f"--search-seeds: {args.name} runs no search" + (" with --no-search" if args.no_search else ""))
+    search_seeds = args.search_seeds or 1
     out = args.out or Path("outputs/reproductions") / args.name
     out.mkdir(parents=True, exist_ok=True)
 
     runs, timings = {}, []
     searches = {} if args.no_search else getattr(module, "SEARCH", {})
+    expected = {sweep: module.RUNS[sweep] * args.seeds for sweep in module.SWEEPS}
+    search_runs = {name: module.SEARCH_RUNS[name] * search_seeds for name in searches}
+    if not all(finished(out / "search" / name, n) for name, n in search_runs.items()):
+        _refuse_stale(out, expected, None)  # before the search's minutes, not after them
     for name, search_overrides in searches.items():
-        expected = module.SEARCH_RUNS[name] * args.search_seeds
         folder = out / "search" / name
         runs[f"search/{name}"] = _sweep(
-            args.name, folder, expected, search_overrides, overrides, args.search_seeds, timings
+            args.name, folder, search_runs[name], search_overrides, overrides, search_seeds, timings
         )
     chosen = module.choose({n: configurations(runs[f"search/{n}"]) for n in searches}) if searches else {}
+    _refuse_stale(out, expected, chosen)
     for sweep, sweep_overrides in module.SWEEPS.items():
         picked = chosen.get(sweep, [])
-        _check_chosen(out / sweep, module.RUNS[sweep] * args.seeds, picked)
+        if not finished(out / sweep, expected[sweep]):  # what it runs with, kept beside it
+            (out / sweep).parent.mkdir(parents=True, exist_ok=True)
+            (out / sweep).with_suffix(".chosen.json").write_text(json.dumps(picked) + "\n")
         runs[sweep] = _sweep(
-            args.name, out / sweep, module.RUNS[sweep] * args.seeds, [*sweep_overrides, *picked], overrides, args.seeds,
-            timings,
-        )  # fmt: skip
+            args.name, out / sweep, expected[sweep], [*sweep_overrides, *picked], overrides, args.seeds, timings
+        )
     seconds = sum(t["seconds"] for t in timings)
     cpu_seconds = sum(t["cpu_seconds"] for t in timings)
     load_before = max((t["load_average"][0] for t in timings), default=os.getloadavg()[0])
@@ -239,19 +250,25 @@ def _sweep(
     return load_runs(folder)
 
 
-def _check_chosen(folder: Path, expected: int, picked: list[str]) -> None:
-    """A sweep's runs are reused only with the values the search picks now: its record says which it ran with."""
-    record = folder.with_suffix(".chosen.json")
-    if finished(folder, expected):
+def _refuse_stale(out: Path, expected: dict[str, int], chosen: dict[str, list[str]] | None) -> None:
+    """Refuse to reuse a finished sweep that ran with other values than `chosen` picks for it (None: not known
+    yet, a search still to run: every finished sweep is refused), naming them all at once."""
+    stale = []
+    for sweep, runs in expected.items():
+        folder = out / sweep
+        record = folder.with_suffix(".chosen.json")
+        if not finished(folder, runs):
+            continue
         ran = json.loads(record.read_text()) if record.exists() else []
-        if ran != picked:
-            raise SystemExit(
-                f"{folder} was run with {ran or 'its own settings'}, but the search now picks {picked or 'none'}: "
-                f"delete {folder} (and {record.name}) to run it again, or pass the --out of a fresh folder"
-            )
-    else:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(picked) + "\n")
+        if chosen is None or ran != chosen.get(sweep, []):
+            now = "" if chosen is None else f", now picked: {' '.join(chosen.get(sweep, [])) or 'its own settings'}"
+            stale.append(f"{folder} (ran with {' '.join(ran) or 'its own settings'}{now})")
+    if stale:
+        why = "a search still to run picks their values" if chosen is None else "other values are picked now"
+        raise SystemExit(
+            f"finished sweeps ran with other settings ({why}): {'; '.join(stale)}. Delete them and their .chosen.json "
+            "to run them again, or pass --out a fresh folder"
+        )
 
 
 if __name__ == "__main__":

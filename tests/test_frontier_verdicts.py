@@ -144,6 +144,7 @@ def kale(sync: float, delayed: float, eager: float, waits=(1.0, 0.0, 0.0), mbs=(
         ("eager_closes_but_not_competitive", 10.0, 20.0, 12.0, (1.0, 0.0, 0.0), None),
         ("no_gap", 10.0, 10.0, 10.0, (1.0, 0.0, 0.0), None),
         ("nothing", 10.0, 10.0, 13.0, (1.0, 1.0, 1.0), False),
+        ("eager_worse", 10.0, 12.0, 13.0, (1.0, 0.0, 0.0), None),
     ],
 )
 def test_kale2025_decides_on_the_gap_eager_closes_and_the_hidden_exchange(
@@ -156,6 +157,7 @@ def test_kale2025_decides_on_the_gap_eager_closes_and_the_hidden_exchange(
     assert ("synchronous DiLoCo: met." in finding.verdict) is (delayed == sync)
     # eager leaves at most half of the delayed run's gap (log 11.5 / log 10 - 1 = 6.1% of 7.9%: more than half)
     assert (", less than half)" in finding.verdict) is (case == "eager_closes_less")
+    assert ("further from it than the delayed run" in finding.verdict) is (case == "eager_worse")
     # M = 3.5 MB / 5 rounds / (2 x 7 / 8) = 0.4 MB; a ring all-reduce on the wan link: 14 x 50 ms + 1.75 x 0.4 MB /
     # 12.5 MB/s = 0.756 s, of which a round's 25 x 20 ms of compute hides 0.5 s
     assert "| 100 Mb/s, 50 ms (wan) | 0.756 | 0.756 | 0.256 |" in finding.table

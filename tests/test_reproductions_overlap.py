@@ -34,14 +34,42 @@ def test_every_sweep_composes_into_the_run_it_names(module):
 SMALL = ["data.num_samples=800"]  # 25 steps an epoch: 50 on the fleet (2 rounds of 25), 25 emulated (1 round)
 
 
-def test_a_finished_sweep_is_reused_only_with_the_values_the_search_picks_now(tmp_path):
-    folder = tmp_path / "delayed"
-    reproduce._check_chosen(folder, 1, ["algorithm.outer.lr=0.35"])  # not run yet: the pick is recorded
-    (folder / "0").mkdir(parents=True)
-    (folder / "0" / "summary.json").write_text("{}")  # ... and the sweep ran with it
-    reproduce._check_chosen(folder, 1, ["algorithm.outer.lr=0.35"])  # the same pick: its runs are read
-    with pytest.raises(SystemExit, match=r"lr=0.35.*now picks.*lr=0.2.*delete"):
-        reproduce._check_chosen(folder, 1, ["algorithm.outer.lr=0.2"])
+def finished_sweep(out, sweep: str, ran_with: list[str]) -> None:
+    (out / sweep / "0").mkdir(parents=True)
+    (out / sweep / "0" / "summary.json").write_text("{}")
+    (out / f"{sweep}.chosen.json").write_text(json.dumps(ran_with))
+
+
+def test_finished_sweeps_are_reused_only_with_the_values_picked_now_and_refused_all_at_once(tmp_path):
+    lr = "algorithm.outer.lr="
+    expected = {"synchronous": 1, "delayed": 1, "eager": 1}
+    finished_sweep(tmp_path, "synchronous", [])
+    finished_sweep(tmp_path, "delayed", [lr + "0.35"])
+    reproduce._refuse_stale(tmp_path, expected, {"delayed": [lr + "0.35"]})  # as picked: read, not rerun
+    with pytest.raises(SystemExit) as refused:
+        reproduce._refuse_stale(tmp_path, expected, {"synchronous": [lr + "0.7"], "delayed": [lr + "0.2"]})
+    words = str(refused.value)
+    assert "synchronous (ran with its own settings, now picked: algorithm.outer.lr=0.7)" in words
+    assert "delayed (ran with algorithm.outer.lr=0.35, now picked: algorithm.outer.lr=0.2)" in words
+    assert "eager" not in words and "Delete them" in words
+    with pytest.raises(SystemExit, match="a search still to run picks their values"):
+        reproduce._refuse_stale(tmp_path, expected, None)
+
+
+def test_a_search_does_not_start_beside_sweeps_run_without_it(tmp_path, capsys):
+    """kale2025 into a folder of --no-search runs: refused at once, before the search's 36 runs."""
+    for sweep in kale2025.SWEEPS:
+        finished_sweep(tmp_path, sweep, [])
+    with pytest.raises(SystemExit, match="a search still to run"):
+        reproduce.main(["kale2025", "--seeds", "1", "--out", str(tmp_path)])
+    assert not (tmp_path / "search").exists() and "sweep" not in capsys.readouterr().out
+
+
+def test_search_seeds_without_a_search_is_refused(capsys):
+    for argv in (["kale2025", "--no-search", "--search-seeds", "2"], ["lian2017", "--search-seeds", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            reproduce.main(argv)
+        assert exc.value.code == 2 and "runs no search" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # soak: kale2025 at a small size, a 2-point search (12 runs, about 3 minutes on 2 loaded cores)

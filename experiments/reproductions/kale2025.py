@@ -129,9 +129,14 @@ def decide(
         words = f"the delayed run loses nothing beyond the intervals ({g_delayed:+.2%}), so there is no gap to close"
     else:
         share = 1 - g_eager / g_delayed
+        closing = (
+            f"eager closes {share:.0%} of the gap" + ("" if closes else ", less than half")
+            if share >= 0
+            else "eager is further from it than the delayed run"
+        )
         words = (
             f"the delayed run's test loss is {g_delayed:+.2%} against synchronous DiLoCo's and eager's {g_eager:+.2%} "
-            f"(eager closes {share:.0%} of the gap" + ("" if closes else ", less than half") + ")"
+            f"({closing})"
         )
     words += (
         "; eager is "
@@ -262,7 +267,7 @@ def analyze(configs: dict[str, list[Configuration]], out: Path) -> Finding:
         + f": at most {HIDDEN:.0%} of the synchronous round's, at "
         + ("the same" if len(set(mb.values())) == 1 else "different")
         + f" bytes); outer Nesterov {settings_words(sync, delayed, eager)}."
-        + " Issue 39's line, a one-step-delayed run within that tolerance of synchronous DiLoCo: "
+        + " A one-step-delayed run within that tolerance of synchronous DiLoCo: "
         + ("met." if near(delayed, sync) else "not met.")
     )
 
