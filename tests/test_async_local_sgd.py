@@ -426,6 +426,7 @@ def steps_under_random_delays(opt, w, rank: int, rng) -> tuple:
 ASYNC_RESUME = ["algorithm=async_local_sgd", "algorithm.budget=steps", "log_every=5", "backend=local"]
 
 
+@pytest.mark.slow  # soak: three app runs (about 30 s on 2 cores; the state_dict round trip is in the default suite)
 @pytest.mark.processes
 @pytest.mark.timeout(200)
 def test_the_app_resumes_an_async_run_to_the_numbers_of_an_uninterrupted_one(app, tmp_path):
