@@ -426,6 +426,17 @@ def steps_under_random_delays(opt, w, rank: int, rng) -> tuple:
 ASYNC_RESUME = ["algorithm=async_local_sgd", "algorithm.budget=steps", "log_every=5", "backend=local"]
 
 
+def killed_and_resumed(app, tmp_path, args: list[str], peer: int, at_step: int) -> tuple[Path, Path]:
+    """The app run uninterrupted (full), and run again with `peer` killed at `at_step` then resumed (killed)."""
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert app(args, full, timeout=150).returncode == 0
+    proc = app([*args, f"faults.kill_peer={peer}", f"faults.at_step={at_step}"], killed, timeout=150)
+    assert proc.returncode == 1 and f"peer {peer} exited at step {at_step}" in proc.stderr, proc.stderr
+    proc = app([*args, "resume=true"], killed, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    return full, killed
+
+
 @pytest.mark.slow  # soak: three app runs (about 30 s on 2 cores; the state_dict round trip is in the default suite)
 @pytest.mark.processes
 @pytest.mark.timeout(200)
@@ -435,12 +446,7 @@ def test_the_app_resumes_an_async_run_to_the_numbers_of_an_uninterrupted_one(app
     from runs import summary, timeless_records
 
     args = [*ASYNC_RESUME, "peers=1", "epochs=1", "checkpoint.every=10"]
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    assert app(args, full, timeout=150).returncode == 0
-    proc = app([*args, "faults.kill_peer=0", "faults.at_step=25"], killed, timeout=150)
-    assert proc.returncode == 1 and "peer 0 exited at step 25" in proc.stderr, proc.stderr
-    proc = app([*args, "resume=true"], killed, timeout=150)
-    assert proc.returncode == 0, proc.stderr
+    full, killed = killed_and_resumed(app, tmp_path, args, peer=0, at_step=25)
     a, b = summary(full), summary(killed)
     assert b["resumed_from"] == 20
     for key in ("steps", "samples", "test_accuracy", "test_loss", "train_loss"):
@@ -463,12 +469,7 @@ def test_four_peers_resume_after_a_worker_is_killed(app, tmp_path):
     from runs import summary
 
     args = [*ASYNC_RESUME, "peers=4", "epochs=2", "checkpoint.every=5"]
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    assert app(args, full, timeout=150).returncode == 0
-    proc = app([*args, "faults.kill_peer=2", "faults.at_step=13"], killed, timeout=150)
-    assert proc.returncode == 1 and "peer 2 exited at step 13" in proc.stderr, proc.stderr
-    proc = app([*args, "resume=true"], killed, timeout=150)
-    assert proc.returncode == 0, proc.stderr
+    full, killed = killed_and_resumed(app, tmp_path, args, peer=2, at_step=13)
     a, b = summary(full), summary(killed)
     assert b["resumed_from"] == 10 and a["steps"] == b["steps"]
     assert a["async_local_sgd"]["steps_per_peer"] == b["async_local_sgd"]["steps_per_peer"]
