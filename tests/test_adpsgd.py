@@ -135,8 +135,10 @@ def test_straggler_slows_only_itself():
     def peer(comm):
         topo = topologies.make("ring", comm.size)
         w = torch.nn.Parameter(torch.zeros(8))
-        opt = ADPSGD(torch.optim.SGD([w], lr=0.1), comm=comm, topology=topo, budget="seconds", seconds=0.4)
-        slow = ComputeSlowdown(comm.rank, slow_peers=(1,), compute_scale=4.0, compute_time=0.01)
+        opt = ADPSGD(torch.optim.SGD([w], lr=0.1), comm=comm, topology=topo, budget="seconds", seconds=0.8)
+        # 30 ms a step, not 10: a loaded machine adds the same overhead to every step, and at 10 ms that overhead
+        # (about 17 ms a step in one failed CI) shrank the 4x to 2x
+        slow = ComputeSlowdown(comm.rank, slow_peers=(1,), compute_scale=4.0, compute_time=0.03)
         comm.barrier()
         while not opt.should_stop():
             slow.start()
@@ -152,7 +154,7 @@ def test_straggler_slows_only_itself():
     # side by side, not against the clock (a loaded machine slows every peer): about 4x on a quiet one; a
     # straggler that held the others back (a synchronous step) would leave them all near its count
     assert min(fast) >= 1.5 * steps[1], steps
-    assert steps[1] <= 0.45 * max(fast), steps
+    assert steps[1] <= 0.5 * max(fast), steps
 
 
 def test_compute_slowdown_waits_for_the_floor():
