@@ -42,6 +42,7 @@ def test_bench_quick_dry_run(tmp_path, capsys):
         assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
         assert r["max_abs_diff_vs_raw"] <= 1e-5, r  # the toolkit computes what the raw code computes
         assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), r
+        assert (r["raw_new_tensors_s"] is not None and r["raw_new_tensors_s"] > 0) == (r["backend"] == "mpi"), r
     for t in co["targets"]:  # a miss names its cause, a pass none
         assert (t["cause"] is None) == t["holds"], t
     ar = load(tmp_path / "allreduce_vs_ddp.json", "allreduce_vs_ddp")

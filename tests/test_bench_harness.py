@@ -122,11 +122,13 @@ def test_no_benchmark_composes_a_config_by_hand():
 
 
 def test_the_miss_causes_split_what_they_measured():
-    row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": 2.0e-3, "ratio": 2.0}
+    row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": 1.6e-3, "raw_new_tensors_s": 2.4e-3, "ratio": 2.0}
     cause = comm_overhead.miss_cause(row)
-    # 2.0x = MPI's non-blocking path 1.33x x the toolkit's waiting 1.5x: the product is the ratio
-    assert "non-blocking calls 1.33x" in cause and "wrapper 1.50x" in cause
-    assert cause.endswith("the toolkit's waits and wrapper")
+    # 2.0x = MPI's non-blocking path 1.07x x new tensors 1.5x x the toolkit's waits 1.25x: the product is the ratio
+    assert "non-blocking calls 1.07x" in cause and "new tensors 1.50x" in cause and "wrapper 1.25x" in cause
+    assert cause.endswith("the largest: new tensors")
+    row["raw_new_tensors_s"] = 1.7e-3
+    assert comm_overhead.miss_cause(row).endswith("the largest: the toolkit's waits and wrapper")
     torch_row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": None, "ratio": 2.0}
     assert "1.50 ms a call" in comm_overhead.miss_cause(torch_row)
     res = {

@@ -1,9 +1,11 @@
 """How a peer waits (dpsgd.comm.pending.poll_until) on a fake clock: a collective's first milliseconds are tested
 without sleeping (MPICH moves a non-blocking operation only inside a test: sleeps between tests made a 1 MiB
-all-reduce several times slower), later tests sleep, and a deadline ends the wait with the peers named."""
+all-reduce several times slower), later tests sleep, a long wait on the main thread yields again instead of
+sleeping (each wake-up preempts a computing peer), and a deadline ends the wait with the peers named."""
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -46,9 +48,58 @@ def ready_after(polls: int):
 def test_a_wait_spins_for_its_first_spin_s_then_sleeps_between_tests(clock):
     test, count = ready_after(100)  # about 200 us of the fake clock
     assert pending.poll_until(test, deadline=1.0, spin_s=2e-3) and count[0] == 101 and clock.sleeps == []
-    test, count = ready_after(100)
-    assert pending.poll_until(test, deadline=clock.now + 1.0, spin_s=0.0) and len(clock.sleeps) == 100
+    test, count = ready_after(50)  # about 1 ms of sleeps: short of LONG_WAIT_S
+    assert pending.poll_until(test, deadline=clock.now + 1.0, spin_s=0.0) and len(clock.sleeps) == 50
     assert all(pending._POLL_MIN_S <= s <= pending._POLL_MAX_S for s in clock.sleeps)
+
+
+def test_a_long_wait_on_the_main_thread_yields_instead_of_sleeping(clock):
+    """Past LONG_WAIT_S the main thread tests without sleeping: a 1 s wait sleeps only in its first milliseconds."""
+    test, count = ready_after(10**6)  # a million tests, each about 2 us of the fake clock after the sleeps
+    assert pending.poll_until(test, deadline=clock.now + 10.0) and count[0] == 10**6 + 1
+    assert sum(clock.sleeps) <= pending.LONG_WAIT_S + pending._POLL_MAX_S, (len(clock.sleeps), sum(clock.sleeps))
+    assert clock.now > 1.0  # the wait did last that long: it was the sleeps that stopped
+
+
+def sleeps_of_a_long_wait(clock) -> float:
+    test, _ = ready_after(5000)
+    pending.poll_until(test, deadline=clock.now + 10.0)
+    return sum(clock.sleeps)
+
+
+def test_a_long_wait_keeps_sleeping_beside_a_communication_thread(clock):
+    """A thread that spins holds the interpreter lock: beside a registered communication thread (or off the main
+    thread, as the local backend's peers wait) the whole wait sleeps between its tests."""
+    release = threading.Event()
+    thread = pending.communication_thread(threading.Thread(target=release.wait, daemon=True))
+    thread.start()
+    try:
+        assert sleeps_of_a_long_wait(clock) > 100 * pending.LONG_WAIT_S
+    finally:
+        release.set()
+        thread.join()
+    clock.sleeps.clear()
+    assert sleeps_of_a_long_wait(clock) <= pending.LONG_WAIT_S + pending._POLL_MAX_S  # the thread has ended
+
+    slept = []
+    worker = threading.Thread(target=lambda: slept.append(sleeps_of_a_long_wait(clock)))
+    clock.sleeps.clear()
+    worker.start()
+    worker.join()
+    assert slept[0] > 100 * pending.LONG_WAIT_S
+
+
+def test_one_message_waited_for_on_the_main_thread_never_sleeps(clock):
+    """A Request (a control message, a peer's answer) is not a transfer that sleeping polls would move sooner."""
+
+    test, count = ready_after(10**5)
+
+    class Message(pending.Request):
+        def test(self) -> bool:
+            return test()
+
+    Message().wait(deadline=clock.now + 10.0)
+    assert count[0] == 10**5 + 1 and clock.sleeps == []
 
 
 def test_the_mpi_backends_collective_waits_spin(clock):

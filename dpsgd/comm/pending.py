@@ -1,16 +1,18 @@
 """Operations in flight and how a peer waits for them: what a transport returns when it starts an
 exchange, an all-reduce or one message (`Pending`, `Exchange`, `Request`), the errors a wait ends with,
-and `poll_until`, the wait every transport shares: sleeping polls that leave the core to computing peers,
-after an optional short spin for collectives whose ranks arrive together.
+and `poll_until`, the wait every transport shares: tests that yield the core, sleeping polls, and for long waits on
+a process's main thread yielding tests again (each leaves the core to a computing peer).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -63,30 +65,53 @@ class Request(Pending):
         """True once the message has been sent (the buffer may be reused) or received."""
 
     def wait(self, deadline: float) -> None:
-        poll_until(self.test, deadline, self.peers_outstanding)
+        # one message on the main thread: a control message or a peer's answer, not a transfer that sleeping
+        # polls would move sooner, so the whole wait may yield (see poll_until)
+        poll_until(self.test, deadline, self.peers_outstanding, spin_s=math.inf if may_spin() else 0.0)
+
+
+# threads that must get the interpreter promptly (the asynchronous optimizers' communication threads, gloo's request
+# waiters): while one runs, the process's waits sleep between their tests
+_communication_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def communication_thread(thread: threading.Thread) -> threading.Thread:
+    """Register `thread` as one whose work must not wait for the interpreter lock (see `may_spin`); returns it."""
+    _communication_threads.add(thread)
+    return thread
+
+
+def may_spin() -> bool:
+    """Whether this thread's long waits may yield the core between tests instead of sleeping (`poll_until`): only on
+    the main thread of a process where no communication thread runs, since a thread that spins holds the interpreter
+    lock, which another thread of the process (a communication thread; the local backend's peers) then gets only
+    every few milliseconds."""
+    return threading.current_thread() is threading.main_thread() and not any(
+        t.is_alive() for t in _communication_threads
+    )
 
 
 def poll_until(
     test, deadline: float, outstanding=list, abort: Callable[[], bool] | None = None, spin_s: float = 0.0
 ) -> bool:
-    """Wait for `test()` to be true without spinning a core: sleep between polls for 1/20 of the
-    time waited so far, from 20 us up to 1 ms (waiting ranks that spin halve the speed of
-    computing ones on small machines). A wait thus notices completion at most about 5% late, and a
-    long wait costs about a hundred quick polls, then one per millisecond. Quick polls matter for
-    MPI's non-blocking operations: they progress only while each rank polls, so 1 ms sleeps from the
-    start made a 1 MiB all-reduce on 4 ranks 4x slower than a blocking one.
-    `spin_s`: first poll without sleeping for up to that long, yielding the core to any other runnable
-    process between polls (a collective whose peers arrive together: even 20 us sleeps made a 1 MiB
-    exchange of MPI's pipelined copies several times slower than MPI's own spinning wait).
+    """Wait for `test()` to be true, in three phases, each measured with 4 ranks on 2 cores (results: benchmarks.md).
+    For the first `spin_s`, test without sleeping, yielding the core between tests: a collective's peers arrive
+    together, and even 20 us sleeps made a 1 MiB exchange several times slower than MPI's own spinning wait (MPI's
+    non-blocking operations progress only inside a test). Then sleep between tests for 1/20 of the time waited so
+    far, 20 us to 1 ms: each wake-up runs at once, which finished a 1 MiB exchange 6-9% sooner than yielding for the
+    whole wait. From `LONG_WAIT_S` on, where `may_spin()`, yield again: the growing sleeps delay a long transfer (an
+    11 MiB exchange 8% and all-reduce 20% slower than yielding after 3 ms), and each wake-up preempts a rank that
+    computes on the same core (beside a partner in sleeping polls it ran 4-15% slower, in yields 0-5%).
     True once `test()` is; False if `abort()` becomes true first (it is asked before the deadline)."""
     _fine_timer_slack()
     start = time.monotonic()
     spin_until = min(start + spin_s, deadline)
+    spin_from = start + LONG_WAIT_S if may_spin() else math.inf
     while not test():
         if abort is not None and abort():
             return False
         now = time.monotonic()
-        if now < spin_until:
+        if now < spin_until or spin_from <= now <= deadline:
             os.sched_yield()
             continue
         if now > deadline:
@@ -96,6 +121,7 @@ def poll_until(
 
 
 _POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
+LONG_WAIT_S = 3e-3  # from here on a main thread's wait yields instead of sleeping (poll_until)
 
 
 _slack = threading.local()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dpsgd import netif
 
 from .base import DEFAULT_TIMEOUT_S, Communicator
-from .pending import Exchange, PeerTimeoutError, Pending, Request
+from .pending import Exchange, PeerTimeoutError, Pending, Request, communication_thread
 from .staging import HostStaging, check_mode
 from .store import master_store
 from .transport import Transport, register
@@ -93,7 +93,9 @@ class _TorchRequest(Request):
 
     def test(self) -> bool:
         if self._waiter is None:
-            self._waiter = threading.Thread(target=self._wait_in_library, name="dpsgd-torch-wait", daemon=True)
+            self._waiter = communication_thread(
+                threading.Thread(target=self._wait_in_library, name="dpsgd-torch-wait", daemon=True)
+            )
             self._waiter.start()
         if not self._done.is_set():
             return False

@@ -10,7 +10,7 @@ import time
 from typing import Any, ClassVar
 
 from dpsgd.comm import CommError, PeerTimeoutError
-from dpsgd.comm.pending import poll_until
+from dpsgd.comm.pending import communication_thread, poll_until
 
 
 class ThreadedPeer:
@@ -48,7 +48,7 @@ class ThreadedPeer:
                 self._abort.set()
 
         prefix = type(self).__name__.lower()
-        t = threading.Thread(target=run, name=f"{prefix}-{what}-{self.comm.rank}", daemon=True)
+        t = communication_thread(threading.Thread(target=run, name=f"{prefix}-{what}-{self.comm.rank}", daemon=True))
         self._threads.append(t)
         t.start()
 
