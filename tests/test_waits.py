@@ -17,7 +17,7 @@ class Clock:
     """time.monotonic advancing 1 us a read, and time.sleep recording each sleep (and advancing the clock by it)."""
 
     def __init__(self):
-        self.now, self.sleeps = 0.0, []
+        self.now, self.sleeps, self.slept_at = 0.0, [], []
 
     def monotonic(self) -> float:
         self.now += 1e-6
@@ -25,6 +25,7 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
+        self.slept_at.append(self.now)
         self.now += seconds
 
 
@@ -48,17 +49,23 @@ def ready_after(polls: int):
 def test_a_wait_spins_for_its_first_spin_s_then_sleeps_between_tests(clock):
     test, count = ready_after(100)  # about 200 us of the fake clock
     assert pending.poll_until(test, deadline=1.0, spin_s=2e-3) and count[0] == 101 and clock.sleeps == []
-    test, count = ready_after(50)  # about 1 ms of sleeps: short of LONG_WAIT_S
+    test, count = ready_after(50)  # about 1 ms of sleeps: short of YIELD_FROM_S
     assert pending.poll_until(test, deadline=clock.now + 1.0, spin_s=0.0) and len(clock.sleeps) == 50
     assert all(pending._POLL_MIN_S <= s <= pending._POLL_MAX_S for s in clock.sleeps)
 
 
-def test_a_long_wait_on_the_main_thread_yields_instead_of_sleeping(clock):
-    """Past LONG_WAIT_S the main thread tests without sleeping: a 1 s wait sleeps only in its first milliseconds."""
-    test, count = ready_after(10**6)  # a million tests, each about 2 us of the fake clock after the sleeps
-    assert pending.poll_until(test, deadline=clock.now + 10.0) and count[0] == 10**6 + 1
-    assert sum(clock.sleeps) <= pending.LONG_WAIT_S + pending._POLL_MAX_S, (len(clock.sleeps), sum(clock.sleeps))
-    assert clock.now > 1.0  # the wait did last that long: it was the sleeps that stopped
+def test_a_long_wait_on_the_main_thread_yields_then_sleeps_again(clock):
+    """From YIELD_FROM_S to YIELD_UNTIL_S the main thread tests without sleeping; past that (a straggler, a dead peer)
+    it sleeps 1 ms between tests again, up to the deadline."""
+    test, _ = ready_after(10**9)
+    with pytest.raises(PeerTimeoutError):
+        pending.poll_until(test, deadline=1.0)
+    begun = list(zip(clock.slept_at, clock.sleeps))
+    assert begun and all(not pending.YIELD_FROM_S < t < pending.YIELD_UNTIL_S for t, _ in begun), begun[:5]
+    early = sum(s for t, s in begun if t <= pending.YIELD_FROM_S)
+    assert 0 < early <= pending.YIELD_FROM_S + pending._POLL_MAX_S
+    late = [s for t, s in begun if t >= pending.YIELD_UNTIL_S]
+    assert late and all(s == pending._POLL_MAX_S for s in late) and sum(late) > 0.8
 
 
 def sleeps_of_a_long_wait(clock) -> float:
@@ -74,32 +81,32 @@ def test_a_long_wait_keeps_sleeping_beside_a_communication_thread(clock):
     thread = pending.communication_thread(threading.Thread(target=release.wait, daemon=True))
     thread.start()
     try:
-        assert sleeps_of_a_long_wait(clock) > 100 * pending.LONG_WAIT_S
+        assert sleeps_of_a_long_wait(clock) > 100 * pending.YIELD_FROM_S
     finally:
         release.set()
         thread.join()
     clock.sleeps.clear()
-    assert sleeps_of_a_long_wait(clock) <= pending.LONG_WAIT_S + pending._POLL_MAX_S  # the thread has ended
+    assert sleeps_of_a_long_wait(clock) <= pending.YIELD_FROM_S + pending._POLL_MAX_S  # the thread has ended
 
     slept = []
     worker = threading.Thread(target=lambda: slept.append(sleeps_of_a_long_wait(clock)))
     clock.sleeps.clear()
     worker.start()
     worker.join()
-    assert slept[0] > 100 * pending.LONG_WAIT_S
+    assert slept[0] > 100 * pending.YIELD_FROM_S
 
 
-def test_one_message_waited_for_on_the_main_thread_never_sleeps(clock):
-    """A Request (a control message, a peer's answer) is not a transfer that sleeping polls would move sooner."""
-
-    test, count = ready_after(10**5)
+def test_one_message_waited_for_on_the_main_thread_yields_from_the_start(clock):
+    """A Request (a control message, a peer's answer) is not a transfer that sleeping polls would move sooner: a
+    10 ms wait for one never sleeps."""
+    test, count = ready_after(10**4)
 
     class Message(pending.Request):
         def test(self) -> bool:
             return test()
 
     Message().wait(deadline=clock.now + 10.0)
-    assert count[0] == 10**5 + 1 and clock.sleeps == []
+    assert count[0] == 10**4 + 1 and clock.sleeps == []
 
 
 def test_the_mpi_backends_collective_waits_spin(clock):

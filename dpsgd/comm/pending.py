@@ -66,8 +66,8 @@ class Request(Pending):
 
     def wait(self, deadline: float) -> None:
         # one message on the main thread: a control message or a peer's answer, not a transfer that sleeping
-        # polls would move sooner, so the whole wait may yield (see poll_until)
-        poll_until(self.test, deadline, self.peers_outstanding, spin_s=math.inf if may_spin() else 0.0)
+        # polls would move sooner, so it may yield from the start (see poll_until)
+        poll_until(self.test, deadline, self.peers_outstanding, spin_s=YIELD_UNTIL_S if may_spin() else 0.0)
 
 
 # threads that must get the interpreter promptly (the asynchronous optimizers' communication threads, gloo's request
@@ -99,19 +99,21 @@ def poll_until(
     together, and even 20 us sleeps made a 1 MiB exchange several times slower than MPI's own spinning wait (MPI's
     non-blocking operations progress only inside a test). Then sleep between tests for 1/20 of the time waited so
     far, 20 us to 1 ms: each wake-up runs at once, which finished a 1 MiB exchange 6-9% sooner than yielding for the
-    whole wait. From `LONG_WAIT_S` on, where `may_spin()`, yield again: the growing sleeps delay a long transfer (an
-    11 MiB exchange 8% and all-reduce 20% slower than yielding after 3 ms), and each wake-up preempts a rank that
-    computes on the same core (beside a partner in sleeping polls it ran 4-15% slower, in yields 0-5%).
+    whole wait. From `YIELD_FROM_S` to `YIELD_UNTIL_S`, where `may_spin()`, yield again: the growing sleeps delay a
+    long transfer (an 11 MiB exchange 8% and all-reduce 20% slower than yielding after 3 ms), and each wake-up
+    preempts a rank that computes on the same core (beside a partner in sleeping polls it ran 4-15% slower, in
+    yields 0-5%). Past that, 1 ms sleeps again: such a wait is for a straggler, a peer starting up or one that died,
+    where a yielding loop would hold a core for seconds (MPI-heavy tests ran 5% slower) to notice 1 ms sooner.
     True once `test()` is; False if `abort()` becomes true first (it is asked before the deadline)."""
     _fine_timer_slack()
     start = time.monotonic()
     spin_until = min(start + spin_s, deadline)
-    spin_from = start + LONG_WAIT_S if may_spin() else math.inf
+    spin_from, spin_to = (start + YIELD_FROM_S, start + YIELD_UNTIL_S) if may_spin() else (math.inf, math.inf)
     while not test():
         if abort is not None and abort():
             return False
         now = time.monotonic()
-        if now < spin_until or spin_from <= now <= deadline:
+        if (now < spin_until or spin_from <= now < spin_to) and now <= deadline:
             os.sched_yield()
             continue
         if now > deadline:
@@ -121,7 +123,7 @@ def poll_until(
 
 
 _POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
-LONG_WAIT_S = 3e-3  # from here on a main thread's wait yields instead of sleeping (poll_until)
+YIELD_FROM_S, YIELD_UNTIL_S = 3e-3, 0.1  # when a main thread's wait yields between tests instead of sleeping
 
 
 _slack = threading.local()
