@@ -33,6 +33,7 @@ class Clock:
 def clock(monkeypatch) -> Clock:
     c = Clock()
     monkeypatch.setattr(pending, "time", types.SimpleNamespace(monotonic=c.monotonic, sleep=c.sleep))
+    monkeypatch.setattr(pending, "_communication_threads", [])  # none left over from another test
     return c
 
 
@@ -94,6 +95,24 @@ def test_a_long_wait_keeps_sleeping_beside_a_communication_thread(clock):
     worker.start()
     worker.join()
     assert slept[0] > 100 * pending.YIELD_FROM_S
+
+
+def test_a_wait_whose_test_starts_a_communication_thread_sleeps_from_then_on(clock):
+    """gloo's requests start their waiter thread in their first test(): from then on the wait must sleep."""
+    release = threading.Event()
+    test, count = ready_after(10**4)
+
+    class Message(pending.Request):
+        def test(self) -> bool:
+            if count[0] == 0:
+                pending.communication_thread(threading.Thread(target=release.wait, daemon=True)).start()
+            return test()
+
+    try:
+        Message().wait(deadline=clock.now + 100.0)
+    finally:
+        release.set()
+    assert count[0] == 10**4 + 1 and len(clock.sleeps) == 10**4
 
 
 def test_one_message_waited_for_on_the_main_thread_yields_from_the_start(clock):

@@ -7,12 +7,10 @@ a process's main thread yielding tests again (each leaves the core to a computin
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import sys
 import threading
 import time
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -65,19 +63,23 @@ class Request(Pending):
         """True once the message has been sent (the buffer may be reused) or received."""
 
     def wait(self, deadline: float) -> None:
-        # one message on the main thread: a control message or a peer's answer, not a transfer that sleeping
-        # polls would move sooner, so it may yield from the start (see poll_until)
-        poll_until(self.test, deadline, self.peers_outstanding, spin_s=YIELD_UNTIL_S if may_spin() else 0.0)
+        # one message: a control message or a peer's answer, not a transfer that sleeping polls would move sooner,
+        # so where it may, the wait yields from the start (see poll_until)
+        poll_until(self.test, deadline, self.peers_outstanding, yield_from_s=0.0)
 
 
 # threads that must get the interpreter promptly (the asynchronous optimizers' communication threads, gloo's request
-# waiters): while one runs, the process's waits sleep between their tests
-_communication_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+# waiters): while one runs, the process's waits sleep between their tests. Registered from any thread, read by the
+# main thread: under the lock
+_communication_threads: list[threading.Thread] = []
+_communication_threads_lock = threading.Lock()
 
 
 def communication_thread(thread: threading.Thread) -> threading.Thread:
     """Register `thread` as one whose work must not wait for the interpreter lock (see `may_spin`); returns it."""
-    _communication_threads.add(thread)
+    with _communication_threads_lock:
+        _communication_threads[:] = [t for t in _communication_threads if t.is_alive() or t.ident is None]
+        _communication_threads.append(thread)
     return thread
 
 
@@ -86,44 +88,52 @@ def may_spin() -> bool:
     the main thread of a process where no communication thread runs, since a thread that spins holds the interpreter
     lock, which another thread of the process (a communication thread; the local backend's peers) then gets only
     every few milliseconds."""
-    return threading.current_thread() is threading.main_thread() and not any(
-        t.is_alive() for t in _communication_threads
-    )
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _communication_threads_lock:
+        return not any(t.is_alive() for t in _communication_threads)
+
+
+_POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
+YIELD_FROM_S, YIELD_UNTIL_S = 3e-3, 0.1  # when a main thread's wait yields between tests instead of sleeping
 
 
 def poll_until(
-    test, deadline: float, outstanding=list, abort: Callable[[], bool] | None = None, spin_s: float = 0.0
+    test,
+    deadline: float,
+    outstanding=list,
+    abort: Callable[[], bool] | None = None,
+    spin_s: float = 0.0,
+    yield_from_s: float = YIELD_FROM_S,
 ) -> bool:
     """Wait for `test()` to be true, in three phases, each measured with 4 ranks on 2 cores (results: benchmarks.md).
     For the first `spin_s`, test without sleeping, yielding the core between tests: a collective's peers arrive
     together, and even 20 us sleeps made a 1 MiB exchange several times slower than MPI's own spinning wait (MPI's
     non-blocking operations progress only inside a test). Then sleep between tests for 1/20 of the time waited so
     far, 20 us to 1 ms: each wake-up runs at once, which finished a 1 MiB exchange 6-9% sooner than yielding for the
-    whole wait. From `YIELD_FROM_S` to `YIELD_UNTIL_S`, where `may_spin()`, yield again: the growing sleeps delay a
-    long transfer (an 11 MiB exchange 8% and all-reduce 20% slower than yielding after 3 ms), and each wake-up
-    preempts a rank that computes on the same core (beside a partner in sleeping polls it ran 4-15% slower, in
-    yields 0-5%). Past that, 1 ms sleeps again: such a wait is for a straggler, a peer starting up or one that died,
-    where a yielding loop would hold a core for seconds (MPI-heavy tests ran 5% slower) to notice 1 ms sooner.
+    whole wait. From `yield_from_s` to `YIELD_UNTIL_S`, while `may_spin()`, yield again: the growing sleeps delay a
+    long transfer (sleeping on made an 11 MiB exchange 8% and all-reduce 24-28% slower than yielding from 3 ms), and
+    each wake-up preempts a rank that computes on the same core (beside a partner in sleeping polls it ran 4-15%
+    slower, in yields at most 7%). Past that, 1 ms sleeps again: such a wait is for a straggler, a peer starting up
+    or one that died, where a yielding loop would hold a core for seconds (MPI-heavy tests ran 4-6% slower) to
+    notice 1 ms sooner.
     True once `test()` is; False if `abort()` becomes true first (it is asked before the deadline)."""
     _fine_timer_slack()
     start = time.monotonic()
     spin_until = min(start + spin_s, deadline)
-    spin_from, spin_to = (start + YIELD_FROM_S, start + YIELD_UNTIL_S) if may_spin() else (math.inf, math.inf)
+    yield_from, yield_to = start + yield_from_s, start + YIELD_UNTIL_S
     while not test():
         if abort is not None and abort():
             return False
         now = time.monotonic()
-        if (now < spin_until or spin_from <= now < spin_to) and now <= deadline:
+        # may_spin() asked each time: a test() may start a communication thread (gloo's request waiter)
+        if now <= deadline and (now < spin_until or (yield_from <= now < yield_to and may_spin())):
             os.sched_yield()
             continue
         if now > deadline:
             raise PeerTimeoutError(f"peers {outstanding()} did not answer")
         time.sleep(min(_POLL_MAX_S, max(_POLL_MIN_S, (now - start) / 20)))
     return True
-
-
-_POLL_MIN_S, _POLL_MAX_S = 2e-5, 1e-3
-YIELD_FROM_S, YIELD_UNTIL_S = 3e-3, 0.1  # when a main thread's wait yields between tests instead of sleeping
 
 
 _slack = threading.local()

@@ -141,9 +141,9 @@ def _raw_nonblocking_ops(raw, x, out, from_left, from_right, left, right, nb):
 
 def _raw_new_tensor_ops(raw, x, left, right, nb):
     """mpi only: `_raw_nonblocking_ops` returning new tensors, as the toolkit's operations do (the exchange its
-    receive buffers, the average and the all-reduce a fresh result). The timing loop keeps each result until the
-    next call of the same kind returns, as a caller keeps the toolkit's: a fresh buffer at another address each time,
-    not the one still warm in the cache from the call before."""
+    receive buffers, the average and the all-reduce a fresh result). The timing loop keeps each call's result until
+    the next timed call returns, as it keeps the toolkit's: so each call receives into fresh memory while the last
+    result is still held, not into the one buffer still warm in the cache from the call before."""
     import torch
     from mpi4py import MPI
 
