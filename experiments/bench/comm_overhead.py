@@ -107,71 +107,48 @@ def _raw_ops(backend: str, raw, x, out, from_left, from_right, left, right, nb):
     return {"neighbor_exchange": exchange, "neighbor_average": average, "allreduce_mean": allreduce}
 
 
-def _raw_nonblocking_ops(raw, x, out, from_left, from_right, left, right, nb):
+def _raw_nonblocking_ops(raw, x, out, from_left, from_right, left, right, nb, new_tensors: bool = False):
     """mpi only: the toolkit's own MPI calls (Irecv/Isend, in-place Iallreduce) written by hand, completed by
     MPI's Waitall, which spins and progresses the transfer continuously. Beside raw (blocking calls) and the
     toolkit (the same calls, completed by polls that sleep between them), it splits a miss into what MPI's
-    non-blocking path costs and what the toolkit's waiting costs."""
+    non-blocking path costs and what the toolkit's waiting costs.
+    `new_tensors`: returning new tensors, as the toolkit's operations do (the exchange its receive buffers; the average
+    and the all-reduce a fresh result, the average receiving into buffers it reuses, as the toolkit's does). The timing
+    loop keeps each call's result until the next timed call returns, as it keeps the toolkit's: so each call receives
+    into fresh memory while the last result is still held, not into the one buffer still warm in the cache from the
+    call before."""
     import torch
     from mpi4py import MPI
 
     n = raw.Get_size()
     first, second = (from_left, from_right) if left < right else (from_right, from_left)
     w_first, w_second = nb.recv[min(left, right)], nb.recv[max(left, right)]
-    xb, lb, rb, ob = x.numpy(), from_left.numpy(), from_right.numpy(), out.numpy()
-
-    def exchange():
-        reqs = [raw.Irecv(lb, source=left), raw.Irecv(rb, source=right)]
-        reqs += [raw.Isend(xb, dest=left), raw.Isend(xb, dest=right)]
-        MPI.Request.Waitall(reqs)
-
-    def allreduce():
-        out.copy_(x)
-        raw.Iallreduce(MPI.IN_PLACE, ob, op=MPI.SUM).Wait()
-        out.div_(n)
-
-    def average():
-        exchange()
-        torch.mul(x, nb.self_weight, out=out)
-        out.add_(first, alpha=w_first)
-        out.add_(second, alpha=w_second)
-
-    return {"neighbor_exchange": exchange, "neighbor_average": average, "allreduce_mean": allreduce}
-
-
-def _raw_new_tensor_ops(raw, x, from_left, from_right, left, right, nb):
-    """mpi only: `_raw_nonblocking_ops` returning new tensors, as the toolkit's operations do (the exchange its
-    receive buffers; the average and the all-reduce a fresh result, the average receiving into buffers it reuses, as
-    the toolkit's does). The timing loop keeps each call's result until the next timed call returns, as it keeps the
-    toolkit's: so each call receives into fresh memory while the last result is still held, not into the one buffer
-    still warm in the cache from the call before."""
-    import torch
-    from mpi4py import MPI
-
-    n = raw.Get_size()
-    w_first, w_second = nb.recv[min(left, right)], nb.recv[max(left, right)]
     xb = x.numpy()
 
-    def exchange(into=None):
-        into = into or (torch.empty_like(x), torch.empty_like(x))
+    def exchange(into):
         reqs = [raw.Irecv(into[0].numpy(), source=left), raw.Irecv(into[1].numpy(), source=right)]
         reqs += [raw.Isend(xb, dest=left), raw.Isend(xb, dest=right)]
         MPI.Request.Waitall(reqs)
         return into
 
+    def result():  # where the all-reduce and the average write
+        return torch.empty_like(x) if new_tensors else out
+
+    def receive():
+        return exchange((torch.empty_like(x), torch.empty_like(x)) if new_tensors else (from_left, from_right))
+
     def allreduce():
-        out = x.clone()
-        raw.Iallreduce(MPI.IN_PLACE, out.numpy(), op=MPI.SUM).Wait()
-        return out.div_(n)
+        total = result().copy_(x)
+        raw.Iallreduce(MPI.IN_PLACE, total.numpy(), op=MPI.SUM).Wait()
+        return total.div_(n)
 
     def average():
         exchange((from_left, from_right))
-        first, second = (from_left, from_right) if left < right else (from_right, from_left)
-        out = x * nb.self_weight
-        out.add_(first, alpha=w_first)
-        return out.add_(second, alpha=w_second)
+        mixed = torch.mul(x, nb.self_weight, out=result())
+        mixed.add_(first, alpha=w_first)
+        return mixed.add_(second, alpha=w_second)
 
-    return {"neighbor_exchange": exchange, "neighbor_average": average, "allreduce_mean": allreduce}
+    return {"neighbor_exchange": receive, "neighbor_average": average, "allreduce_mean": allreduce}
 
 
 def _toolkit_ops(comms, backend, x, left, right, nb):
@@ -210,7 +187,9 @@ def worker(args) -> None:
             impls[(backend, "toolkit")] = _toolkit_ops(comms, backend, x, left, right, nb)
             impls[(backend, "raw")] = _raw_ops(backend, raw_mpi, x, out, from_left, from_right, left, right, nb)
         impls[("mpi", "raw_nb")] = _raw_nonblocking_ops(raw_mpi, x, out, from_left, from_right, left, right, nb)
-        impls[("mpi", "raw_new")] = _raw_new_tensor_ops(raw_mpi, x, from_left, from_right, left, right, nb)
+        impls[("mpi", "raw_new")] = _raw_nonblocking_ops(
+            raw_mpi, x, out, from_left, from_right, left, right, nb, new_tensors=True
+        )
 
         # correctness first: the toolkit (and raw with new tensors) returns what the hand-written code computes, also
         # on a second call (which reuses buffers), and that call leaves the first call's result alone
