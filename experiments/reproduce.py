@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         picked = chosen.get(sweep, [])
         if not finished(out / sweep, expected[sweep]):  # what it runs with, kept beside it
             (out / sweep).parent.mkdir(parents=True, exist_ok=True)
-            (out / sweep).with_suffix(".chosen.json").write_text(json.dumps(picked) + "\n")
+            chosen_record(out / sweep).write_text(json.dumps(picked) + "\n")
         runs[sweep] = _sweep(
             args.name, out / sweep, expected[sweep], [*sweep_overrides, *picked], overrides, args.seeds, timings
         )
@@ -250,13 +250,18 @@ def _sweep(
     return load_runs(folder)
 
 
+def chosen_record(sweep: Path) -> Path:
+    """Where a sweep's folder keeps the values the search picked for it (OUT/SWEEP.chosen.json)."""
+    return sweep.with_suffix(".chosen.json")
+
+
 def _refuse_stale(out: Path, expected: dict[str, int], chosen: dict[str, list[str]] | None) -> None:
     """Refuse to reuse a finished sweep that ran with other values than `chosen` picks for it (None: not known
     yet, a search still to run: every finished sweep is refused), naming them all at once."""
     stale = []
     for sweep, runs in expected.items():
         folder = out / sweep
-        record = folder.with_suffix(".chosen.json")
+        record = chosen_record(folder)
         if not finished(folder, runs):
             continue
         ran = json.loads(record.read_text()) if record.exists() else []
