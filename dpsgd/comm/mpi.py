@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 
@@ -42,13 +43,11 @@ def cuda_aware(MPI) -> bool:
     return bool(query())
 
 
-def _ready(*tensors: torch.Tensor) -> None:
+def _ready(t: torch.Tensor) -> None:
     """A CUDA-aware MPI reads and writes device memory outside CUDA's streams: let the kernels queued on
-    these tensors (the flattening copy, the last use of a reused receive buffer) finish first."""
-    for t in tensors:
-        if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()
-            return
+    the device of `t` (the flattening copy, the last use of a reused receive buffer) finish first."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
 
 
 def _as_buffer(t: torch.Tensor):
@@ -71,9 +70,8 @@ class _Requests(Exchange):
 
     def wait(self, deadline: float) -> None:
         try:
-            poll_until(
-                lambda: self._MPI.Request.Testall(self._requests), deadline, self.peers_outstanding, spin_s=SPIN_S
-            )
+            test = partial(self._MPI.Request.Testall, self._requests)
+            poll_until(test, deadline, self.peers_outstanding, spin_s=SPIN_S)
         except self._MPI.Exception as exc:  # MPICH: a peer's process ended under a pending request
             peers = sorted({p for p in self._peers if p >= 0})
             raise PeerFailedError(
@@ -132,10 +130,12 @@ class MPICommunicator(Communicator):
 
     def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
         buf = buf.contiguous()
-        received = {p: self._receive_buffer(buf) for p in recv_from}
-        _ready(buf)
-        reqs = [self._comm.Irecv(_as_buffer(received[p]), source=p, tag=tag) for p in recv_from]
-        reqs += [self._comm.Isend(_as_buffer(buf), dest=p, tag=tag) for p in send_to]
+        _ready(buf)  # also covers the last use of a kept receive buffer: it was queued on the same stream
+        comm, sent, received, reqs = self._comm, _as_buffer(buf), {}, []
+        for p in recv_from:
+            received[p] = into = self._receive_buffer(buf)
+            reqs.append(comm.Irecv(_as_buffer(into), source=p, tag=tag))
+        reqs += [comm.Isend(sent, dest=p, tag=tag) for p in send_to]
         return _Requests(self._MPI, reqs, [*recv_from, *send_to], received)
 
     def duplicate(self) -> MPICommunicator:
