@@ -43,8 +43,9 @@ def test_bench_quick_dry_run(tmp_path, capsys):
         assert r["max_abs_diff_vs_raw"] <= 1e-5, r  # the toolkit computes what the raw code computes
         assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), r
         assert (r["raw_new_tensors_s"] is not None and r["raw_new_tensors_s"] > 0) == (r["backend"] == "mpi"), r
-    for t in co["targets"]:  # a miss names its cause, a pass none
+    for t in co["targets"]:  # a miss names its cause, a pass none; each states the run's noise
         assert (t["cause"] is None) == t["holds"], t
+        assert t["interval"][0] <= t["interval"][1], t
     ar = load(tmp_path / "allreduce_vs_ddp.json", "allreduce_vs_ddp")
     assert set(ar["step_s"]) == set(allreduce_vs_ddp.VARIANTS)
     assert {t["name"] for t in ar["targets"]} == {
@@ -57,6 +58,8 @@ def test_bench_quick_dry_run(tmp_path, capsys):
     for name in allreduce_vs_ddp.VARIANTS[1:]:
         assert check[f"{name}_vs_large_batch"] <= 1e-12, check  # float64
     assert check["allreduce_torch_vs_ddp"] <= 1e-12, check
+    assert all(len(ar["step_s_per_rep"][v]) == ar["reps"] for v in allreduce_vs_ddp.VARIANTS)
+    assert all(t["interval"][0] <= t["interval"][1] for t in ar["targets"])
     assert all(0 < ar["in_opt_step_s"][v] < ar["step_s"][v] * 1.5 for v in allreduce_vs_ddp.VARIANTS)
     wc = json.loads((tmp_path / "waiter_cost.json").read_text())
     assert wc["benchmark"] == "waiter_cost" and len(wc["computing"]) == 2  # 4 ranks: 2 compute, 2 wait
@@ -71,7 +74,7 @@ def test_bench_quick_dry_run(tmp_path, capsys):
     # every target --dry measures has its recorded figure: 12 cells, 2 overlap ratios, the waiter's 2, the step
     # module's 7, the MLP at 64
     assert len(measured) == 24 and report["broken"] == [], report["broken"]
-    assert all(v["state"] in ("PASS", "MISS") and v["against_recorded"] for v in measured)
+    assert all(v["state"] in ("PASS", "MISS", "NOISE") and v["against_recorded"] for v in measured)
     assert "PASS, " in printed and "recorded 1.44-1.83 (benchmarks.md, 2026-12-04)" in printed
 
 
@@ -114,6 +117,8 @@ def test_local_sgd_vs_torch(tmp_path):
     assert check64["dpsgd_torch_vs_torch"] <= 1e-12 and check64["dpsgd_mpi_vs_torch"] <= 1e-12, check64
     params = next(t for t in res["targets"] if t["name"].startswith("parameters"))
     assert params["holds"]
+    timed = [t for t in res["targets"] if t["name"].startswith("LocalSGD")]
+    assert len(timed) == 2 and all(t["interval"][0] <= t["interval"][1] for t in timed)
 
 
 @pytest.mark.slow  # soak: a benchmark's dry run

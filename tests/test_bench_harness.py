@@ -10,6 +10,7 @@ import importlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from experiments.bench import (
@@ -97,6 +98,45 @@ def test_targets_at_most_at_least_and_causes():
     assert not count.holds and count.figure().strip() == "2048" and count.wanted() == ">= 8192"
 
 
+def test_the_stated_noise_is_a_paired_bootstrap_of_the_ratio_of_medians():
+    rng = np.random.default_rng(3)
+    theirs = list(1.0 + 0.1 * rng.random(41))
+    exact = harness.ratio_interval([1.25 * t for t in theirs], theirs)  # every repetition exactly 1.25x
+    assert exact == pytest.approx((1.25, 1.25), rel=1e-12)
+    noisy = [t * (1.1 + 0.2 * (rng.random() - 0.5)) for t in theirs]  # about 1.1x, each repetition within +-10%
+    low, high = harness.ratio_interval(noisy, theirs)
+    ratio = np.median(noisy) / np.median(theirs)
+    assert low < ratio < high and 0.95 < low < 1.1 < high < 1.25 and high - low < 0.2
+    # an independent reference: the same resampling written out, draw by draw
+    picks = np.random.default_rng(0).integers(0, 41, size=(2000, 41))
+    a, b = np.asarray(noisy), np.asarray(theirs)
+    ratios = sorted(float(np.median(a[k]) / np.median(b[k])) for k in picks)
+
+    def at(share):  # the sorted draws, interpolated linearly between neighbours
+        pos = share * (len(ratios) - 1)
+        i = int(pos)
+        return ratios[i] + (pos - i) * (ratios[i + 1] - ratios[i])
+
+    assert (low, high) == pytest.approx((at(0.025), at(0.975)), abs=1e-12)
+    with pytest.raises(ValueError, match="equally long lists of >= 2 repetitions"):
+        harness.ratio_interval([1.0, 2.0], [1.0])
+
+
+def test_a_miss_is_within_noise_only_where_the_interval_reaches_the_target():
+    near = harness.Target("AllReduce / DDP", 1.014, 1.0, cause="+2 ms", interval=(0.98, 1.05))
+    assert not near.holds and near.within_noise and near.verdict == "MISS within noise"
+    assert "1.014x [0.980, 1.050]  (target <= 1x)  MISS within noise\n  cause: +2 ms" in near.line()
+    assert near.as_dict()["within_noise"] is True and near.as_dict()["interval"] == (0.98, 1.05)
+    far = harness.Target("mpi 1 MiB", 1.6, 1.2, interval=(1.45, 1.75))
+    assert not far.within_noise and far.line().endswith("MISS")
+    low = harness.Target("fleet / batch", 0.78, at_least=0.8, interval=(0.75, 0.79))
+    assert not low.within_noise  # its interval stays below the floor
+    assert harness.Target("fleet / batch", 0.78, at_least=0.8, interval=(0.75, 0.81)).within_noise
+    held = harness.Target("x", 0.9, 1.0, interval=(0.8, 1.1))
+    assert held.holds and not held.within_noise and held.verdict == "PASS"
+    assert not harness.Target("x", 1.1, 1.0).within_noise  # no interval: no claim about noise
+
+
 def test_the_writer_puts_every_result_in_one_shape(tmp_path):
     args = argparse.Namespace(bench="waiter_cost", argv=["--quick"], out=tmp_path / "w.json")
     harness.write(args, {"rows": [1, 2]}, [harness.Target("a / b", 0.9, 1.0)])
@@ -149,7 +189,8 @@ def target_names() -> set[tuple[str, str]]:
     names = {("comm_overhead", f"{b} {op} {mb:g} MiB") for b in ("mpi", "torch") for op in comm_overhead.OPS
              for mb in (1, 11)}  # fmt: skip
     s = dict.fromkeys(allreduce_vs_ddp.VARIANTS, 1.0)
-    targets, _ = allreduce_vs_ddp.summarize({"step_s": s, "in_opt_step_s": s})
+    per_rep = dict.fromkeys(allreduce_vs_ddp.VARIANTS, [1.0, 1.0])
+    targets, _ = allreduce_vs_ddp.summarize({"step_s": s, "in_opt_step_s": s, "step_s_per_rep": per_rep})
     names |= {("allreduce_vs_ddp", t.name) for t in targets if "overlap" in t.name}  # with overlap against DDP
     names.add(("waiter_cost", "computing rank, partner in the toolkit's wait / asleep"))
     names.add(("waiter_cost", "computing rank, partner in the toolkit's collective wait / asleep"))
@@ -190,7 +231,7 @@ def test_pass_miss_against_the_target_beside_the_recorded_figure():
     assert miss.against_recorded() == "worse than recorded"  # at most: higher is worse
     assert passes.against_recorded() == "better than recorded"  # at least: higher is better
     line = miss.line()
-    assert line.startswith("MISS  comm_overhead: mpi allreduce_mean 1 MiB") and "1.900x  target <= 1.2x" in line
+    assert line.startswith("MISS   comm_overhead: mpi allreduce_mean 1 MiB") and "1.900x  target <= 1.2x" in line
     assert "recorded 1.44-1.83 (benchmarks.md, 2026-12-04): worse than recorded" in line
     assert line.endswith("\n      cause: 1.90x = MPI's ... the toolkit's waits")
     assert "cause" not in passes.line() and "target >= 0.8x" in passes.line()
@@ -198,7 +239,12 @@ def test_pass_miss_against_the_target_beside_the_recorded_figure():
     within = regression.compare({("comm_overhead", rec.target): measured(rec.target, 1.5, 1.2)}, [rec])[0]
     assert within.against_recorded() == "within recorded"
     text = regression.summary([miss, passes, absent], [])
-    assert text.startswith("1 PASS, 1 MISS, 1 not measured, 1 worse than recorded") and "exit 0" in text
+    assert text.startswith("1 PASS, 0 MISS within noise (NOISE), 1 MISS, 1 not measured, 1 worse than recorded")
+    assert "exit 0" in text
+    noisy = harness.Target(rec.target, 1.25, 1.2, interval=(1.1, 1.4)).as_dict()
+    noise = regression.compare({("comm_overhead", rec.target): json.loads(json.dumps(noisy))}, [rec])[0]
+    assert noise.state == "NOISE" and "1.250x [1.100, 1.400]  target <= 1.2x" in noise.line()
+    assert regression.summary([noise], []).startswith("0 PASS, 1 MISS within noise (NOISE), 0 MISS")
     assert "broken (exit 1): waiter_cost: ranks died" in regression.summary([], ["waiter_cost: ranks died"])
 
 

@@ -124,11 +124,13 @@ def worker(args) -> None:
                 times[name].append(dt)
                 in_step[name].append(step_s)
                 faults[name].append(df)
-    medians = {name: ranks.slowest_median(world, t) for name, t in times.items()}
+    slowest = {name: ranks.slowest(world, t) for name, t in times.items()}  # per repetition: the noise's samples
+    medians = {name: ranks.median(t) for name, t in slowest.items()}
     # the part spent in opt.step() (slowest rank, median): splits a miss into backward (with its hooks) and step
     in_step_medians = {name: ranks.slowest_median(world, t) for name, t in in_step.items()}
     pf = {name: ranks.slowest_median(world, f) for name, f in faults.items()}
-    timed = {"reps": args.reps, "warmup": args.warmup, "step_s": medians, "in_opt_step_s": in_step_medians}
+    timed = {"reps": args.reps, "warmup": args.warmup, "step_s": medians, "in_opt_step_s": in_step_medians,
+             "step_s_per_rep": slowest}  # fmt: skip
     finish(
         world, comms, args, nparams, floor, **timed, page_faults_per_step=pf, check=check, check_steps=args.check_steps
     )
@@ -179,6 +181,7 @@ def summarize(res: dict) -> tuple[list[harness.Target], dict]:
             s[ours] / s[theirs],
             OVERLAP_LIMIT if theirs == "ddp" else LIMIT,
             cause=miss_cause(res, ours, theirs),
+            interval=harness.ratio_interval(res["step_s_per_rep"][ours], res["step_s_per_rep"][theirs]),
         )
         for ours, theirs in TARGET_PAIRS
     ]

@@ -240,6 +240,7 @@ def worker(args) -> None:
                         "raw_s": ranks.median(raw),
                         "ratio": ranks.median(tk) / ranks.median(raw),
                         "paired_ratio": ranks.median([a / b for a, b in zip(tk, raw)]),
+                        "interval": harness.ratio_interval(tk, raw),
                         "raw_nonblocking_s": (
                             ranks.slowest_median(world, times[(backend, op, "raw_nb")])
                             if "raw_nb" in IMPLS[backend]
@@ -304,7 +305,13 @@ def run(args) -> harness.Result:
     rows, floor = res["rows"], res["floor"]
     res["return_freed_memory"] = args.return_freed_memory
     targets = [
-        harness.Target(f"{r['backend']} {r['op']} {r['mb']:g} MiB", r["ratio"], limit_for(r["mb"]), cause=miss_cause(r))
+        harness.Target(
+            f"{r['backend']} {r['op']} {r['mb']:g} MiB",
+            r["ratio"],
+            limit_for(r["mb"]),
+            cause=miss_cause(r),
+            interval=tuple(r["interval"]),
+        )
         for r in rows
     ]
     print(

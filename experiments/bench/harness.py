@@ -11,7 +11,8 @@ A benchmark is a module of this package with `options(parser)` (its own options,
 (experiments.bench.ranks).
 Its record below names the options it shares with the others (`SHARED`) and their defaults there, and what
 `--quick` means for it. The writer puts every result in one shape: benchmark, date, machine, command line,
-targets (each a ratio measured side by side in one run, its limit, PASS or MISS and a miss's measured cause),
+targets (each a ratio measured side by side in one run, its limit, its noise where the benchmark repeats both sides,
+PASS, MISS or MISS within noise, and a miss's measured cause),
 then the benchmark's own keys. `run_config` composes an experiment's config, `run_app` runs the app.
 """
 
@@ -139,11 +140,31 @@ class BenchError(RuntimeError):
 # --- targets and results ------------------------------------------------------------------
 
 
+NOISE_LEVEL = 0.95  # the share of a ratio's bootstrap distribution a benchmark states as its noise
+
+
+def ratio_interval(ours: list[float], theirs: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The run's own noise on median(ours) / median(theirs), two lists of times of the same repetitions (each
+    repetition timed both sides back to back): a paired bootstrap over the repetitions, the central NOISE_LEVEL of
+    the resampled ratios. It measures the spread within this run, not a drift between runs."""
+    import numpy as np
+
+    a, b = np.asarray(ours, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or len(a) < 2:
+        raise ValueError(f"ratio_interval needs two equally long lists of >= 2 repetitions, got {len(a)} and {len(b)}")
+    picks = np.random.default_rng(seed).integers(0, len(a), size=(draws, len(a)))
+    ratios = np.median(a[picks], axis=1) / np.median(b[picks], axis=1)
+    low, high = np.quantile(ratios, [(1 - NOISE_LEVEL) / 2, (1 + NOISE_LEVEL) / 2])
+    return float(low), float(high)
+
+
 @dataclass
 class Target:
     """`ratio` (ours / reference, measured side by side in one run) at most `limit` and at least `at_least` (either
     may be None); `passed` overrides the verdict where a target has another way to hold (fleet_vs_batch's MLP).
-    `cause`: for a miss, where the excess went, as the benchmark measured it."""
+    `cause`: for a miss, where the excess went, as the benchmark measured it. `interval`: the run's own noise on the
+    ratio (`ratio_interval`), where the benchmark repeats both sides: a miss whose target lies inside it is said
+    "within noise", one this run cannot tell from a pass (it still does not hold)."""
 
     name: str
     ratio: float
@@ -152,6 +173,7 @@ class Target:
     at_least: float | None = None
     cause: str | None = None
     passed: bool | None = None
+    interval: tuple[float, float] | None = None
 
     @property
     def holds(self) -> bool:
@@ -160,6 +182,18 @@ class Target:
         return (self.limit is None or self.ratio <= self.limit) and (
             self.at_least is None or self.ratio >= self.at_least
         )
+
+    @property
+    def within_noise(self) -> bool:
+        """A miss whose limits the run's interval reaches: the ratio cannot be told from one that holds."""
+        if self.holds or self.interval is None:
+            return False
+        low, high = self.interval
+        return (self.limit is None or low <= self.limit) and (self.at_least is None or high >= self.at_least)
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.holds else "MISS within noise" if self.within_noise else "MISS"
 
     def wanted(self) -> str:
         parts = [f">= {self.at_least:g}{self.unit}"] if self.at_least is not None else []
@@ -170,12 +204,19 @@ class Target:
             return f"{self.ratio:7.3f}x"
         return f"{self.ratio:8.0f}{self.unit}" if float(self.ratio).is_integer() else f"{self.ratio:8.2g}{self.unit}"
 
+    def noise(self) -> str:
+        """The interval as printed beside the figure ("" without one)."""
+        if self.interval is None:
+            return ""
+        return f"[{self.interval[0]:.3f}, {self.interval[1]:.3f}]"
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "holds": self.holds, "cause": None if self.holds else self.cause}
+        found = {"holds": self.holds, "within_noise": self.within_noise, "cause": None if self.holds else self.cause}
+        return {**asdict(self), **found}
 
     def line(self) -> str:
-        verdict = "PASS" if self.holds else "MISS"
-        text = f"{self.name:52s} {self.figure()}  (target {self.wanted()})  {verdict}"
+        noise = f" {self.noise()}" if self.interval is not None else ""
+        text = f"{self.name:52s} {self.figure()}{noise}  (target {self.wanted()})  {self.verdict}"
         return text + (f"\n  cause: {self.cause}" if self.cause and not self.holds else "")
 
 
@@ -239,10 +280,16 @@ def print_columns(rows: list[dict], columns: list[str], floatfmt: str = ".4g") -
 def print_targets(targets: list[Target]) -> None:
     if targets:
         print()
-        held = sum(t.holds for t in targets)
+        held, noisy = sum(t.holds for t in targets), sum(t.within_noise for t in targets)
         for t in targets:
             print(t.line())
-        print(f"targets held: {held}/{len(targets)}")
+        noise = [t for t in targets if t.interval is not None]
+        if noise:
+            print(
+                f"[low, high]: the central {NOISE_LEVEL:.0%} of the ratio over this run's repetitions resampled (a "
+                f"paired bootstrap): its noise within the run, not between runs"
+            )
+        print(f"targets held: {held}/{len(targets)}" + (f"; {noisy} more missed within noise" if noisy else ""))
 
 
 # --- an experiment's config and the app -----------------------------------------------------

@@ -128,28 +128,30 @@ def worker(args) -> None:
     world.Allgather(final["dpsgd_torch"].numpy(), everyone.numpy())
     diffs["dpsgd_torch_between_peers"] = float((everyone - everyone[0]).abs().max())
     check = {k: ranks.slowest(world, [v])[0] for k, v in diffs.items()}
-    step_s = {
-        phase: {name: ranks.slowest_median(world, t) if t else None for name, t in times.items()}
+    # per window, the slowest rank's time a step (the noise's samples), and their medians
+    per_window = {
+        phase: {name: ranks.slowest(world, t) if t else None for name, t in times.items()}
         for phase, times in (("warmup", warm), ("local", local))
     }
+    step_s = {phase: {name: ranks.median(t) if t else None for name, t in w.items()} for phase, w in per_window.items()}
     finish(world, comms, args, nparams, floor, period=args.period, warmup_steps=args.warmup_steps, skip=args.skip,
-           windows=args.windows, timed_warmup_steps=len(warm["torch"]), step_s=step_s, check=check,
-           check_float64=check64)  # fmt: skip
+           windows=args.windows, timed_warmup_steps=len(warm["torch"]), step_s=step_s, step_s_per_window=per_window,
+           check=check, check_float64=check64)  # fmt: skip
 
 
 def summarize(res: dict) -> list[harness.Target]:
-    s = res["step_s"]
-    targets = [
-        harness.Target(
-            "LocalSGD / torch, local phase, per step", s["local"]["dpsgd_torch"] / s["local"]["torch"], LIMIT
-        )
-    ]
+    s, w = res["step_s"], res["step_s_per_window"]
+
+    def interval(phase: str):
+        ours, theirs = w[phase]["dpsgd_torch"], w[phase]["torch"]
+        return harness.ratio_interval(ours, theirs) if len(ours) >= 2 else None
+
+    local = s["local"]["dpsgd_torch"] / s["local"]["torch"]
+    targets = [harness.Target("LocalSGD / torch, local phase, per step", local, LIMIT, interval=interval("local"))]
     if s["warmup"]["torch"]:
-        targets.append(
-            harness.Target(
-                "LocalSGD / torch, warm-up (all-reduce) step", s["warmup"]["dpsgd_torch"] / s["warmup"]["torch"], LIMIT
-            )
-        )
+        warmup = s["warmup"]["dpsgd_torch"] / s["warmup"]["torch"]
+        name = "LocalSGD / torch, warm-up (all-reduce) step"
+        targets.append(harness.Target(name, warmup, LIMIT, interval=interval("warmup")))
     c = res["check_float64"]
     targets.append(
         harness.Target(

@@ -6,7 +6,9 @@ allreduce_mean), allreduce_vs_ddp (AllReduce with overlap against DDP), waiter_c
 against torch's idioms) and fleet_vs_batch --quick
 (without its vmap side, a figure shown and not a target).
 Every figure is a ratio its benchmark measured side by side in one run, so a loaded machine slows both sides
-and does not fake a regression. Each is printed PASS or MISS against its target, beside the figure the results
+and does not fake a regression. Each is printed PASS, MISS or NOISE (a miss whose target lies inside the run's own
+95% interval of the ratio, printed beside it where the benchmark repeats both sides) against its target, beside
+the figure the results
 pages record for it (experiments/bench/recorded.yaml, with the page and date each came from) and whether it is
 better, within or worse than that; under a MISS, the cause the benchmark measured (e.g. comm_overhead's split
 into MPI's non-blocking path and the toolkit's waiting). A MISS is information: the command exits 0; a broken
@@ -82,7 +84,10 @@ class Verdict:
 
     @property
     def state(self) -> str:
-        return "----" if self.measured is None else "PASS" if self.measured["holds"] else "MISS"
+        """PASS, MISS, NOISE (a miss within the run's noise: `harness.Target.within_noise`) or ---- (not measured)."""
+        if self.measured is None:
+            return "----"
+        return "PASS" if self.measured["holds"] else "NOISE" if self.measured.get("within_noise") else "MISS"
 
     def against_recorded(self) -> str:
         """better, within or worse than the recorded figure (for a target with a lower limit, higher is better)."""
@@ -100,10 +105,13 @@ class Verdict:
         name = f"{r.bench}: {r.target}"
         source = f"recorded {r.figure()} ({Path(r.page).name}, {r.date})"
         if m is None:
-            return f"{self.state}  {name:64s} not measured in this run; {source}"
+            return f"{self.state:5s}  {name:64s} not measured in this run; {source}"
+        interval = tuple(m["interval"]) if m.get("interval") else None
         target = harness.Target(m["name"], m["ratio"], m.get("limit"), m.get("unit", "x"), m.get("at_least"))
+        target.interval = interval
+        noise = f" {target.noise()}" if interval else ""
         text = (
-            f"{self.state}  {name:64s} {target.figure()}  target {target.wanted():9s} {source}: "
+            f"{self.state:5s}  {name:64s} {target.figure()}{noise}  target {target.wanted():9s} {source}: "
             f"{self.against_recorded()}"
         )
         return text + (f"\n      cause: {m['cause']}" if m.get("cause") and not m["holds"] else "")
@@ -118,8 +126,8 @@ def summary(verdicts: list[Verdict], broken: list[str]) -> str:
     states = [v.state for v in verdicts]
     worse = sum(v.against_recorded() == "worse than recorded" for v in verdicts)
     line = (
-        f"{states.count('PASS')} PASS, {states.count('MISS')} MISS, {states.count('----')} not measured, "
-        f"{worse} worse than recorded; a MISS is information (exit 0)"
+        f"{states.count('PASS')} PASS, {states.count('NOISE')} MISS within noise (NOISE), {states.count('MISS')} MISS, "
+        f"{states.count('----')} not measured, {worse} worse than recorded; a MISS is information (exit 0)"
     )
     return line + (f"; broken (exit 1): {'; '.join(broken)}" if broken else "")
 
