@@ -66,6 +66,8 @@ def test_bench_quick_dry_run(tmp_path, capsys):
     assert set(wc["ratios"]) == set(waiter_cost.MODES) and wc["ratios"]["asleep"] == 1.0
     assert all(t > 0 for row in wc["computing"] for t in row.values())
     assert len(wc["waiting_cpu_fraction"]) == 2
+    assert [len(r["asleep"]) for r in wc["computing_per_round"]] == [2, 2]  # --rounds 2, each computing rank
+    assert all(t["interval"][0] <= t["interval"][1] for t in wc["targets"])
     assert all(0 <= f <= 1.5 for row in wc["waiting_cpu_fraction"] for f in row.values())
     fb = json.loads((tmp_path / "fleet_vs_batch.json").read_text())
     assert [(r["model"], r["peers"]) for r in fb["rows"]] == [("mlp", 64)] and len(fb["targets"]) == 1

@@ -112,12 +112,16 @@ def test_the_stated_noise_is_a_paired_bootstrap_of_the_ratio_of_medians():
     a, b = np.asarray(noisy), np.asarray(theirs)
     ratios = sorted(float(np.median(a[k]) / np.median(b[k])) for k in picks)
 
-    def at(share):  # the sorted draws, interpolated linearly between neighbours
+    def at(ratios, share):  # the sorted draws, interpolated linearly between neighbours
         pos = share * (len(ratios) - 1)
         i = int(pos)
         return ratios[i] + (pos - i) * (ratios[i + 1] - ratios[i])
 
-    assert (low, high) == pytest.approx((at(0.025), at(0.975)), abs=1e-12)
+    assert (low, high) == pytest.approx((at(ratios, 0.025), at(ratios, 0.975)), abs=1e-12)
+    # repetitions x peers: the mean over the peers of each one's median (waiter_cost's ratio), resampled by repetition
+    two = np.stack([noisy, [1.3 * t for t in theirs]], axis=1), np.stack([theirs, theirs], axis=1)
+    per_peer = sorted(float(np.median(two[0][k], axis=0).mean() / np.median(two[1][k], axis=0).mean()) for k in picks)
+    assert harness.ratio_interval(*two) == pytest.approx((at(per_peer, 0.025), at(per_peer, 0.975)), abs=1e-12)
     with pytest.raises(ValueError, match="equally long lists of >= 2 repetitions"):
         harness.ratio_interval([1.0, 2.0], [1.0])
 

@@ -143,17 +143,21 @@ class BenchError(RuntimeError):
 NOISE_LEVEL = 0.95  # the share of a ratio's bootstrap distribution a benchmark states as its noise
 
 
-def ratio_interval(ours: list[float], theirs: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """The run's own noise on median(ours) / median(theirs), two lists of times of the same repetitions (each
-    repetition timed both sides back to back): a paired bootstrap over the repetitions, the central NOISE_LEVEL of
-    the resampled ratios. It measures the spread within this run, not a drift between runs."""
+def ratio_interval(ours, theirs, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The run's own noise on median(ours) / median(theirs), times of the same repetitions (each repetition timed
+    both sides back to back): a paired bootstrap over the repetitions, the central NOISE_LEVEL of the resampled
+    ratios. It measures the spread within this run, not a drift between runs. 2-D `ours` and `theirs` (repetitions x
+    peers) give the interval of the mean over the peers of each one's median (waiter_cost's ratio)."""
     import numpy as np
 
     a, b = np.asarray(ours, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1 or len(a) < 2:
-        raise ValueError(f"ratio_interval needs two equally long lists of >= 2 repetitions, got {len(a)} and {len(b)}")
+    if a.shape != b.shape or a.ndim not in (1, 2) or len(a) < 2:
+        raise ValueError(
+            f"ratio_interval needs two equally long lists of >= 2 repetitions, got shapes {a.shape} and {b.shape}"
+        )
+    a, b = (a, b) if a.ndim == 2 else (a[:, None], b[:, None])
     picks = np.random.default_rng(seed).integers(0, len(a), size=(draws, len(a)))
-    ratios = np.median(a[picks], axis=1) / np.median(b[picks], axis=1)
+    ratios = np.median(a[picks], axis=1).mean(axis=1) / np.median(b[picks], axis=1).mean(axis=1)
     low, high = np.quantile(ratios, [(1 - NOISE_LEVEL) / 2, (1 + NOISE_LEVEL) / 2])
     return float(low), float(high)
 

@@ -81,12 +81,13 @@ def worker(args) -> None:
             times[mode].append(dt)
     mine = {m: float(np.median(t)) for m, t in times.items()} if computing else None
     waiting = {m: float(np.median(b)) for m, b in busy.items()} if not computing and partner < n else None
-    gathered = world.gather((mine, waiting), root=0)
+    gathered = world.gather((mine, waiting, times if computing else None), root=0)
     comm.close()
     result = {
         "peers": n,
-        "computing": [g for g, _ in gathered or [] if g is not None],
-        "waiting_cpu_fraction": [w for _, w in gathered or [] if w is not None],
+        "computing": [g for g, _, _ in gathered or [] if g is not None],
+        "computing_per_round": [t for _, _, t in gathered or [] if t is not None],  # the noise's samples
+        "waiting_cpu_fraction": [w for _, w, _ in gathered or [] if w is not None],
         "sleep_s": sleep_s,
     }
     ranks.finish_ranks(world, args.worker, result)
@@ -99,6 +100,12 @@ def miss_cause(busy: dict[str, float], mode: str = "toolkit") -> str:
         f"{'collective' if mode == 'exchange' else 'request'} wait "
         f"(asleep {100 * busy['asleep']:.1f}%, in MPICH's blocking wait {100 * busy['mpi_blocking']:.1f}%)"
     )
+
+
+def per_round(res: dict, mode: str) -> list[list[float]]:
+    """The computing ranks' times in `mode`, a row per round and a column per rank (round k of every mode ran in
+    the same cycle of the modes: the pairs of the noise's bootstrap)."""
+    return [list(row) for row in zip(*(rank[mode] for rank in res["computing_per_round"]))]
 
 
 def options(p) -> None:
@@ -127,6 +134,7 @@ def run(args) -> harness.Result:
             mean[m] / mean["asleep"],
             LIMIT,
             cause=miss_cause(busy, m),
+            interval=harness.ratio_interval(per_round(res, m), per_round(res, "asleep")),
         )
         for m in TOOLKIT_MODES
     ]
