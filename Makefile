@@ -88,7 +88,7 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench --all $(ARGS)
 
 # the regression check (about 4 min on 2 cores at load 6): the figures of experiments/bench/recorded.yaml measured again side by side,
-# PASS/MISS against each target beside the recorded figure; a MISS exits 0, a broken benchmark 1. Run it before a stop
+# PASS/MISS/NOISE (a miss within the run's noise) against each target beside the recorded figure; a MISS exits 0, a broken benchmark 1. Run it before a stop
 # whenever communication, optimizer or step code changed (docs/guide/development.md). ARGS=--dry: tiny sizes, seconds
 bench-quick: $(STAMP)
 	$(PY) -m experiments.bench --regression $(ARGS)

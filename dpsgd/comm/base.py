@@ -283,26 +283,34 @@ class Communicator(ABC):
     def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
         """Send `tensors` to `weights.send`'s peers, receive from `weights.recv`'s, and (at
         `.wait()`) return self_weight * x_i + sum_j recv[j] * x_j. The weights are applied on
-        the receiving side, so one buffer goes to every out-neighbour."""
-        buf = flatten(tensors)
+        the receiving side, so one buffer goes to every out-neighbour. A copy of `tensors` is sent: the caller may
+        change them before `.wait()`."""
+        return self._start_neighbor_average(tensors, weights, lent=False)
+
+    def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> list[torch.Tensor]:
+        """Send `tensors` to the peers of `weights.send`, receive from those of `weights.recv`, and return
+        self_weight x_i + sum_j recv[j] x_j: row i of a mixing matrix applied to the peers' tensors."""
+        return self._start_neighbor_average(tensors, weights, lent=True).wait()
+
+    def _start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors, lent: bool) -> Handle:
+        """`start_neighbor_average`; `lent`: the caller cannot touch `tensors` before the result (the blocking
+        forms), so one contiguous tensor is sent from its own memory and read once more by the sum, instead of
+        copied first: the copy made a 1 MiB average 1.23-1.34x slower on 4 ranks of 2 cores (benchmarks.md)."""
+        borrowed = lent and len(tensors) == 1 and tensors[0].is_contiguous()
+        buf = tensors[0].detach().view(-1) if borrowed else flatten(tensors)
         recv_from = sorted(weights.recv)
         ex, received, arrival = self._start_counted_exchange("neighbor_average", buf, sorted(weights.send), recv_from)
 
         def finish():
-            # buf is our own copy and its sends are complete: the sum is built in it, and the
+            # the sends are complete: the sum is built in our own copy, or in a new tensor beside the caller's; the
             # receive buffers (never seen by the caller) are kept for the next exchange
-            out = buf.mul_(weights.self_weight)
+            out = torch.mul(buf, weights.self_weight) if borrowed else buf.mul_(weights.self_weight)
             for peer in recv_from:  # rank order: the same sum on every backend
                 out.add_(received(peer), alpha=weights.recv[peer])
             self._release_buffers(ex.received.values())
             return unflatten(out, tensors)
 
         return Handle(self, "neighbor_average", ex, finish, recv_from, arrival, buf)
-
-    def neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> list[torch.Tensor]:
-        """Send `tensors` to the peers of `weights.send`, receive from those of `weights.recv`, and return
-        self_weight x_i + sum_j recv[j] x_j: row i of a mixing matrix applied to the peers' tensors."""
-        return self.start_neighbor_average(tensors, weights).wait()
 
     def start_neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]) -> Handle:
         """Send one flat buffer (any dtype, e.g. a compressed message packed as bytes) to
@@ -336,18 +344,25 @@ class Communicator(ABC):
     peer_shape: tuple[int, ...] = ()  # the leading axes of a peer's tensors: () here, (n,) on a fleet
 
     def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
-        """Start sum_j W(step)[i, j] x_j with the topology's mixing matrix (lazy: with (I + W) / 2)."""
-        self._senders = lambda j: sorted(topology.neighbors(j, step).send)
-        try:
-            return self.start_neighbor_average(tensors, mixing_neighbors(topology, self.rank, step, lazy))
-        finally:
-            self._senders = None
+        """Start sum_j W(step)[i, j] x_j with the topology's mixing matrix (lazy: with (I + W) / 2); a copy of
+        `tensors` is sent, so the caller may change them before `.wait()`."""
+        return self._start_mix(tensors, topology, step, lazy, lent=False)
 
     def mix(
         self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False
     ) -> list[torch.Tensor]:
         """sum_j W(step)[i, j] x_j with the topology's mixing matrix (`lazy`: with (I + W) / 2): one gossip step."""
-        return self.start_mix(tensors, topology, step, lazy).wait()
+        return self._start_mix(tensors, topology, step, lazy, lent=True).wait()
+
+    def _start_mix(
+        self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool, lent: bool
+    ) -> Handle:
+        """`start_mix`; `lent` as in `_start_neighbor_average` (the blocking form)."""
+        self._senders = lambda j: sorted(topology.neighbors(j, step).send)
+        try:
+            return self._start_neighbor_average(tensors, mixing_neighbors(topology, self.rank, step, lazy), lent)
+        finally:
+            self._senders = None
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:
         """The mean over this peer's group: peers [g k, g (k + 1)) for group size g."""
@@ -619,10 +634,13 @@ class Wrapped(Communicator):
         the wrapper sends and combines; `kind` names the operation (mix, group, mean)."""
         raise NotImplementedError(f"{type(self).__name__} must define _start_weighted_mix")
 
-    def start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors) -> Handle:
+    # a wrapper encodes its own copies: what the caller lends changes nothing
+    def _start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors, lent: bool) -> Handle:
         return self._start_weighted_mix(tensors, lambda i: weights)
 
-    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
+    def _start_mix(
+        self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool, lent: bool
+    ) -> Handle:
         return self._start_weighted_mix(tensors, lambda i: mixing_neighbors(topology, i, step, lazy))
 
     def group_mean(self, tensors: Sequence[torch.Tensor], group_size: int) -> list[torch.Tensor]:

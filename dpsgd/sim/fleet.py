@@ -153,8 +153,10 @@ class FleetCommunicator(MessagelessCommunicator):
             self._mixings[key] = m
         return m
 
-    def start_mix(self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool = False) -> Handle:
-        started = time.perf_counter()
+    def _start_mix(
+        self, tensors: Sequence[torch.Tensor], topology: Topology, step: int, lazy: bool, lent: bool
+    ) -> Handle:
+        started = time.perf_counter()  # the stacked product writes new tensors: lent or not, the same
         m = self.mixing(topology, step, tensors[0], lazy)
         out = [m.apply(t) for t in tensors]
         nbytes = self._nbytes(tensors)  # one message of all tensors per out-neighbour

@@ -40,7 +40,7 @@ USAGE = """usage: python -m experiments.bench --list | NAME [--quick] [options] 
   --list          a line per benchmark: its name and what it compares
   NAME            one benchmark (NAME --help: its options)
   --all           every benchmark of `make bench`, one after the other
-  --regression    `make bench-quick`: the figures of experiments/bench/recorded.yaml measured again, PASS/MISS each"""
+  --regression    `make bench-quick`: the figures of experiments/bench/recorded.yaml measured again (PASS/MISS/NOISE)"""
 
 
 def main(argv: list[str] | None = None, name: str | None = None) -> int:
