@@ -1,54 +1,45 @@
 """The blocking average and mix read one contiguous tensor in place (the caller lends it for the call; the started
-forms send a copy, dpsgd.comm.base._start_neighbor_average): their results against numpy's W @ X, the lent tensor
-left as it was, the result its own memory. Local peers, so no process starts."""
+forms send a copy: dpsgd.comm.base._start_neighbor_average): their results, and the all-reduce mean's, against
+numpy's W @ X and mean, the lent tensor left as it was, each result its own memory; on local peers, through a
+wrapper, and on mpi, whose sends read the lent tensor's memory directly."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
+from peers import blocking_forms_peer as peer
 
 import topologies
+from dpsgd.backends import spawn
 from dpsgd.comm import run_local
 from dpsgd.comm.codecs import Cast, Compressed
 
-N = 3
+N = peer.N
+SCRIPT = peer.__file__
 
 
-def values(rank: int) -> torch.Tensor:
-    return torch.arange(5, dtype=torch.float64) * (rank + 1) + 10 * rank
+def check(per_rank: list[dict], tol: float = 1e-12) -> None:
+    x = np.stack([peer.values(r).numpy() for r in range(N)])
+    mixed, mean = topologies.make("ring", N).mixing_matrix() @ x, x.mean(axis=0)
+    for rank, got in enumerate(per_rank):
+        for name in ("average", "mix", "started"):
+            np.testing.assert_allclose(got[name], mixed[rank], rtol=tol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(got["mean"], mean, rtol=tol, atol=tol, err_msg="mean")
+        if tol == 1e-12:
+            assert got["average"] == got["started"]  # the same sum, bit for bit, as the form that sends a copy
 
 
-def reference() -> np.ndarray:
-    w = topologies.make("ring", N).mixing_matrix()
-    return w @ np.stack([values(r).numpy() for r in range(N)])
-
-
-def blocking(comm, wrap=None):
-    comm = wrap(comm) if wrap else comm
-    ring = topologies.make("ring", N)
-    x = values(comm.rank)
-    kept = x.clone()
-    average = comm.neighbor_average([x], ring.neighbors(comm.rank))[0]
-    mixed = comm.mix([x], ring, 0)[0]
-    assert torch.equal(x, kept)  # lent: read, never written
-    assert average.data_ptr() != x.data_ptr() and mixed.data_ptr() != x.data_ptr()
-    average.add_(1.0)  # the result is the caller's own: writing it leaves the lent tensor alone
-    assert torch.equal(x, kept)
-    started = comm.start_neighbor_average([x], ring.neighbors(comm.rank)).wait()[0]
-    return average.sub_(1.0).numpy(), mixed.numpy(), started.numpy()
-
-
-def test_the_blocking_average_and_mix_read_a_lent_tensor_in_place_and_leave_it_unchanged():
-    want = reference()
-    for rank, (average, mixed, started) in enumerate(run_local(N, blocking, timeout_s=30)):
-        np.testing.assert_allclose(average, want[rank], rtol=0, atol=1e-12)
-        np.testing.assert_allclose(mixed, want[rank], rtol=0, atol=1e-12)
-        assert np.array_equal(average, started)  # the same sum, bit for bit, as the form that sends a copy
+def test_the_blocking_forms_read_a_lent_tensor_in_place_and_leave_it_unchanged():
+    check(run_local(N, peer.results, timeout_s=30))
 
 
 def test_a_wrapper_takes_the_lent_tensor_as_it_takes_any():
-    want = reference()
-    got = run_local(N, blocking, lambda comm: Compressed(comm, Cast(torch.bfloat16)), timeout_s=30)
-    for rank, (average, mixed, _) in enumerate(got):  # bf16 on the wire: 8 bits of mantissa
-        np.testing.assert_allclose(average, want[rank], rtol=1e-2)
-        np.testing.assert_allclose(mixed, want[rank], rtol=1e-2)
+    wrapped = run_local(N, lambda comm: peer.results(Compressed(comm, Cast(torch.bfloat16))), timeout_s=30)
+    check(wrapped, tol=1e-2)  # bf16 on the wire: 8 bits of mantissa
+
+
+def test_on_mpi_the_sends_read_the_lent_tensor_and_leave_it_unchanged(tmp_path):
+    assert spawn("mpi", N, [SCRIPT, "mpi", str(tmp_path)], timeout_s=120) == 0
+    check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)])
