@@ -269,11 +269,12 @@ def test_step_work_times_the_step_module_against_torchs_idioms(tmp_path):
     """`step_work` at its smallest: each step option's ratio measured, and the two sides equal step for step (a
     schedule, clipping, precision or accumulation that differs from torch's idiom would fail the benchmark)."""
     out = tmp_path / "step_work.json"
-    assert step_work.main(["--rounds", "1", "--steps", "1", "--out", str(out)]) == 0
+    assert step_work.main(["--rounds", "2", "--steps", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["variant"] for r in result["rows"]] == list(step_work.OPTIONS)
     assert all(r["max_param_difference"] == 0 and r["ours_ms"] > 0 for r in result["rows"])
     assert len(result["targets"]) == len(step_work.OPTIONS)
+    assert all(t["interval"][0] <= t["interval"][1] for t in result["targets"])  # two rounds: the run's noise
 
 
 def test_step_work_notices_a_step_that_differs(monkeypatch):

@@ -139,8 +139,9 @@ def measure(variant: str, rounds: int, steps: int) -> dict:
                 sides[name]()
             times[name].append((time.perf_counter() - started) / steps)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    interval = harness.ratio_interval(times["ours"], times["torch"]) if rounds >= 2 else None  # the run's noise
     return {"variant": variant, "ours_ms": ms["ours"], "torch_ms": ms["torch"], "ratio": ms["ours"] / ms["torch"],
-            "own_work_ms": ms["ours"] - ms["torch"]}  # fmt: skip
+            "own_work_ms": ms["ours"] - ms["torch"], "interval": interval}  # fmt: skip
 
 
 def options(p) -> None:
@@ -171,6 +172,7 @@ def run(args) -> harness.Result:
             r["ratio"],
             LIMIT,
             cause=f"the step module's own work costs {r['own_work_ms']:.3f} ms a step",
+            interval=r["interval"],
         )  # fmt: skip
         for r in rows
     ]
