@@ -122,8 +122,9 @@ def test_the_stated_noise_is_a_paired_bootstrap_of_the_ratio_of_medians():
     two = np.stack([noisy, [1.3 * t for t in theirs]], axis=1), np.stack([theirs, theirs], axis=1)
     per_peer = sorted(float(np.median(two[0][k], axis=0).mean() / np.median(two[1][k], axis=0).mean()) for k in picks)
     assert harness.ratio_interval(*two) == pytest.approx((at(per_peer, 0.025), at(per_peer, 0.975)), abs=1e-12)
-    with pytest.raises(ValueError, match="equally long lists of >= 2 repetitions"):
+    with pytest.raises(ValueError, match="equally long lists of repetitions"):
         harness.ratio_interval([1.0, 2.0], [1.0])
+    assert harness.ratio_interval([1.0], [2.0]) is None and harness.ratio_interval([[1.0, 2.0]], [[1.0, 1.0]]) is None
 
 
 def test_a_miss_is_within_noise_only_where_the_interval_reaches_the_target():

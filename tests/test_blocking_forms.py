@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from peers import blocking_forms_peer as peer
 
 import topologies
 from dpsgd.backends import spawn
-from dpsgd.comm import run_local
+from dpsgd.comm import LocalCommunicator, run_local
 from dpsgd.comm.codecs import Cast, Compressed
 
 N = peer.N
@@ -43,3 +44,29 @@ def test_a_wrapper_takes_the_lent_tensor_as_it_takes_any():
 def test_on_mpi_the_sends_read_the_lent_tensor_and_leave_it_unchanged(tmp_path):
     assert spawn("mpi", N, [SCRIPT, "mpi", str(tmp_path)], timeout_s=120) == 0
     check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)])
+
+
+def test_an_integer_tensor_is_refused_by_both_forms_alike():
+    def peer(comm):
+        ring, x = topologies.make("ring", N), torch.arange(4) + comm.rank
+        refused = []
+        for average in (
+            lambda: comm.neighbor_average([x], ring.neighbors(comm.rank)),
+            lambda: comm.start_neighbor_average([x], ring.neighbors(comm.rank)).wait(),
+        ):
+            with pytest.raises(RuntimeError, match="can't be cast"):
+                average()
+            refused.append(True)
+        return refused
+
+    assert run_local(N, peer, timeout_s=30) == [[True, True]] * N
+
+
+def test_a_subclass_overriding_a_started_form_alone_is_refused_in_one_line():
+    with pytest.raises(
+        TypeError, match="overrides start_mix, which neighbor_average and mix do not call; override _start_mix"
+    ):
+
+        class Mine(LocalCommunicator):
+            def start_mix(self, tensors, topology, step, lazy=False):
+                return super().start_mix(tensors, topology, step, lazy)

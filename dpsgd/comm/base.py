@@ -51,6 +51,8 @@ class CommStats:
 
 MAX_TAG = 32767  # the smallest MPI_TAG_UB the standard allows
 _KEPT_BUFFERS_PER_SHAPE = 8  # receive buffers kept for reuse, per shape/dtype/device
+# a public started form -> the hook that serves it and its blocking form (Communicator.__init_subclass__)
+_HOOKS = {"start_neighbor_average": "_start_neighbor_average", "start_mix": "_start_mix"}
 
 
 class Handle:
@@ -149,10 +151,25 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
 
 class Communicator(ABC):
     """One peer's view of a world of `size` peers. Every blocking wait has a deadline of
-    `timeout_s` seconds; past it, a PeerTimeoutError names the operation and the peers."""
+    `timeout_s` seconds; past it, a PeerTimeoutError names the operation and the peers.
+
+    A subclass changes an average or a mix through `_start_neighbor_average(tensors, weights, lent)` and
+    `_start_mix(tensors, topology, step, lazy, lent)`, which serve the started and the blocking forms alike."""
 
     backend: str = "?"
     in_process = False  # its peers are threads of one process (they share its device)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # the blocking forms call the hooks, not the public started forms: an override of those alone would be
+        # bypassed by neighbor_average and mix without a word
+        for public, hook in _HOOKS.items():
+            if public in vars(cls):
+                raise TypeError(
+                    f"{cls.__name__} overrides {public}, which neighbor_average and mix do not call; override "
+                    f"{hook}(..., lent) instead, which serves both forms (lent: the caller's tensors may be read in "
+                    f"place until the blocking form returns)"
+                )
 
     def __init__(self, rank: int, size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         if timeout_s <= 0:
@@ -294,17 +311,21 @@ class Communicator(ABC):
 
     def _start_neighbor_average(self, tensors: Sequence[torch.Tensor], weights: Neighbors, lent: bool) -> Handle:
         """`start_neighbor_average`; `lent`: the caller cannot touch `tensors` before the result (the blocking
-        forms), so one contiguous tensor is sent from its own memory and read once more by the sum, instead of
-        copied first: the copy made a 1 MiB average 1.23-1.34x slower on 4 ranks of 2 cores (benchmarks.md)."""
-        borrowed = lent and len(tensors) == 1 and tensors[0].is_contiguous()
-        buf = tensors[0].detach().view(-1) if borrowed else flatten(tensors)
+        forms), so a list of one contiguous tensor is sent from the tensor's own memory and read once more by the
+        sum, instead of copied first (the 11 MiB average on mpi: 1.11-1.17x raw -> 0.96-0.98x, benchmarks.md). After
+        a timeout a send may still read it. The override point of both forms (and of `_start_mix`'s)."""
+        t = tensors[0] if len(tensors) == 1 else None
+        borrowed = lent and t is not None and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        buf = t.detach().view(-1) if borrowed and t is not None else flatten(tensors)
         recv_from = sorted(weights.recv)
         ex, received, arrival = self._start_counted_exchange("neighbor_average", buf, sorted(weights.send), recv_from)
 
         def finish():
-            # the sends are complete: the sum is built in our own copy, or in a new tensor beside the caller's; the
-            # receive buffers (never seen by the caller) are kept for the next exchange
-            out = torch.mul(buf, weights.self_weight) if borrowed else buf.mul_(weights.self_weight)
+            # the sends are complete: the sum is built in our own copy, or beside the caller's tensor in a new one of
+            # its dtype (as mul_ writes: an integer tensor is refused by both forms alike); the receive buffers
+            # (never seen by the caller) are kept for the next exchange
+            w = weights.self_weight
+            out = torch.mul(buf, w, out=torch.empty_like(buf)) if borrowed else buf.mul_(w)
             for peer in recv_from:  # rank order: the same sum on every backend
                 out.add_(received(peer), alpha=weights.recv[peer])
             self._release_buffers(ex.received.values())

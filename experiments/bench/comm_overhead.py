@@ -310,7 +310,7 @@ def run(args) -> harness.Result:
             r["ratio"],
             limit_for(r["mb"]),
             cause=miss_cause(r),
-            interval=tuple(r["interval"]),
+            interval=tuple(r["interval"]) if r["interval"] else None,
         )
         for r in rows
     ]

@@ -143,18 +143,22 @@ class BenchError(RuntimeError):
 NOISE_LEVEL = 0.95  # the share of a ratio's bootstrap distribution a benchmark states as its noise
 
 
-def ratio_interval(ours, theirs, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+def ratio_interval(ours, theirs, draws: int = 2000, seed: int = 0) -> tuple[float, float] | None:
     """The run's own noise on median(ours) / median(theirs), times of the same repetitions (each repetition timed
     both sides back to back): a paired bootstrap over the repetitions, the central NOISE_LEVEL of the resampled
     ratios. It measures the spread within this run, not a drift between runs. 2-D `ours` and `theirs` (repetitions x
-    peers) give the interval of the mean over the peers of each one's median (waiter_cost's ratio)."""
+    peers) give the interval of the mean over the peers of each one's median (waiter_cost's ratio). None with fewer
+    than two repetitions (no spread to state). A percentile interval from a few repetitions need not hold the figure
+    itself (it may sit at an edge): the benchmarks' defaults repeat 10 to 150 times."""
     import numpy as np
 
     a, b = np.asarray(ours, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
-    if a.shape != b.shape or a.ndim not in (1, 2) or len(a) < 2:
+    if a.shape != b.shape or a.ndim not in (1, 2):
         raise ValueError(
-            f"ratio_interval needs two equally long lists of >= 2 repetitions, got shapes {a.shape} and {b.shape}"
+            f"ratio_interval needs two equally long lists of repetitions, got shapes {a.shape} and {b.shape}"
         )
+    if len(a) < 2:
+        return None
     a, b = (a, b) if a.ndim == 2 else (a[:, None], b[:, None])
     picks = np.random.default_rng(seed).integers(0, len(a), size=(draws, len(a)))
     ratios = np.median(a[picks], axis=1).mean(axis=1) / np.median(b[picks], axis=1).mean(axis=1)

@@ -139,7 +139,7 @@ def measure(variant: str, rounds: int, steps: int) -> dict:
                 sides[name]()
             times[name].append((time.perf_counter() - started) / steps)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    interval = harness.ratio_interval(times["ours"], times["torch"]) if rounds >= 2 else None  # the run's noise
+    interval = harness.ratio_interval(times["ours"], times["torch"])  # the run's noise (None from one round)
     return {"variant": variant, "ours_ms": ms["ours"], "torch_ms": ms["torch"], "ratio": ms["ours"] / ms["torch"],
             "own_work_ms": ms["ours"] - ms["torch"], "interval": interval}  # fmt: skip
 
