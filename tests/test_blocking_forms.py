@@ -1,7 +1,8 @@
 """The blocking average and mix read one contiguous tensor in place (the caller lends it for the call; the started
 forms send a copy: dpsgd.comm.base._start_neighbor_average): their results, and the all-reduce mean's, against
 numpy's W @ X and mean, the lent tensor left as it was, each result its own memory; on local peers, through a
-wrapper, and on mpi, whose sends read the lent tensor's memory directly."""
+wrapper, and on mpi, whose sends read the lent tensor's memory directly; and the buffers of the started forms
+(`flatten`: new contiguous memory, also on its one-tensor path; `unflatten`: views of it)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from peers import blocking_forms_peer as peer
 import topologies
 from dpsgd.backends import spawn
 from dpsgd.comm import LocalCommunicator, run_local
+from dpsgd.comm.base import flatten, unflatten
 from dpsgd.comm.codecs import Cast, Compressed
 
 N = peer.N
@@ -70,3 +72,24 @@ def test_a_subclass_overriding_a_started_form_alone_is_refused_in_one_line():
         class Mine(LocalCommunicator):
             def start_mix(self, tensors, topology, step, lazy=False):
                 return super().start_mix(tensors, topology, step, lazy)
+
+
+def test_flatten_gives_new_contiguous_memory_and_unflatten_its_views_for_one_tensor_or_many():
+    one = [
+        torch.randn(3, 4),
+        torch.randn(3, 4).t(),  # not contiguous: the general path
+        torch.randn(8)[::2],
+        torch.tensor(2.0),
+        torch.randn(2, 3, requires_grad=True),
+        torch.randn(4).to(torch.bfloat16),
+    ]
+    for t in one:
+        flat = flatten([t])
+        assert flat.dim() == 1 and flat.is_contiguous() and not flat.requires_grad
+        assert flat.data_ptr() != t.data_ptr() and torch.equal(flat, t.detach().reshape(-1))
+        (back,) = unflatten(flat, [t])
+        assert back.shape == t.shape and back.data_ptr() == flat.data_ptr() and torch.equal(back, t.detach())
+    many = [torch.randn(2, 2), torch.randn(3)]
+    flat = flatten(many)
+    assert torch.equal(flat, torch.cat([many[0].reshape(-1), many[1]]))
+    assert all(torch.equal(a, b) for a, b in zip(unflatten(flat, many), many))

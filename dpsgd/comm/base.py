@@ -126,9 +126,11 @@ def group_neighbors(rank: int, group_size: int) -> Neighbors:
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous buffer holding all tensors (one message per peer instead of many)."""
+    """One contiguous buffer holding all tensors (one message per peer instead of many): new memory."""
     if not tensors:
         raise ValueError("expected a non-empty list of tensors to communicate, got an empty one")
+    if len(tensors) == 1 and tensors[0].is_contiguous():  # one copy, without the checks and the concatenation
+        return tensors[0].detach().flatten().clone()
     dtypes = {t.dtype for t in tensors}
     devices = {t.device for t in tensors}
     if len(dtypes) > 1 or len(devices) > 1:
@@ -141,6 +143,8 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `flat` shaped like the tensors of `like`, in order (the inverse of `flatten`)."""
+    if len(like) == 1 and flat.numel() == like[0].numel():
+        return [flat.view_as(like[0])]
     out, offset = [], 0
     for t in like:
         n = t.numel()
