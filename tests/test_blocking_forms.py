@@ -30,6 +30,9 @@ def check(per_rank: list[dict], tol: float = 1e-12) -> None:
         for name in ("average", "mix", "started"):
             np.testing.assert_allclose(got[name], mixed[rank], rtol=tol, atol=tol, err_msg=name)
         np.testing.assert_allclose(got["mean"], mean, rtol=tol, atol=tol, err_msg="mean")
+        if "conjugate_real" in got:  # not through a wrapper
+            conjugate = np.asarray(got["conjugate_real"]) + 1j * np.asarray(got["conjugate_imag"])
+            np.testing.assert_allclose(conjugate, np.conj(mixed[rank] * (1 + 1j)), rtol=tol, atol=tol)
         if tol == 1e-12:
             assert got["average"] == got["started"]  # the same sum, bit for bit, as the form that sends a copy
 
@@ -82,10 +85,11 @@ def test_flatten_gives_new_contiguous_memory_and_unflatten_its_views_for_one_ten
         torch.tensor(2.0),
         torch.randn(2, 3, requires_grad=True),
         torch.randn(4).to(torch.bfloat16),
+        torch.randn(3, dtype=torch.complex64).conj(),  # a lazy conjugate: resolved in the copy
     ]
     for t in one:
         flat = flatten([t])
-        assert flat.dim() == 1 and flat.is_contiguous() and not flat.requires_grad
+        assert flat.dim() == 1 and flat.is_contiguous() and not flat.requires_grad and not flat.is_conj()
         assert flat.data_ptr() != t.data_ptr() and torch.equal(flat, t.detach().reshape(-1))
         (back,) = unflatten(flat, [t])
         assert back.shape == t.shape and back.data_ptr() == flat.data_ptr() and torch.equal(back, t.detach())

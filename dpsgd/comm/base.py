@@ -125,12 +125,22 @@ def group_neighbors(rank: int, group_size: int) -> Neighbors:
     return Neighbors(others, dict(others), 1.0 / group_size)
 
 
+def _lone(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor of `tensors` if its memory already is a message's flat buffer (contiguous, no lazy conjugate
+    or negation bit), else None: such a tensor is copied once (`flatten`) or, lent, read in place."""
+    if len(tensors) != 1:
+        return None
+    t = tensors[0]
+    return t if t.is_contiguous() and not t.is_conj() and not t.is_neg() else None
+
+
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding all tensors (one message per peer instead of many): new memory."""
     if not tensors:
         raise ValueError("expected a non-empty list of tensors to communicate, got an empty one")
-    if len(tensors) == 1 and tensors[0].is_contiguous():  # one copy, without the checks and the concatenation
-        return tensors[0].detach().flatten().clone()
+    lone = _lone(tensors)
+    if lone is not None:  # one copy, without the checks and the concatenation
+        return lone.detach().flatten().clone()
     dtypes = {t.dtype for t in tensors}
     devices = {t.device for t in tensors}
     if len(dtypes) > 1 or len(devices) > 1:
@@ -318,9 +328,8 @@ class Communicator(ABC):
         forms), so a list of one contiguous tensor is sent from the tensor's own memory and read once more by the
         sum, instead of copied first (the 11 MiB average on mpi: 1.11-1.17x raw -> 0.96-0.98x, benchmarks.md). After
         a timeout a send may still read it. The override point of both forms (and of `_start_mix`'s)."""
-        t = tensors[0] if len(tensors) == 1 else None
-        borrowed = lent and t is not None and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-        buf = t.detach().view(-1) if borrowed and t is not None else flatten(tensors)
+        lone = _lone(tensors) if lent else None
+        buf = flatten(tensors) if lone is None else lone.detach().view(-1)
         recv_from = sorted(weights.recv)
         ex, received, arrival = self._start_counted_exchange("neighbor_average", buf, sorted(weights.send), recv_from)
 
@@ -329,7 +338,7 @@ class Communicator(ABC):
             # its dtype (as mul_ writes: an integer tensor is refused by both forms alike); the receive buffers
             # (never seen by the caller) are kept for the next exchange
             w = weights.self_weight
-            out = torch.mul(buf, w, out=torch.empty_like(buf)) if borrowed else buf.mul_(w)
+            out = buf.mul_(w) if lone is None else torch.mul(buf, w, out=torch.empty_like(buf))
             for peer in recv_from:  # rank order: the same sum on every backend
                 out.add_(received(peer), alpha=weights.recv[peer])
             self._release_buffers(ex.received.values())

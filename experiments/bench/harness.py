@@ -208,23 +208,20 @@ class Target:
         return " and ".join(parts + ([f"<= {self.limit:g}{self.unit}"] if self.limit is not None else []))
 
     def figure(self) -> str:
+        """The ratio as printed, followed by its interval where the benchmark states one."""
+        noise = "" if self.interval is None else f" [{self.interval[0]:.3f}, {self.interval[1]:.3f}]"
         if self.unit == "x":
-            return f"{self.ratio:7.3f}x"
-        return f"{self.ratio:8.0f}{self.unit}" if float(self.ratio).is_integer() else f"{self.ratio:8.2g}{self.unit}"
-
-    def noise(self) -> str:
-        """The interval as printed beside the figure ("" without one)."""
-        if self.interval is None:
-            return ""
-        return f"[{self.interval[0]:.3f}, {self.interval[1]:.3f}]"
+            return f"{self.ratio:7.3f}x{noise}"
+        if float(self.ratio).is_integer():
+            return f"{self.ratio:8.0f}{self.unit}{noise}"
+        return f"{self.ratio:8.2g}{self.unit}{noise}"
 
     def as_dict(self) -> dict:
         found = {"holds": self.holds, "within_noise": self.within_noise, "cause": None if self.holds else self.cause}
         return {**asdict(self), **found}
 
     def line(self) -> str:
-        noise = f" {self.noise()}" if self.interval is not None else ""
-        text = f"{self.name:52s} {self.figure()}{noise}  (target {self.wanted()})  {self.verdict}"
+        text = f"{self.name:52s} {self.figure()}  (target {self.wanted()})  {self.verdict}"
         return text + (f"\n  cause: {self.cause}" if self.cause and not self.holds else "")
 
 

@@ -107,11 +107,11 @@ class Verdict:
         if m is None:
             return f"{self.state:5s}  {name:64s} not measured in this run; {source}"
         interval = tuple(m["interval"]) if m.get("interval") else None
-        target = harness.Target(m["name"], m["ratio"], m.get("limit"), m.get("unit", "x"), m.get("at_least"))
-        target.interval = interval
-        noise = f" {target.noise()}" if interval else ""
+        target = harness.Target(
+            m["name"], m["ratio"], m.get("limit"), m.get("unit", "x"), m.get("at_least"), interval=interval
+        )
         text = (
-            f"{self.state:5s}  {name:64s} {target.figure()}{noise}  target {target.wanted():9s} {source}: "
+            f"{self.state:5s}  {name:64s} {target.figure()}  target {target.wanted():9s} {source}: "
             f"{self.against_recorded()}"
         )
         return text + (f"\n      cause: {m['cause']}" if m.get("cause") and not m["holds"] else "")

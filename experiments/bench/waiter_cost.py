@@ -79,15 +79,13 @@ def worker(args) -> None:
         dt = round_(mode, sleep_s)
         if dt is not None:
             times[mode].append(dt)
-    mine = {m: float(np.median(t)) for m, t in times.items()} if computing else None
     waiting = {m: float(np.median(b)) for m, b in busy.items()} if not computing and partner < n else None
-    gathered = world.gather((mine, waiting, times if computing else None), root=0)
+    gathered = world.gather((times if computing else None, waiting), root=0)
     comm.close()
     result = {
         "peers": n,
-        "computing": [g for g, _, _ in gathered or [] if g is not None],
-        "computing_per_round": [t for _, _, t in gathered or [] if t is not None],  # the noise's samples
-        "waiting_cpu_fraction": [w for _, w, _ in gathered or [] if w is not None],
+        "computing_per_round": [t for t, _ in gathered or [] if t is not None],
+        "waiting_cpu_fraction": [w for _, w in gathered or [] if w is not None],
         "sleep_s": sleep_s,
     }
     ranks.finish_ranks(world, args.worker, result)
@@ -115,7 +113,8 @@ def options(p) -> None:
 
 def run(args) -> harness.Result:
     res = ranks.spawn(args)
-    rows = res["computing"]
+    # each computing rank's median per mode; the rounds themselves are the noise's samples (per_round)
+    res["computing"] = rows = [{m: ranks.median(t[m]) for m in MODES} for t in res["computing_per_round"]]
     mean = {m: sum(r[m] for r in rows) / len(rows) for m in MODES}
     print(
         f"\nA computing rank's time while its partner waits, {args.peers} MPI ranks ({len(rows)} computing), "
