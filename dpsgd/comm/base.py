@@ -125,13 +125,24 @@ def group_neighbors(rank: int, group_size: int) -> Neighbors:
     return Neighbors(others, dict(others), 1.0 / group_size)
 
 
+def _is_message(t: torch.Tensor) -> bool:
+    """Whether a tensor's memory already is a message's flat buffer: contiguous, no lazy conjugate or negation bit
+    (the transports send and receive memory as it is)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def _lone(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The one tensor of `tensors` if its memory already is a message's flat buffer (contiguous, no lazy conjugate
-    or negation bit), else None: such a tensor is copied once (`flatten`) or, lent, read in place."""
-    if len(tensors) != 1:
-        return None
-    t = tensors[0]
-    return t if t.is_contiguous() and not t.is_conj() and not t.is_neg() else None
+    """The one tensor of `tensors` if its memory already is a message's flat buffer (`_is_message`), else None: such
+    a tensor is copied once (`flatten`) or, lent, read in place."""
+    return tensors[0] if len(tensors) == 1 and _is_message(tensors[0]) else None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a 1-D tensor outside autograd, with no new view where it already is one: on the
+    path of every small message, where each torch call counts (4 ranks on 2 cores, benchmarks.md)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.dim() == 1 else t.view(-1)
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -140,7 +151,7 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         raise ValueError("expected a non-empty list of tensors to communicate, got an empty one")
     lone = _lone(tensors)
     if lone is not None:  # one copy, without the checks and the concatenation
-        return lone.detach().flatten().clone()
+        return _flat(lone).clone()
     dtypes = {t.dtype for t in tensors}
     devices = {t.device for t in tensors}
     if len(dtypes) > 1 or len(devices) > 1:
@@ -154,13 +165,44 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `flat` shaped like the tensors of `like`, in order (the inverse of `flatten`)."""
     if len(like) == 1 and flat.numel() == like[0].numel():
-        return [flat.view_as(like[0])]
+        return [flat if flat.shape == like[0].shape else flat.view_as(like[0])]
     out, offset = [], 0
     for t in like:
         n = t.numel()
         out.append(flat[offset : offset + n].view_as(t))
         offset += n
     return out
+
+
+def _receive_into(buf: torch.Tensor, recv_from: list[int], out: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """`neighbor_exchange`'s `out`, checked, by peer: each must take one message like `buf` and be memory of its own
+    (a receive into the buffer being sent, or two receives into one tensor, would mix messages). Kept short: on the
+    path of every such exchange."""
+    numel, dtype, device = buf.numel(), buf.dtype, buf.device
+    if len(out) != len(recv_from):
+        raise ValueError(
+            f"neighbor_exchange got {len(out)} tensor(s) in out= for {len(recv_from)} peer(s) to receive from; "
+            f"pass one per peer of recv_from, in its order"
+        )
+    into, spans = {}, [(buf.data_ptr(), buf.data_ptr() + buf.nbytes)]
+    for p, o in zip(recv_from, out):
+        if o.dtype != dtype or o.numel() != numel or o.device != device or not _is_message(o):
+            raise ValueError(
+                f"neighbor_exchange's out= tensor for peer {p} is {tuple(o.shape)} {o.dtype} on {o.device}"
+                f"{'' if _is_message(o) else ', not contiguous or a lazy conjugate/negative view'}; each must be "
+                f"contiguous with the message's {numel} elements of {dtype} on {device}"
+            )
+        begin = o.data_ptr()
+        end = begin + o.nbytes
+        for b, e in spans:
+            if begin < e and b < end:
+                raise ValueError(
+                    f"neighbor_exchange's out= tensor for peer {p} shares memory with the buffer sent or another "
+                    f"out= tensor; give each peer a tensor of its own"
+                )
+        spans.append((begin, end))
+        into[p] = _flat(o)
+    return into
 
 
 class Communicator(ABC):
@@ -221,10 +263,16 @@ class Communicator(ABC):
     # --- backend primitives -------------------------------------------------------------
     @abstractmethod
     def _start_exchange(
-        self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int], tag: int
+        self,
+        buf: torch.Tensor,
+        send_to: Sequence[int],
+        recv_from: Sequence[int],
+        tag: int,
+        into: dict[int, torch.Tensor] | None = None,
     ) -> Exchange:
         """Send `buf` to every peer of `send_to` and receive a buffer shaped like `buf` from every
-        peer of `recv_from`, without blocking."""
+        peer of `recv_from`, without blocking. `into`: where to receive each peer's buffer (the caller's `out=`), for
+        a backend that receives into memory it is given; one that ignores it is copied from (`neighbor_exchange`)."""
 
     @abstractmethod
     def _start_allreduce_sum(self, buf: torch.Tensor) -> Pending:
@@ -329,7 +377,7 @@ class Communicator(ABC):
         sum, instead of copied first (the 11 MiB average on mpi: 1.11-1.17x raw -> 0.96-0.98x, benchmarks.md). After
         a timeout a send may still read it. The override point of both forms (and of `_start_mix`'s)."""
         lone = _lone(tensors) if lent else None
-        buf = flatten(tensors) if lone is None else lone.detach().view(-1)
+        buf = flatten(tensors) if lone is None else _flat(lone)
         recv_from = sorted(weights.recv)
         ex, received, arrival = self._start_counted_exchange("neighbor_average", buf, sorted(weights.send), recv_from)
 
@@ -346,20 +394,51 @@ class Communicator(ABC):
 
         return Handle(self, "neighbor_average", ex, finish, recv_from, arrival, buf)
 
-    def start_neighbor_exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]) -> Handle:
+    def start_neighbor_exchange(
+        self,
+        buf: torch.Tensor,
+        send_to: Sequence[int],
+        recv_from: Sequence[int],
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Handle:
         """Send one flat buffer (any dtype, e.g. a compressed message packed as bytes) to
         `send_to` and receive a buffer of the same shape and dtype from each of `recv_from`;
-        `.wait()` returns them as a list in the order of `recv_from`. Bytes are counted as sent."""
-        buf = buf.detach().reshape(-1).contiguous()
+        `.wait()` returns them as a list in the order of `recv_from`. Bytes are counted as sent.
+        `out`: one contiguous tensor per peer of `recv_from` (as many elements as `buf`, its dtype and device) that the
+        received buffers are written to and returned, instead of new ones; the caller must not touch them before
+        `.wait()`. On mpi and torch they are received into directly (a 1 MiB exchange on mpi, 4 ranks on 2 cores:
+        new buffers cost 1.14-1.21x, benchmarks.md); elsewhere (staged, emulated network, local) copied to."""
+        buf = _flat(buf) if _is_message(buf) else flatten([buf])  # (a lazy conjugate resolved in a copy)
         recv_from = list(recv_from)
-        ex, received, arrival = self._start_counted_exchange("neighbor_exchange", buf, list(send_to), recv_from)
-        return Handle(self, "neighbor_exchange", ex, lambda: [received(p) for p in recv_from], recv_from, arrival, buf)
+        if out is not None:
+            into, written = _receive_into(buf, recv_from, out), list(out)
+        else:
+            into = None
+        ex, received, arrival = self._start_counted_exchange("neighbor_exchange", buf, list(send_to), recv_from, into)
+        if into is None:
+            return Handle(
+                self, "neighbor_exchange", ex, lambda: [received(p) for p in recv_from], recv_from, arrival, buf
+            )
+
+        def finish():
+            for p, target in into.items():
+                got = received(p)
+                if got is not target:  # a backend or path that received elsewhere
+                    target.copy_(got)
+            return written
+
+        return Handle(self, "neighbor_exchange", ex, finish, recv_from, arrival, buf)
 
     def neighbor_exchange(
-        self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int]
+        self,
+        buf: torch.Tensor,
+        send_to: Sequence[int],
+        recv_from: Sequence[int],
+        out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """The blocking form of `start_neighbor_exchange`: the buffers received, in the order of `recv_from`."""
-        return self.start_neighbor_exchange(buf, send_to, recv_from).wait()
+        """The blocking form of `start_neighbor_exchange`: the buffers received, in the order of `recv_from` (with
+        `out`: its tensors, written)."""
+        return self.start_neighbor_exchange(buf, send_to, recv_from, out).wait()
 
     def start_exchange(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
         """Pairwise exchange (AD-PSGD's primitive): send `tensors` to `peer` and return the
@@ -475,17 +554,25 @@ class Communicator(ABC):
             self._counting = saved
 
     # --- shared machinery ---------------------------------------------------------------
-    def _start_counted_exchange(self, op: str, buf: torch.Tensor, send_to: list[int], recv_from: list[int]):
+    def _start_counted_exchange(
+        self,
+        op: str,
+        buf: torch.Tensor,
+        send_to: list[int],
+        recv_from: list[int],
+        into: dict[int, torch.Tensor] | None = None,
+    ):
         """Start an exchange of `buf` after checking the peers and counting one `buf` to each of `send_to` and from
-        each of `recv_from`; returns (pending, received(peer) -> tensor, arrival or None: see
-        `_start_stamped_exchange`). The common path (no emulated network) is kept short: at 1 MiB on 4 ranks of 2
-        cores the Python run before and after the MPI calls is a measurable share of the exchange."""
+        each of `recv_from` (`into`: see `_start_exchange`; not on an emulated network, whose messages are longer);
+        returns (pending, received(peer) -> tensor, arrival or None: see `_start_stamped_exchange`). The common path
+        (no emulated network) is kept short: at 1 MiB on 4 ranks of 2 cores the Python run before and after the MPI
+        calls is a measurable share of the exchange."""
         self._check_peers(op, send_to + recv_from)
         n_sent, n_received = len(send_to), len(recv_from)
         self._count(op, sent=buf.nbytes * n_sent, received=buf.nbytes * n_received, messages=n_sent)
         net = self._emulation()
         if net is None:
-            ex = self._exchange(buf, send_to, recv_from, self._next_tag())
+            ex = self._exchange(buf, send_to, recv_from, self._next_tag(), into)
             return ex, lambda peer: ex.received[peer], None
         return self._start_stamped_exchange(net, buf, send_to, recv_from)
 
@@ -509,10 +596,17 @@ class Communicator(ABC):
 
         return ex, received, arrival
 
-    def _exchange(self, buf: torch.Tensor, send_to: Sequence[int], recv_from: Sequence[int], tag: int) -> Exchange:
-        if self.staging is not None and self.staging.applies(buf):
+    def _exchange(
+        self,
+        buf: torch.Tensor,
+        send_to: Sequence[int],
+        recv_from: Sequence[int],
+        tag: int,
+        into: dict[int, torch.Tensor] | None = None,
+    ) -> Exchange:
+        if self.staging is not None and self.staging.applies(buf):  # received on the host: `into` copied to
             return self.staging.exchange(self._start_exchange, self, buf, send_to, recv_from, tag)
-        return self._start_exchange(buf, send_to, recv_from, tag)
+        return self._start_exchange(buf, send_to, recv_from, tag, into)
 
     def _allreduce_sum(self, buf: torch.Tensor) -> Pending:
         if self.staging is not None and self.staging.applies(buf):
@@ -589,7 +683,7 @@ class MessagelessCommunicator(Communicator):
 
     instead = "its operations act on the peers' tensors directly"  # what it does instead, for the error
 
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+    def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
         raise NotImplementedError(f"{type(self).__name__} sends no point-to-point messages: {self.instead}")
 
     def _start_allreduce_sum(self, buf) -> Pending:
@@ -690,8 +784,8 @@ class Wrapped(Communicator):
         mean = self.start_allreduce_mean([buf])
         return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
 
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
-        return self.inner._start_exchange(buf, send_to, recv_from, tag)
+    def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
+        return self.inner._start_exchange(buf, send_to, recv_from, tag, into)
 
     def _start_allreduce_sum(self, buf) -> Pending:
         return self.inner._start_allreduce_sum(buf)

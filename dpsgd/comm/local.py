@@ -183,7 +183,8 @@ class LocalCommunicator(Communicator):
     def _start_recv(self, buf, source, tag) -> Request:
         return _LocalRecv(self, buf, source, self._key(tag))
 
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> _LocalExchange:
+    def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> _LocalExchange:
+        # the peers hand each other tensors: `into` is copied to (neighbor_exchange)
         self._send(buf, send_to, self._key(tag))
         return _LocalExchange(self.world, self.rank, recv_from, self._key(tag))
 

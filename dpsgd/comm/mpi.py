@@ -51,10 +51,17 @@ def _ready(t: torch.Tensor) -> None:
 
 
 def _as_buffer(t: torch.Tensor):
-    """The memory of a contiguous tensor as something mpi4py can send without copying."""
+    """The memory of a contiguous tensor, typed, as something mpi4py can reduce without copying."""
     if t.is_cuda:
         return t  # __cuda_array_interface__: needs CUDA-aware MPI
     return t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _as_bytes(MPI, t: torch.Tensor):
+    """The memory of a contiguous tensor as bytes for a message, without copying: on the CPU a view of its address
+    (a third of numpy()'s cost, which is a share of a small message's), which does not keep `t` alive: the request's
+    holder must."""
+    return t if t.is_cuda else MPI.buffer.fromaddress(t.data_ptr(), t.nbytes)
 
 
 # a collective's ranks arrive about together: its first milliseconds are polled without sleeping (pending.poll_until)
@@ -62,10 +69,18 @@ SPIN_S = 2e-3
 
 
 class _Requests(Exchange):
-    """MPI requests, each with its peer (-1 for a collective's); an exchange's `received` buffers."""
+    """MPI requests, each with its peer (-1 for a collective's); an exchange's `received` buffers; `memory`, the tensors
+    the requests read and write, kept alive with them (they hold only addresses)."""
 
-    def __init__(self, MPI, requests: list, peers: list[int], received: dict[int, torch.Tensor] | None = None):
-        self._MPI, self._requests, self._peers = MPI, requests, peers
+    def __init__(
+        self,
+        MPI,
+        requests: list,
+        peers: list[int],
+        received: dict[int, torch.Tensor] | None = None,
+        memory: tuple = (),
+    ):
+        self._MPI, self._requests, self._peers, self._memory = MPI, requests, peers, memory
         self.received = received if received is not None else {}
 
     def wait(self, deadline: float) -> None:
@@ -128,15 +143,18 @@ class MPICommunicator(Communicator):
         if staging == "always" or (staging == "auto" and not self.cuda_aware):
             self.staging = HostStaging(always=staging == "always")
 
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+    def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
         buf = buf.contiguous()
         _ready(buf)  # also covers the last use of a kept receive buffer: it was queued on the same stream
-        comm, sent, received, reqs = self._comm, _as_buffer(buf), {}, []
-        for p in recv_from:
-            received[p] = into = self._receive_buffer(buf)
-            reqs.append(comm.Irecv(_as_buffer(into), source=p, tag=tag))
+        MPI, comm, received, reqs = self._MPI, self._comm, {}, []
+        sent = _as_bytes(MPI, buf)
+        # every target kept with the requests, also one a repeated peer's would replace in `received`
+        targets = [self._receive_buffer(buf) if into is None else into[p] for p in recv_from]
+        for p, target in zip(recv_from, targets):
+            received[p] = target
+            reqs.append(comm.Irecv(_as_bytes(MPI, target), source=p, tag=tag))
         reqs += [comm.Isend(sent, dest=p, tag=tag) for p in send_to]
-        return _Requests(self._MPI, reqs, [*recv_from, *send_to], received)
+        return _Requests(MPI, reqs, [*recv_from, *send_to], received, (buf, targets))
 
     def duplicate(self) -> MPICommunicator:
         return MPICommunicator(self._comm, self.timeout_s, self._staging_mode)  # __init__ Dup()s it: a new context

@@ -157,9 +157,9 @@ class TorchCommunicator(Communicator):
         if staging == "always" or (staging == "auto" and self.dist_backend != "nccl"):
             self.staging = HostStaging(always=staging == "always")
 
-    def _start_exchange(self, buf, send_to, recv_from, tag) -> Exchange:
+    def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
         buf = buf.contiguous()
-        received = {p: self._receive_buffer(buf) for p in recv_from}
+        received = {p: self._receive_buffer(buf) for p in recv_from} if into is None else into
         ops = [dist.P2POp(dist.irecv, received[p], p, group=self._group, tag=tag) for p in recv_from]
         ops += [dist.P2POp(dist.isend, buf, p, group=self._group, tag=tag) for p in send_to]
         works = dist.batch_isend_irecv(ops) if ops else []
