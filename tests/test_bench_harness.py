@@ -174,6 +174,9 @@ def test_the_miss_causes_split_what_they_measured():
     assert cause.endswith("the largest: new tensors")
     row["raw_new_tensors_s"] = 1.7e-3
     assert comm_overhead.miss_cause(row).endswith("the largest: the toolkit's waits and wrapper")
+    row["raw_new_tensors_s"] = None  # the out= exchange: two factors, 1.07x x 1.875x
+    cause = comm_overhead.miss_cause(row)
+    assert "non-blocking calls 1.07x" in cause and "wrapper 1.88x" in cause and "new tensors" not in cause
     torch_row = {"toolkit_s": 3.0e-3, "raw_s": 1.5e-3, "raw_nonblocking_s": None, "ratio": 2.0}
     assert "1.50 ms a call" in comm_overhead.miss_cause(torch_row)
     res = {

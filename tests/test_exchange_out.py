@@ -12,7 +12,7 @@ import torch
 from peers import exchange_out_peer as peer
 
 from dpsgd.backends import spawn
-from dpsgd.comm import run_local
+from dpsgd.comm import LocalCommunicator, PeerTimeoutError, run_local
 
 N = peer.N
 
@@ -38,25 +38,61 @@ def test_out_on_mpi_is_received_into_directly(tmp_path):
     check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)], directly=True)
 
 
+@pytest.mark.timeout(180)
+def test_out_on_torch_is_received_into_directly(tmp_path):
+    assert spawn("torch", N, [peer.__file__, "torch", str(tmp_path)], timeout_s=150) == 0
+    check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)], directly=True)
+
+
 def test_a_wrong_out_is_refused_before_anything_is_sent():
     def refusals(comm):
         left, right = (comm.rank - 1) % N, (comm.rank + 1) % N
         x, peers, shared = torch.zeros(4), [left, right], torch.zeros(8)
         c = torch.zeros(4, dtype=torch.complex64)
-        wrong = [  # (what the message says, the buffer sent, out=)
-            ("for 2 peer", x, [torch.zeros(4)]),
-            ("elements of torch.float32", x, [torch.zeros(4), torch.zeros(5)]),
-            ("torch.float64", x, [torch.zeros(4), torch.zeros(4, dtype=torch.float64)]),
-            ("not contiguous", x, [torch.zeros(4), torch.zeros(2, 2).t()]),
-            ("lazy conjugate", c, [torch.zeros_like(c), torch.zeros_like(c).conj()]),
-            ("shares memory with the buffer sent", x, [x, torch.zeros(4)]),
-            ("another out= tensor", x, [shared[:4], shared[2:6]]),
+        wrong = [  # (the error, what its message says, the buffer sent, recv_from, out=)
+            (ValueError, "one tensor per distinct peer", x, peers, [torch.zeros(4)]),
+            (ValueError, "one tensor per distinct peer", x, [left, left], [torch.zeros(4), torch.zeros(4)]),
+            (ValueError, r"is \(5,\) torch.float32", x, peers, [torch.zeros(4), torch.zeros(5)]),
+            (ValueError, "torch.float64", x, peers, [torch.zeros(4), torch.zeros(4, dtype=torch.float64)]),
+            (ValueError, "is not contiguous", x, peers, [torch.zeros(4), torch.zeros(2, 2).t()]),
+            (ValueError, "lazy conjugate", c, peers, [torch.zeros_like(c), torch.zeros_like(c).conj()]),
+            (ValueError, "requires grad", x, peers, [torch.zeros(4), torch.zeros(4, requires_grad=True)]),
+            (ValueError, "shares memory with the buffer sent", x, peers, [x, torch.zeros(4)]),
+            (ValueError, "shares memory with out= tensor 0", x, peers, [shared[:4], shared[2:6]]),
+            (TypeError, "tensor 1 \\(peer .\\) is a NoneType", x, peers, [torch.zeros(4), None]),
         ]
-        for expected, buf, out in wrong:
-            with pytest.raises(ValueError, match=expected):
-                comm.neighbor_exchange(buf, peers, peers, out=out)
+        for error, expected, buf, recv_from, out in wrong:
+            with pytest.raises(error, match=f"rank {comm.rank}: neighbor_exchange's out= .*{expected}"):
+                comm.neighbor_exchange(buf, peers, recv_from, out=out)
         # nothing was sent: the next exchange meets its partners' and carries the right values
         return [t.tolist() for t in comm.neighbor_exchange(torch.full((4,), float(comm.rank)), peers, peers)]
 
     for rank, got in enumerate(run_local(N, refusals, timeout_s=30)):
         assert got == [[float((rank - 1) % N)] * 4, [float((rank + 1) % N)] * 4]
+
+
+def test_a_backend_written_before_out_still_exchanges():
+    class Older(LocalCommunicator):
+        def _start_exchange(self, buf, send_to, recv_from, tag):  # the signature before `into`
+            return super()._start_exchange(buf, send_to, recv_from, tag)
+
+    def peer(comm):
+        older = Older(comm.world, comm.rank, comm.timeout_s)
+        other = 1 - comm.rank
+        return older.neighbor_exchange(torch.full((2,), float(comm.rank)), [other], [other])[0].tolist()
+
+    assert run_local(2, peer, timeout_s=30) == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_an_operation_that_timed_out_is_kept_with_its_memory():
+    """A transfer still posted after a timeout may write the memory it was given (an MPI request holds only its
+    address): the communicator keeps the operation, so that memory is never freed and reused under it."""
+
+    def peer(comm):
+        if comm.rank == 1:
+            return None  # never answers
+        with pytest.raises(PeerTimeoutError, match="neighbor_exchange timed out"):
+            comm.neighbor_exchange(torch.zeros(3), [1], [1], out=[torch.zeros(3)])
+        return len(comm._timed_out)
+
+    assert run_local(2, peer, timeout_s=0.5)[0] == 1

@@ -163,7 +163,8 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `flat` shaped like the tensors of `like`, in order (the inverse of `flatten`)."""
+    """Views of `flat` shaped like the tensors of `like`, in order (the inverse of `flatten`); `flat` itself for one
+    tensor of its shape."""
     if len(like) == 1 and flat.numel() == like[0].numel():
         return [flat if flat.shape == like[0].shape else flat.view_as(like[0])]
     out, offset = [], 0
@@ -172,37 +173,6 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
         out.append(flat[offset : offset + n].view_as(t))
         offset += n
     return out
-
-
-def _receive_into(buf: torch.Tensor, recv_from: list[int], out: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """`neighbor_exchange`'s `out`, checked, by peer: each must take one message like `buf` and be memory of its own
-    (a receive into the buffer being sent, or two receives into one tensor, would mix messages). Kept short: on the
-    path of every such exchange."""
-    numel, dtype, device = buf.numel(), buf.dtype, buf.device
-    if len(out) != len(recv_from):
-        raise ValueError(
-            f"neighbor_exchange got {len(out)} tensor(s) in out= for {len(recv_from)} peer(s) to receive from; "
-            f"pass one per peer of recv_from, in its order"
-        )
-    into, spans = {}, [(buf.data_ptr(), buf.data_ptr() + buf.nbytes)]
-    for p, o in zip(recv_from, out):
-        if o.dtype != dtype or o.numel() != numel or o.device != device or not _is_message(o):
-            raise ValueError(
-                f"neighbor_exchange's out= tensor for peer {p} is {tuple(o.shape)} {o.dtype} on {o.device}"
-                f"{'' if _is_message(o) else ', not contiguous or a lazy conjugate/negative view'}; each must be "
-                f"contiguous with the message's {numel} elements of {dtype} on {device}"
-            )
-        begin = o.data_ptr()
-        end = begin + o.nbytes
-        for b, e in spans:
-            if begin < e and b < end:
-                raise ValueError(
-                    f"neighbor_exchange's out= tensor for peer {p} shares memory with the buffer sent or another "
-                    f"out= tensor; give each peer a tensor of its own"
-                )
-        spans.append((begin, end))
-        into[p] = _flat(o)
-    return into
 
 
 class Communicator(ABC):
@@ -236,6 +206,9 @@ class Communicator(ABC):
         self._counting = True
         self._tag = 0
         self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
+        # operations whose wait timed out, kept for good: a transfer still posted may yet read or write the memory
+        # they hold (an MPI request holds only its address), which must not be freed and reused under it
+        self._timed_out: list[Pending] = []
         self.network: NetworkEmulator | None = None  # see attach_network
         # CUDA tensors through host buffers, for transports that read host memory only (dpsgd.comm.staging)
         self.staging: HostStaging | None = None
@@ -406,12 +379,13 @@ class Communicator(ABC):
         `.wait()` returns them as a list in the order of `recv_from`. Bytes are counted as sent.
         `out`: one contiguous tensor per peer of `recv_from` (as many elements as `buf`, its dtype and device) that the
         received buffers are written to and returned, instead of new ones; the caller must not touch them before
-        `.wait()`. On mpi and torch they are received into directly (a 1 MiB exchange on mpi, 4 ranks on 2 cores:
-        new buffers cost 1.14-1.21x, benchmarks.md); elsewhere (staged, emulated network, local) copied to."""
+        `.wait()`, and after a timeout a late message may still be written to them. On mpi and torch they are received
+        into directly (a 1 MiB exchange on mpi, 4 ranks on 2 cores: new buffers cost 1.14-1.21x, benchmarks.md);
+        elsewhere (staged, emulated network, local) copied to."""
         buf = _flat(buf) if _is_message(buf) else flatten([buf])  # (a lazy conjugate resolved in a copy)
         recv_from = list(recv_from)
         if out is not None:
-            into, written = _receive_into(buf, recv_from, out), list(out)
+            into, written = self._receive_into(buf, recv_from, out), list(out)
         else:
             into = None
         ex, received, arrival = self._start_counted_exchange("neighbor_exchange", buf, list(send_to), recv_from, into)
@@ -606,7 +580,9 @@ class Communicator(ABC):
     ) -> Exchange:
         if self.staging is not None and self.staging.applies(buf):  # received on the host: `into` copied to
             return self.staging.exchange(self._start_exchange, self, buf, send_to, recv_from, tag)
-        return self._start_exchange(buf, send_to, recv_from, tag, into)
+        if into is None:  # (a backend written before `into` keeps working without out=)
+            return self._start_exchange(buf, send_to, recv_from, tag)
+        return self._start_exchange(buf, send_to, recv_from, tag, into=into)
 
     def _allreduce_sum(self, buf: torch.Tensor) -> Pending:
         if self.staging is not None and self.staging.applies(buf):
@@ -626,6 +602,7 @@ class Communicator(ABC):
         try:
             pending.wait(start + self.timeout_s)
         except PeerTimeoutError:
+            self._timed_out.append(pending)
             waiting_for = pending.peers_outstanding() or [p for p in peers if p != self.rank]  # not itself
             raise PeerTimeoutError(
                 f"rank {self.rank}: {op} timed out after {self.timeout_s:g} s waiting for peer(s) "
@@ -652,6 +629,46 @@ class Communicator(ABC):
                     f"rank {self.rank}: {op} got peer {p}; peers must be other ranks in [0, {self.size}) "
                     f"- is the topology built for {self.size} peers?"
                 )
+
+    def _receive_into(
+        self, buf: torch.Tensor, recv_from: list[int], out: Sequence[torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """`neighbor_exchange`'s `out`, checked, by peer: one tensor per distinct peer, each taking one message like
+        `buf` in memory of its own (a receive into the buffer being sent, or two receives into one tensor, would mix
+        messages) and outside autograd (a transport writes its memory without autograd seeing it). Kept short: it is
+        on the path of every such exchange."""
+        where = f"rank {self.rank}: neighbor_exchange's out="
+        if len(out) != len(recv_from) or len(set(recv_from)) != len(recv_from):
+            raise ValueError(
+                f"{where} takes one tensor per distinct peer of recv_from, got {len(out)} tensor(s) for recv_from="
+                f"{recv_from}; pass one per peer, in its order (or leave out= out for a peer named twice)"
+            )
+        numel, dtype, device = buf.numel(), buf.dtype, buf.device
+        into, spans = {}, [(buf.data_ptr(), buf.data_ptr() + buf.nbytes, "the buffer sent")]
+        for k, (p, o) in enumerate(zip(recv_from, out)):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(f"{where} tensor {k} (peer {p}) is a {type(o).__name__}; pass tensors")
+            if o.dtype != dtype or o.numel() != numel or o.device != device or not _is_message(o) or o.requires_grad:
+                why = (
+                    "requires grad" if o.requires_grad
+                    else "is not contiguous" if not o.is_contiguous()
+                    else "is a lazy conjugate or negative view" if not _is_message(o)
+                    else f"is {tuple(o.shape)} {o.dtype} on {o.device}"
+                )  # fmt: skip
+                raise ValueError(
+                    f"{where} tensor {k} (peer {p}) {why}; each must be a contiguous tensor outside autograd with the "
+                    f"message's {numel} elements of {dtype} on {device}, e.g. torch.empty_like(buf)"
+                )
+            begin = o.data_ptr()
+            end = begin + o.nbytes
+            for b, e, what in spans:
+                if begin < e and b < end:
+                    raise ValueError(
+                        f"{where} tensor {k} (peer {p}) shares memory with {what}; give each peer a tensor of its own"
+                    )
+            spans.append((begin, end, f"out= tensor {k}"))
+            into[p] = o if o.dim() == 1 else o.view(-1)
+        return into
 
     def _receive_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A buffer shaped like `like` for a backend to receive into: one kept from an earlier

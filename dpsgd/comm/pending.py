@@ -108,7 +108,7 @@ def poll_until(
     yield_from_s: float = YIELD_FROM_S,
 ) -> bool:
     """Wait for `test()` to be true, in three phases, each measured with 4 ranks on 2 cores (results: benchmarks.md).
-    For the first `spin_s`, test without sleeping, yielding the core between tests: a collective's peers arrive
+    For the first `spin_s`, test without sleeping, yielding the core after every few tests: a collective's peers arrive
     together, and even 20 us sleeps made a 1 MiB exchange several times slower than MPI's own spinning wait (MPI's
     non-blocking operations progress only inside a test). Then sleep between tests for 1/20 of the time waited so
     far, 20 us to 1 ms: each wake-up runs at once, which finished a 1 MiB exchange 6-9% sooner than yielding for the

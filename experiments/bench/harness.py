@@ -53,8 +53,8 @@ class Bench:
 
 RANKS = {"timeout": 600.0, "return_freed_memory": False}  # what every benchmark on spawned ranks takes
 BENCHES = (
-    Bench("comm_overhead", "the communicator's neighbor_exchange, neighbor_average and allreduce_mean against raw "
-          "mpi4py and torch.distributed, 1-44 MiB on 4 ranks",
+    Bench("comm_overhead", "the communicator's neighbor_exchange (new buffers, out=), neighbor_average and "
+          "allreduce_mean against raw mpi4py and torch.distributed, 1-44 MiB on 4 ranks",
           {"peers": 4, "reps": 30, "warmup": 3, "floor_reps": 10, **RANKS},
           quick=("--sizes-mb", "1", "11", "--reps", "20")),
     Bench("allreduce_vs_ddp", "a training step of AllReduce (with and without overlap; torch and mpi backends) "

@@ -1,10 +1,10 @@
 """`make bench-quick` (`python -m experiments.bench --regression`): the regression check, at most 5 minutes on 2 cores.
 
 It runs, one after the other and each in its quick form, the benchmarks whose figures guard the communication,
-optimizer and step code: comm_overhead at 1 and 11 MiB (mpi and torch: neighbor_exchange, neighbor_average,
-allreduce_mean), allreduce_vs_ddp (AllReduce with overlap against DDP), waiter_cost, step_work (the step module
-against torch's idioms) and fleet_vs_batch --quick
-(without its vmap side, a figure shown and not a target).
+optimizer and step code: comm_overhead at 1 and 11 MiB (mpi and torch: neighbor_exchange with new buffers and
+with out=, neighbor_average, allreduce_mean), allreduce_vs_ddp (AllReduce with overlap against DDP), waiter_cost,
+step_work (the step module against torch's idioms) and fleet_vs_batch --quick (without its vmap side, a figure shown
+and not a target).
 Every figure is a ratio its benchmark measured side by side in one run, so a loaded machine slows both sides
 and does not fake a regression. Each is printed PASS, MISS or NOISE (a miss whose target lies inside the run's own
 95% interval of the ratio, printed beside it where the benchmark repeats both sides) against its target, beside
