@@ -13,6 +13,7 @@ from peers import exchange_out_peer as peer
 
 from dpsgd.backends import spawn
 from dpsgd.comm import LocalCommunicator, PeerTimeoutError, run_local
+from dpsgd.comm.codecs import Cast, Compressed
 
 N = peer.N
 
@@ -78,10 +79,12 @@ def test_a_backend_written_before_out_still_exchanges():
 
     def peer(comm):
         older = Older(comm.world, comm.rank, comm.timeout_s)
-        other = 1 - comm.rank
-        return older.neighbor_exchange(torch.full((2,), float(comm.rank)), [other], [other])[0].tolist()
+        other, x = 1 - comm.rank, torch.full((2,), float(comm.rank))
+        alone = older.neighbor_exchange(x, [other], [other])[0].tolist()
+        wrapped = Compressed(older, Cast(torch.bfloat16)).neighbor_exchange(x, [other], [other])[0].tolist()
+        return alone, wrapped
 
-    assert run_local(2, peer, timeout_s=30) == [[1.0, 1.0], [0.0, 0.0]]
+    assert run_local(2, peer, timeout_s=30) == [([1.0, 1.0], [1.0, 1.0]), ([0.0, 0.0], [0.0, 0.0])]
 
 
 def test_an_operation_that_timed_out_is_kept_with_its_memory():

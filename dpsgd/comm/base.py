@@ -667,7 +667,7 @@ class Communicator(ABC):
                         f"{where} tensor {k} (peer {p}) shares memory with {what}; give each peer a tensor of its own"
                     )
             spans.append((begin, end, f"out= tensor {k}"))
-            into[p] = o if o.dim() == 1 else o.view(-1)
+            into[p] = _flat(o)
         return into
 
     def _receive_buffer(self, like: torch.Tensor) -> torch.Tensor:
