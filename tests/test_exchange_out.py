@@ -40,6 +40,14 @@ def test_out_on_mpi_is_received_into_directly(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_out_through_host_staging_is_copied_to_directly(tmp_path):
+    """Staged (the path of CUDA tensors on a transport that reads host memory; here CPU tensors, staging=always):
+    each host buffer received is copied to its out= tensor, with no buffer of the communicator's between."""
+    assert spawn("mpi", N, [peer.__file__, "mpi", str(tmp_path), "staged"], timeout_s=120) == 0
+    check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)], directly=True)
+
+
+@pytest.mark.timeout(180)
 def test_out_on_torch_is_received_into_directly(tmp_path):
     assert spawn("torch", N, [peer.__file__, "torch", str(tmp_path)], timeout_s=150) == 0
     check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)], directly=True)
@@ -60,13 +68,18 @@ def test_a_wrong_out_is_refused_before_anything_is_sent():
             (ValueError, "requires grad", x, peers, [torch.zeros(4), torch.zeros(4, requires_grad=True)]),
             (ValueError, "shares memory with the buffer sent", x, peers, [x, torch.zeros(4)]),
             (ValueError, "shares memory with out= tensor 0", x, peers, [shared[:4], shared[2:6]]),
+            (ValueError, "tensor 1 .* shares memory with out= tensor 0", x, peers, [shared[2:6], shared[:4]]),
+            (ValueError, "tensor 0 .* shares memory with the buffer sent", shared[2:6], peers, [shared[:4], x]),
             (TypeError, "tensor 1 \\(peer .\\) is a NoneType", x, peers, [torch.zeros(4), None]),
         ]
         for error, expected, buf, recv_from, out in wrong:
             with pytest.raises(error, match=f"rank {comm.rank}: neighbor_exchange's out= .*{expected}"):
                 comm.neighbor_exchange(buf, peers, recv_from, out=out)
-        # nothing was sent: the next exchange meets its partners' and carries the right values
-        return [t.tolist() for t in comm.neighbor_exchange(torch.full((4,), float(comm.rank)), peers, peers)]
+        # nothing was sent: the next exchange meets its partners' and carries the right values; the two halves of one
+        # tensor touch without sharing memory, each receives one
+        got = comm.neighbor_exchange(torch.full((4,), float(comm.rank)), peers, peers, out=[shared[4:], shared[:4]])
+        assert got[0].data_ptr() == shared[4:].data_ptr()
+        return [t.tolist() for t in got]
 
     for rank, got in enumerate(run_local(N, refusals, timeout_s=30)):
         assert got == [[float((rank - 1) % N)] * 4, [float((rank + 1) % N)] * 4]

@@ -57,13 +57,6 @@ def _as_buffer(t: torch.Tensor):
     return t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _as_bytes(MPI, t: torch.Tensor):
-    """The memory of a contiguous tensor as bytes for a message, without copying: on the CPU a view of its address
-    (a third of numpy()'s cost, which is a share of a small message's), which does not keep `t` alive: the request's
-    holder must."""
-    return t if t.is_cuda else MPI.buffer.fromaddress(t.data_ptr(), t.nbytes)
-
-
 # a collective's ranks arrive about together: its first milliseconds are polled without sleeping (pending.poll_until)
 SPIN_S = 2e-3
 
@@ -144,15 +137,22 @@ class MPICommunicator(Communicator):
             self.staging = HostStaging(always=staging == "always")
 
     def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
-        buf = buf.contiguous()
-        _ready(buf)  # also covers the last use of a kept receive buffer: it was queued on the same stream
+        # `buf` and every target: flat, contiguous, of one size and device (the public operations flatten and check
+        # them). On the CPU a message is a view of the tensor's address (a third of numpy()'s cost, a share of a small
+        # message's), which does not keep the tensor alive: the requests' holder keeps every one of them, also a
+        # target a repeated peer's would replace in `received`. Each tensor call on this path counts (4 ranks on 2
+        # cores: one costs 1-3 us there), hence the one device test and size.
         MPI, comm, received, reqs = self._MPI, self._comm, {}, []
-        sent = _as_bytes(MPI, buf)
-        # every target kept with the requests, also one a repeated peer's would replace in `received`
-        targets = [self._receive_buffer(buf) if into is None else into[p] for p in recv_from]
-        for p, target in zip(recv_from, targets):
+        targets = self._receive_buffers(buf, len(recv_from)) if into is None else [into[p] for p in recv_from]
+        if buf.is_cuda:  # __cuda_array_interface__: needs CUDA-aware MPI
+            _ready(buf)  # also covers the last use of a kept receive buffer: it was queued on the same stream
+            sent, messages = buf, targets
+        else:
+            address, nbytes = MPI.buffer.fromaddress, buf.nbytes
+            sent, messages = address(buf.data_ptr(), nbytes), [address(t.data_ptr(), nbytes) for t in targets]
+        for p, target, message in zip(recv_from, targets, messages):
             received[p] = target
-            reqs.append(comm.Irecv(_as_bytes(MPI, target), source=p, tag=tag))
+            reqs.append(comm.Irecv(message, source=p, tag=tag))
         reqs += [comm.Isend(sent, dest=p, tag=tag) for p in send_to]
         return _Requests(MPI, reqs, [*recv_from, *send_to], received, (buf, targets))
 

@@ -61,9 +61,10 @@ class HostStaging:
         return host
 
     # --- the backend primitives, staged ------------------------------------------------------------
-    def exchange(self, start, comm, buf: torch.Tensor, send_to, recv_from, tag: int) -> Exchange:
+    def exchange(self, start, comm, buf: torch.Tensor, send_to, recv_from, tag: int, into=None) -> Exchange:
+        """`into`: the caller's tensors by peer (`neighbor_exchange`'s out=), each host buffer copied there."""
         host = self.to_host(buf)
-        return _StagedExchange(self, comm, buf, host, start(host, send_to, recv_from, tag))
+        return _StagedExchange(self, comm, buf, host, start(host, send_to, recv_from, tag), into)
 
     def allreduce_sum(self, start, buf: torch.Tensor) -> Pending:
         host = self.to_host(buf)
@@ -79,14 +80,20 @@ class HostStaging:
 
 
 class _StagedExchange(Exchange):
-    def __init__(self, staging: HostStaging, comm, buf: torch.Tensor, host: torch.Tensor, inner: Exchange):
+    def __init__(self, staging: HostStaging, comm, buf: torch.Tensor, host: torch.Tensor, inner: Exchange, into=None):
         self._staging, self._comm, self._buf, self._host, self._inner = staging, comm, buf, host, inner
+        self._into = into
         self.received = {}
 
     def wait(self, deadline: float) -> None:
         self._inner.wait(deadline)
-        for peer, host in self._inner.received.items():
-            self.received[peer] = self._comm._receive_buffer(self._buf).copy_(host)
+        hosts = self._inner.received
+        if self._into is not None:
+            targets = [self._into[peer] for peer in hosts]
+        else:
+            targets = self._comm._receive_buffers(self._buf, len(hosts))
+        for (peer, host), target in zip(hosts.items(), targets):
+            self.received[peer] = target.copy_(host)
         self._comm._release_buffers(self._inner.received.values())
         self._staging.give_back(self._host)
 

@@ -3,7 +3,8 @@ buffers), `out=` (the caller's tensors, written and returned; on mpi and torch r
 conjugate (sent as its values, resolved in a copy: the transports send memory as it is).
 
 Imported by tests/test_exchange_out.py (local backend) and run as a script under mpiexec:
-`python tests/peers/exchange_out_peer.py BACKEND OUT_DIR` writes OUT_DIR/rank{r}.json.
+`python tests/peers/exchange_out_peer.py BACKEND OUT_DIR [staged]` writes OUT_DIR/rank{r}.json (staged: through host
+buffers, as CUDA tensors on a transport that reads host memory only; `backend.staging=always`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def results(comm) -> dict:
 
 
 if __name__ == "__main__":
+    import sys
+
     from runner import main
 
-    main(results)
+    main(results, **({"staging": "always"} if sys.argv[3:] == ["staged"] else {}))
