@@ -6,6 +6,7 @@ line before anything is sent (dpsgd.comm.base._receive_into)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ def check(per_rank: list[dict], directly: bool) -> None:
         assert got["out_is_returned"] and got["out_received_in_place"]
         assert got["received_directly"] == [directly, directly]
         assert got["conjugate_real"] == want and got["conjugate_imag"] == [[-v for v in w] for w in want]
+        assert got["out_reversed"] == want[::-1]
 
 
 def test_out_on_local_peers_is_written_and_returned():
@@ -42,7 +44,7 @@ def test_out_on_mpi_is_received_into_directly(tmp_path):
 @pytest.mark.timeout(180)
 def test_out_through_host_staging_is_copied_to_directly(tmp_path):
     """Staged (the path of CUDA tensors on a transport that reads host memory; here CPU tensors, staging=always):
-    each host buffer received is copied to its out= tensor, with no buffer of the communicator's between."""
+    each host buffer received is copied straight to its out= tensor, with no device buffer between."""
     assert spawn("mpi", N, [peer.__file__, "mpi", str(tmp_path), "staged"], timeout_s=120) == 0
     check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(N)], directly=True)
 
@@ -94,10 +96,14 @@ def test_a_backend_written_before_out_still_exchanges():
         older = Older(comm.world, comm.rank, comm.timeout_s)
         other, x = 1 - comm.rank, torch.full((2,), float(comm.rank))
         alone = older.neighbor_exchange(x, [other], [other])[0].tolist()
-        wrapped = Compressed(older, Cast(torch.bfloat16)).neighbor_exchange(x, [other], [other])[0].tolist()
-        return alone, wrapped
+        wrapper = Compressed(older, Cast(torch.bfloat16))
+        wrapped = wrapper.neighbor_exchange(x, [other], [other])[0].tolist()  # (passed through to `older`)
+        ex = wrapper._exchange(x, [other], [other], tag=7)  # the wrapper's own transport primitive, into `older`'s
+        ex.wait(time.monotonic() + 30)
+        return alone, wrapped, ex.received[other].tolist()
 
-    assert run_local(2, peer, timeout_s=30) == [([1.0, 1.0], [1.0, 1.0]), ([0.0, 0.0], [0.0, 0.0])]
+    got = run_local(2, peer, timeout_s=30)
+    assert got == [([1.0, 1.0], [1.0, 1.0], [1.0, 1.0]), ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])]
 
 
 def test_an_operation_that_timed_out_is_kept_with_its_memory():

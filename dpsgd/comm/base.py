@@ -244,8 +244,10 @@ class Communicator(ABC):
         into: dict[int, torch.Tensor] | None = None,
     ) -> Exchange:
         """Send `buf` to every peer of `send_to` and receive a buffer shaped like `buf` from every
-        peer of `recv_from`, without blocking. `into`: where to receive each peer's buffer (the caller's `out=`), for
-        a backend that receives into memory it is given; one that ignores it is copied from (`neighbor_exchange`)."""
+        peer of `recv_from`, without blocking. `buf` is flat and contiguous (the public operations flatten or check it),
+        as is every tensor of `into`: a transport may send and receive their memory as it lies. `into`: where to receive
+        each peer's buffer (the caller's `out=`), for a backend that receives into memory it is given; one that ignores
+        it is copied from (`neighbor_exchange`)."""
 
     @abstractmethod
     def _start_allreduce_sum(self, buf: torch.Tensor) -> Pending:
@@ -637,9 +639,10 @@ class Communicator(ABC):
         `buf` in memory of its own (a receive into the buffer being sent, or two receives into one tensor, would mix
         messages) and outside autograd (a transport writes its memory without autograd seeing it). On the path of
         every such exchange: no message is built unless a check fails, and memory shared is found by sorting where
-        each tensor starts (one process: 8 peers 16-34 -> 13-14 us a call, 128 peers 530-639 -> 195-217 us)."""
+        each tensor starts, not by comparing every pair (docs/results/benchmarks.md). The tensors' own checks come
+        before memory shared: of several faults, that order decides which one the error names."""
         if len(out) != len(recv_from) or len(set(recv_from)) != len(recv_from):
-            self._refuse_out(buf, recv_from, out)
+            raise self._out_error(buf, recv_from, out)
         numel, dtype, device, nbytes = buf.numel(), buf.dtype, buf.device, buf.nbytes
         into, starts = {}, [(buf.data_ptr(), -1)]  # where each message's memory starts (the buffer sent: -1)
         for k, (p, o) in enumerate(zip(recv_from, out)):
@@ -651,34 +654,41 @@ class Communicator(ABC):
                 and not o.requires_grad
                 and _is_message(o)
             ):
-                self._refuse_out(buf, recv_from, out)
+                raise self._out_error(buf, recv_from, out)
             into[p] = _flat(o)
             starts.append((o.data_ptr(), k))
         starts.sort()  # all of one size: memory is shared where one starts before the one before it ends
         for (before, k), (start, j) in zip(starts, starts[1:]):
             if start < before + nbytes:
-                self._refuse_out(buf, recv_from, out, shared=(k, j))
+                raise self._out_error(buf, recv_from, out, shared=(k, j))
         return into
 
-    def _refuse_out(self, buf, recv_from, out, shared: tuple[int, int] | None = None):
-        """Raise the one-line error `_receive_into` found: which out= tensor (and peer), why, and what to pass."""
+    def _out_error(
+        self,
+        buf: torch.Tensor,
+        recv_from: list[int],
+        out: Sequence[torch.Tensor],
+        shared: tuple[int, int] | None = None,
+    ) -> Exception:
+        """The one-line error for what `_receive_into` refused (`shared`: the indices of two out= tensors whose memory
+        overlaps, -1 for the buffer sent): which out= tensor (and peer), why, and what to pass."""
         where = f"rank {self.rank}: neighbor_exchange's out="
         if shared is not None:
-            k, j = sorted(shared)  # (the buffer sent, -1, first)
+            k, j = sorted(shared)  # j names an out= tensor, k the other one or the buffer sent (-1)
             other = "the buffer sent" if k < 0 else f"out= tensor {k}"
-            raise ValueError(
+            return ValueError(
                 f"{where} tensor {j} (peer {recv_from[j]}) shares memory with {other}; give each peer a tensor of its "
                 f"own"
             )
         if len(out) != len(recv_from) or len(set(recv_from)) != len(recv_from):
-            raise ValueError(
+            return ValueError(
                 f"{where} takes one tensor per distinct peer of recv_from, got {len(out)} tensor(s) for recv_from="
                 f"{recv_from}; pass one per peer, in its order (or leave out= out for a peer named twice)"
             )
         numel, dtype, device = buf.numel(), buf.dtype, buf.device
         for k, (p, o) in enumerate(zip(recv_from, out)):
             if not isinstance(o, torch.Tensor):
-                raise TypeError(f"{where} tensor {k} (peer {p}) is a {type(o).__name__}; pass tensors")
+                return TypeError(f"{where} tensor {k} (peer {p}) is a {type(o).__name__}; pass tensors")
             if o.dtype != dtype or o.numel() != numel or o.device != device or not _is_message(o) or o.requires_grad:
                 why = (
                     "requires grad" if o.requires_grad
@@ -686,11 +696,11 @@ class Communicator(ABC):
                     else "is a lazy conjugate or negative view" if not _is_message(o)
                     else f"is {tuple(o.shape)} {o.dtype} on {o.device}"
                 )  # fmt: skip
-                raise ValueError(
+                return ValueError(
                     f"{where} tensor {k} (peer {p}) {why}; each must be a contiguous tensor outside autograd with the "
                     f"message's {numel} elements of {dtype} on {device}, e.g. torch.empty_like(buf)"
                 )
-        raise AssertionError("_refuse_out called for out= tensors that pass every check")  # (unreachable)
+        return AssertionError(f"{where} refused, yet each tensor passes its checks: a bug in _receive_into")
 
     def _receive_buffers(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
         """`count` buffers shaped like `like` for a backend to receive into: ones kept from an earlier operation if

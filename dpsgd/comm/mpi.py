@@ -137,11 +137,11 @@ class MPICommunicator(Communicator):
             self.staging = HostStaging(always=staging == "always")
 
     def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
-        # `buf` and every target: flat, contiguous, of one size and device (the public operations flatten and check
-        # them). On the CPU a message is a view of the tensor's address (a third of numpy()'s cost, a share of a small
-        # message's), which does not keep the tensor alive: the requests' holder keeps every one of them, also a
-        # target a repeated peer's would replace in `received`. Each tensor call on this path counts (4 ranks on 2
-        # cores: one costs 1-3 us there), hence the one device test and size.
+        # `buf` and every target: flat, contiguous, of one size and device (see Communicator._start_exchange). On the
+        # CPU a message is a view of the tensor's address (a third of numpy()'s cost), which does not keep the tensor
+        # alive: the requests' holder keeps them all, `targets` included (a peer named twice in recv_from has two
+        # targets, of which `received` keeps only the last). Each tensor call on this path counts under contention
+        # (docs/results/benchmarks.md), hence one device test and one size per exchange.
         MPI, comm, received, reqs = self._MPI, self._comm, {}, []
         targets = self._receive_buffers(buf, len(recv_from)) if into is None else [into[p] for p in recv_from]
         if buf.is_cuda:  # __cuda_array_interface__: needs CUDA-aware MPI

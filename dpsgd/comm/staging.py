@@ -62,7 +62,8 @@ class HostStaging:
 
     # --- the backend primitives, staged ------------------------------------------------------------
     def exchange(self, start, comm, buf: torch.Tensor, send_to, recv_from, tag: int, into=None) -> Exchange:
-        """`into`: the caller's tensors by peer (`neighbor_exchange`'s out=), each host buffer copied there."""
+        """`into`: the caller's tensors by peer (`neighbor_exchange`'s out=): each host buffer received is copied
+        straight there, with no device buffer between."""
         host = self.to_host(buf)
         return _StagedExchange(self, comm, buf, host, start(host, send_to, recv_from, tag), into)
 
@@ -94,7 +95,7 @@ class _StagedExchange(Exchange):
             targets = self._comm._receive_buffers(self._buf, len(hosts))
         for (peer, host), target in zip(hosts.items(), targets):
             self.received[peer] = target.copy_(host)
-        self._comm._release_buffers(self._inner.received.values())
+        self._comm._release_buffers(hosts.values())
         self._staging.give_back(self._host)
 
     def peers_outstanding(self) -> list[int]:

@@ -158,7 +158,6 @@ class TorchCommunicator(Communicator):
             self.staging = HostStaging(always=staging == "always")
 
     def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
-        buf = buf.contiguous()
         received = dict(zip(recv_from, self._receive_buffers(buf, len(recv_from)))) if into is None else into
         ops = [dist.P2POp(dist.irecv, received[p], p, group=self._group, tag=tag) for p in recv_from]
         ops += [dist.P2POp(dist.isend, buf, p, group=self._group, tag=tag) for p in send_to]

@@ -19,8 +19,8 @@ def values(rank: int) -> torch.Tensor:
 
 
 def results(comm) -> dict:
-    """{default, out, out_again, conjugate_real, conjugate_imag: what came from each peer in recv_from order;
-    out_is_returned, out_received_in_place, received_directly}."""
+    """{default, out, out_again, out_reversed, conjugate_real, conjugate_imag: what came from each peer in recv_from
+    order; out_is_returned, out_received_in_place, received_directly}."""
     left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
     x = values(comm.rank)
     got = {"default": [t.tolist() for t in comm.neighbor_exchange(x, [left, right], [left, right])]}
@@ -37,6 +37,9 @@ def results(comm) -> dict:
     got["out_again"] = [o.reshape(-1).tolist() for o in out]
     received = handle._pending.received
     got["received_directly"] = [received[p].data_ptr() == o.data_ptr() for p, o in zip([left, right], out)]
+    reversed_out = [torch.empty(6), torch.empty(6)]  # recv_from in another order than the peers' ranks
+    comm.neighbor_exchange(x, [left, right], [right, left], out=reversed_out)
+    got["out_reversed"] = [o.tolist() for o in reversed_out]
     conjugate = comm.neighbor_exchange((x * (1 + 1j)).conj(), [left, right], [left, right])
     got["conjugate_real"] = [c.real.tolist() for c in conjugate]
     got["conjugate_imag"] = [c.imag.tolist() for c in conjugate]
