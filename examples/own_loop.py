@@ -2,7 +2,8 @@
 Dirichlet label skew), gossips with its ring neighbours (D-PSGD), and follows a warmup-then-cosine learning
 rate with gradient clipping; BatchNorm's running statistics are rank 0's, as under DDP.
 
-    mpiexec -n 4 python examples/own_loop.py                     # MPI peers (or srun on a cluster)
+    python -m dpsgd.backends -n 4 examples/own_loop.py           # MPI peers, started with the runtime's settings
+    mpiexec -n 4 python examples/own_loop.py                     # MPI peers under your mpiexec (or srun on a cluster)
     torchrun --standalone --nproc-per-node 4 examples/own_loop.py --backend torch
     python examples/own_loop.py --backend local --peers 4        # 4 peers as threads of this process
 """

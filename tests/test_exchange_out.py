@@ -61,8 +61,9 @@ def test_a_wrong_out_is_refused_before_anything_is_sent():
         x, peers, shared = torch.zeros(4), [left, right], torch.zeros(8)
         c = torch.zeros(4, dtype=torch.complex64)
         wrong = [  # (the error, what its message says, the buffer sent, recv_from, out=)
-            (ValueError, "one tensor per distinct peer", x, peers, [torch.zeros(4)]),
-            (ValueError, "one tensor per distinct peer", x, [left, left], [torch.zeros(4), torch.zeros(4)]),
+            (ValueError, "one tensor per peer of recv_from, got 1", x, peers, [torch.zeros(4)]),
+            (ValueError, "cannot be used where recv_from names a peer twice", x, [left, left], [torch.zeros(4)] * 2),
+            (ValueError, "cannot be used where recv_from names a peer twice", x, [left, left], [torch.zeros(4)]),
             (ValueError, r"is \(5,\) torch.float32", x, peers, [torch.zeros(4), torch.zeros(5)]),
             (ValueError, "torch.float64", x, peers, [torch.zeros(4), torch.zeros(4, dtype=torch.float64)]),
             (ValueError, "is not contiguous", x, peers, [torch.zeros(4), torch.zeros(2, 2).t()]),

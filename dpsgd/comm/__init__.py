@@ -31,8 +31,10 @@ def init(backend: str = "local", timeout_s: float = DEFAULT_TIMEOUT_S, **options
     """A communicator for this process, from the backend's transport (dpsgd.comm.transport).
 
     - `local`: inside `run_local`, this thread's peer; elsewhere a world of one peer.
-    - `mpi`: this rank of the MPI world (start the processes with mpiexec/srun).
+    - `mpi`: this rank of the MPI world (start the processes with mpiexec/srun, or `python -m dpsgd.backends`);
+      option `staging` ('auto', 'always', 'never': CUDA tensors through host buffers unless MPI is CUDA-aware;
+      always: CPU tensors too).
     - `torch`: this rank of torch.distributed (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT);
-      options `dist_backend` ('gloo' or 'nccl'; default nccl when CUDA is present) and `init_method`.
+      options `dist_backend` ('gloo' or 'nccl'; default nccl when CUDA is present), `init_method` and `staging`.
     """
     return transport.get(backend).connect(timeout_s, **options)

@@ -680,10 +680,15 @@ class Communicator(ABC):
                 f"{where} tensor {j} (peer {recv_from[j]}) shares memory with {other}; give each peer a tensor of its "
                 f"own"
             )
-        if len(out) != len(recv_from) or len(set(recv_from)) != len(recv_from):
+        if len(set(recv_from)) != len(recv_from):
             return ValueError(
-                f"{where} takes one tensor per distinct peer of recv_from, got {len(out)} tensor(s) for recv_from="
-                f"{recv_from}; pass one per peer, in its order (or leave out= out for a peer named twice)"
+                f"{where} cannot be used where recv_from names a peer twice (recv_from={recv_from}): two messages "
+                f"would be received into one tensor; leave out= out (the default form returns one buffer per entry)"
+            )
+        if len(out) != len(recv_from):
+            return ValueError(
+                f"{where} takes one tensor per peer of recv_from, got {len(out)} tensor(s) for recv_from={recv_from}; "
+                f"pass one per peer, in its order"
             )
         numel, dtype, device = buf.numel(), buf.dtype, buf.device
         for k, (p, o) in enumerate(zip(recv_from, out)):

@@ -223,7 +223,7 @@ class MPITransport(Transport):
     config_options = {"staging": "auto"}
 
     def options(self, backend: Mapping, device: str) -> dict:
-        return {"staging": check_mode(backend.get("staging", "auto"))}
+        return {"staging": check_mode(backend.get("staging", "auto"), "backend.staging")}
 
     def world(self) -> tuple[int, int] | None:
         sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")  # set by mpiexec/srun

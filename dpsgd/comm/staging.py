@@ -14,10 +14,11 @@ MODES = ("auto", "always", "never")
 _KEPT_PER_SHAPE = 8
 
 
-def check_mode(mode: str) -> str:
-    """`mode` if it is one of MODES (auto, always, never); a ValueError naming them otherwise."""
+def check_mode(mode: str, name: str = "staging") -> str:
+    """`mode` if it is one of MODES (auto, always, never); a ValueError naming them (and `name`, the option as the
+    caller gave it: a communicator's `staging`, a config's `backend.staging`) otherwise."""
     if mode not in MODES:
-        raise ValueError(f"backend.staging must be one of {', '.join(MODES)}, got {mode!r}")
+        raise ValueError(f"{name} must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
 
 

@@ -210,7 +210,7 @@ class TorchTransport(Transport):
     def options(self, backend: Mapping, device: str) -> dict:
         return {
             "dist_backend": self.dist_backend(backend, device),
-            "staging": check_mode(backend.get("staging", "auto")),
+            "staging": check_mode(backend.get("staging", "auto"), "backend.staging"),
         }
 
     @staticmethod
