@@ -145,6 +145,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
+def _unfit(t: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `t` cannot take a message of `numel` elements of `dtype` on `device` (an out= tensor), or None where it can:
+    it must be outside autograd and a message's flat buffer as it lies (`_is_message`). The common case, None, builds
+    no string."""
+    if t.requires_grad:
+        return "requires grad"
+    if not _is_message(t):
+        return "is not contiguous" if not t.is_contiguous() else "is a lazy conjugate or negative view"
+    if t.dtype != dtype or t.numel() != numel or t.device != device:
+        return f"is {tuple(t.shape)} {t.dtype} on {t.device}"
+    return None
+
+
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding all tensors (one message per peer instead of many): new memory."""
     if not tensors:
@@ -173,6 +186,14 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
         out.append(flat[offset : offset + n].view_as(t))
         offset += n
     return out
+
+
+def _start_exchange_of(comm: Communicator, buf, send_to, recv_from, tag: int, into) -> Exchange:
+    """`comm._start_exchange`, given `into` only where there is one: a backend written before `into` (without the
+    parameter) keeps working wherever out= is not used."""
+    if into is None:
+        return comm._start_exchange(buf, send_to, recv_from, tag)
+    return comm._start_exchange(buf, send_to, recv_from, tag, into=into)
 
 
 class Communicator(ABC):
@@ -582,9 +603,7 @@ class Communicator(ABC):
     ) -> Exchange:
         if self.staging is not None and self.staging.applies(buf):  # received on the host, copied to `into`
             return self.staging.exchange(self._start_exchange, self, buf, send_to, recv_from, tag, into)
-        if into is None:  # (a backend written before `into` keeps working without out=)
-            return self._start_exchange(buf, send_to, recv_from, tag)
-        return self._start_exchange(buf, send_to, recv_from, tag, into=into)
+        return _start_exchange_of(self, buf, send_to, recv_from, tag, into)
 
     def _allreduce_sum(self, buf: torch.Tensor) -> Pending:
         if self.staging is not None and self.staging.applies(buf):
@@ -641,71 +660,43 @@ class Communicator(ABC):
         every such exchange: no message is built unless a check fails, and memory shared is found by sorting where
         each tensor starts, not by comparing every pair (docs/results/benchmarks.md). The tensors' own checks come
         before memory shared: of several faults, that order decides which one the error names."""
-        if len(out) != len(recv_from) or len(set(recv_from)) != len(recv_from):
-            raise self._out_error(buf, recv_from, out)
+        where = "neighbor_exchange's out="  # (the rank is put in front only when an error is raised)
+        if len(set(recv_from)) != len(recv_from):
+            raise ValueError(
+                f"rank {self.rank}: {where} cannot be used where recv_from names a peer twice (recv_from={recv_from}): "
+                f"two messages would be received into one tensor; leave out= out (the default form returns one buffer "
+                f"per entry)"
+            )
+        if len(out) != len(recv_from):
+            raise ValueError(
+                f"rank {self.rank}: {where} takes one tensor per peer of recv_from, got {len(out)} tensor(s) for "
+                f"recv_from={recv_from}; pass one per peer, in its order"
+            )
         numel, dtype, device, nbytes = buf.numel(), buf.dtype, buf.device, buf.nbytes
         into, starts = {}, [(buf.data_ptr(), -1)]  # where each message's memory starts (the buffer sent: -1)
         for k, (p, o) in enumerate(zip(recv_from, out)):
-            if not (
-                isinstance(o, torch.Tensor)
-                and o.dtype == dtype
-                and o.numel() == numel
-                and o.device == device
-                and not o.requires_grad
-                and _is_message(o)
-            ):
-                raise self._out_error(buf, recv_from, out)
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(
+                    f"rank {self.rank}: {where} tensor {k} (peer {p}) is a {type(o).__name__}; pass tensors"
+                )
+            why = _unfit(o, numel, dtype, device)
+            if why is not None:
+                raise ValueError(
+                    f"rank {self.rank}: {where} tensor {k} (peer {p}) {why}; each must be a contiguous tensor outside "
+                    f"autograd with the message's {numel} elements of {dtype} on {device}, e.g. torch.empty_like(buf)"
+                )
             into[p] = _flat(o)
             starts.append((o.data_ptr(), k))
         starts.sort()  # all of one size: memory is shared where one starts before the one before it ends
         for (before, k), (start, j) in zip(starts, starts[1:]):
             if start < before + nbytes:
-                raise self._out_error(buf, recv_from, out, shared=(k, j))
-        return into
-
-    def _out_error(
-        self,
-        buf: torch.Tensor,
-        recv_from: list[int],
-        out: Sequence[torch.Tensor],
-        shared: tuple[int, int] | None = None,
-    ) -> Exception:
-        """The one-line error for what `_receive_into` refused (`shared`: the indices of two out= tensors whose memory
-        overlaps, -1 for the buffer sent): which out= tensor (and peer), why, and what to pass."""
-        where = f"rank {self.rank}: neighbor_exchange's out="
-        if shared is not None:
-            k, j = sorted(shared)  # j names an out= tensor, k the other one or the buffer sent (-1)
-            other = "the buffer sent" if k < 0 else f"out= tensor {k}"
-            return ValueError(
-                f"{where} tensor {j} (peer {recv_from[j]}) shares memory with {other}; give each peer a tensor of its "
-                f"own"
-            )
-        if len(set(recv_from)) != len(recv_from):
-            return ValueError(
-                f"{where} cannot be used where recv_from names a peer twice (recv_from={recv_from}): two messages "
-                f"would be received into one tensor; leave out= out (the default form returns one buffer per entry)"
-            )
-        if len(out) != len(recv_from):
-            return ValueError(
-                f"{where} takes one tensor per peer of recv_from, got {len(out)} tensor(s) for recv_from={recv_from}; "
-                f"pass one per peer, in its order"
-            )
-        numel, dtype, device = buf.numel(), buf.dtype, buf.device
-        for k, (p, o) in enumerate(zip(recv_from, out)):
-            if not isinstance(o, torch.Tensor):
-                return TypeError(f"{where} tensor {k} (peer {p}) is a {type(o).__name__}; pass tensors")
-            if o.dtype != dtype or o.numel() != numel or o.device != device or not _is_message(o) or o.requires_grad:
-                why = (
-                    "requires grad" if o.requires_grad
-                    else "is not contiguous" if not o.is_contiguous()
-                    else "is a lazy conjugate or negative view" if not _is_message(o)
-                    else f"is {tuple(o.shape)} {o.dtype} on {o.device}"
-                )  # fmt: skip
-                return ValueError(
-                    f"{where} tensor {k} (peer {p}) {why}; each must be a contiguous tensor outside autograd with the "
-                    f"message's {numel} elements of {dtype} on {device}, e.g. torch.empty_like(buf)"
+                k, j = sorted((k, j))  # j names an out= tensor, k the other one or the buffer sent (-1)
+                other = "the buffer sent" if k < 0 else f"out= tensor {k}"
+                raise ValueError(
+                    f"rank {self.rank}: {where} tensor {j} (peer {recv_from[j]}) shares memory with {other}; give "
+                    f"each peer a tensor of its own"
                 )
-        return AssertionError(f"{where} refused, yet each tensor passes its checks: a bug in _receive_into")
+        return into
 
     def _receive_buffers(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
         """`count` buffers shaped like `like` for a backend to receive into: ones kept from an earlier operation if
@@ -839,8 +830,7 @@ class Wrapped(Communicator):
         return self._done("allreduce_sum", lambda: [buf.copy_(mean.wait()[0]).mul_(self.size)])
 
     def _start_exchange(self, buf, send_to, recv_from, tag, into=None) -> Exchange:
-        given = {} if into is None else {"into": into}  # (an inner backend written before `into` takes none)
-        return self.inner._start_exchange(buf, send_to, recv_from, tag, **given)
+        return _start_exchange_of(self.inner, buf, send_to, recv_from, tag, into)
 
     def _start_allreduce_sum(self, buf) -> Pending:
         return self.inner._start_allreduce_sum(buf)
