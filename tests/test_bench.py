@@ -6,6 +6,7 @@ large-batch SGD agree; LocalSGD and torch's post-local SGD agree), never timing 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -42,8 +43,8 @@ def test_bench_quick_dry_run(tmp_path, capsys):
         assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
         assert r["max_abs_diff_vs_raw"] <= 1e-5, r  # the toolkit computes what the raw code computes
         assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), r
-        new_tensors = r["backend"] == "mpi" and r["op"] != "neighbor_exchange_out"  # (out=: into lent buffers)
-        assert (r["raw_new_tensors_s"] is not None and r["raw_new_tensors_s"] > 0) == new_tensors, r
+        new_tensors = r["op"] != "neighbor_exchange_out"  # (out=: into lent buffers in every form, raw's own)
+        assert (r["raw_lent_s"] is not None and r["raw_lent_s"] > 0) == new_tensors, r
     for t in co["targets"]:  # a miss names its cause, a pass none; each states the run's noise
         assert (t["cause"] is None) == t["holds"], t
         assert t["interval"][0] <= t["interval"][1], t
@@ -74,11 +75,13 @@ def test_bench_quick_dry_run(tmp_path, capsys):
     assert [(r["model"], r["peers"]) for r in fb["rows"]] == [("mlp", 64)] and len(fb["targets"]) == 1
     report = json.loads((tmp_path / "bench_quick.json").read_text())
     measured = [v for v in report["verdicts"] if v["measured"] is not None]
-    # every target --dry measures has its recorded figure: 12 cells, 2 overlap ratios, the waiter's 2, the step
-    # module's 7, the MLP at 64
-    assert len(measured) == 24 and report["broken"] == [], report["broken"]
+    # every target --dry measures has its recorded figure: 16 cells, 2 overlap ratios, the waiter's 2, the step
+    # module's 7, the MLP at 64; each printed beside it
+    assert len(measured) == 28 and report["broken"] == [], report["broken"]
     assert all(v["state"] in ("PASS", "MISS", "NOISE") and v["against_recorded"] for v in measured)
-    assert "PASS, " in printed and "recorded 1.44-1.83 (benchmarks.md, 2026-12-04)" in printed
+    assert "PASS, " in printed
+    for r in regression.load_recorded():
+        assert f"{r.target} " in printed and f"recorded {r.figure()} ({Path(r.page).name}, {r.date})" in printed, r
 
 
 @pytest.mark.slow  # soak: a benchmark's dry run
