@@ -42,6 +42,7 @@ def test_bench_quick_dry_run(tmp_path, capsys):
     for r in co["rows"]:
         assert r["toolkit_s"] > 0 and r["raw_s"] > 0 and r["floor_s"] > 0
         assert r["max_abs_diff_vs_raw"] <= 1e-5, r  # the toolkit computes what the raw code computes
+        assert r["contract_broken_by"] == [], r  # new tensors where due, the same buffers where due
         assert (r["raw_nonblocking_s"] is not None and r["raw_nonblocking_s"] > 0) == (r["backend"] == "mpi"), r
         new_tensors = r["op"] != "neighbor_exchange_out"  # (out=: into lent buffers in every form, raw's own)
         assert (r["raw_lent_s"] is not None and r["raw_lent_s"] > 0) == new_tensors, r

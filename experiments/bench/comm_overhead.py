@@ -11,11 +11,12 @@ default exchange's receive buffers, the average's and the all-reduce's result), 
 receives into lent buffers in both. Beside it, to name a miss's cause: "raw nb", the toolkit's own non-blocking MPI
 calls completed by MPI's spinning Waitall, and "raw lent", raw into preallocated buffers, which shows what the
 contract of new tensors costs any code (not part of the ratio; docs/results/benchmarks.md: a receive buffer new
-each call cost raw as much as preallocated ones taken in turn, memory not warm in the cache; `out=` avoids it).
-Each time is the slowest rank's, median over `--reps` repetitions (more for the smaller sizes) after warm-up; toolkit
-and raw repetitions alternate so that drift affects both. Targets: the toolkit at most 1.20x raw below 11 MiB
-(latency-bound), at most 1.05x from 11 MiB up. Beside each: the physical floor, the bytes one rank sends divided by the
-loopback bandwidth measured in the same run.
+each call cost raw as much as preallocated ones taken in turn, memory not warm in the cache; the exchange's `out=`
+avoids it, the average has no such form). Every implementation's last result is held until its own next call, as a
+caller keeps it. Each time is the slowest rank's, median over `--reps` repetitions (more for the smaller sizes) after
+warm-up; toolkit and raw repetitions alternate so that drift affects both. Targets: the toolkit at most 1.20x raw
+below 11 MiB (latency-bound), at most 1.05x from 11 MiB up. Beside each: the physical floor, the bytes one rank sends
+divided by the loopback bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ def limit_for(mb: float) -> float:
 # neighbor_exchange_out: the exchange receiving into buffers the caller lends (`out=`), as raw receives into its
 # preallocated ones; neighbor_exchange: its default form, returning new buffers (as raw then does: IMPLS below)
 OPS = ("neighbor_exchange", "neighbor_exchange_out", "neighbor_average", "allreduce_mean")
-EXCHANGES = ("neighbor_exchange", "neighbor_exchange_out")
 BACKENDS = ("mpi", "torch")
 # raw: the backend's blocking calls by hand, returning new tensors as the toolkit's operations do (the same contract);
 # raw_nb: mpi's non-blocking calls completed by MPI's spinning Waitall (torch's raw calls are already the toolkit's);
-# raw_lent: raw into preallocated buffers, which the default forms cannot use (the contract's own cost)
+# raw_lent: raw into preallocated buffers, which the default forms do not use (the contract's own cost)
 IMPLS = {"mpi": ("toolkit", "raw", "raw_nb", "raw_lent"), "torch": ("toolkit", "raw", "raw_lent")}
 # the communicators closed before the ranks finish: the torch group goes down at exit (its close() ends it for all)
 CLOSED_HERE = ("mpi",)
@@ -220,43 +220,45 @@ def worker(args) -> None:
             made = calls(raw_mpi, x, left, right)
             impls[(backend, impl)] = {op: _raw_ops(made, x, buffers(), left, right, nb, new_tensors)[op] for op in OPS}
 
-        # correctness first: the toolkit returns what the hand-written code computes, also on a second call (which
-        # reuses buffers), and that call leaves the first call's result alone; the out= exchange returns the lent
-        # tensors themselves, rewritten (they are filled with NaN before its third call); every raw implementation
-        # computes the same
-        agree = {}
+        # correctness first: every implementation returns what the hand-written code computes, on two calls, and
+        # keeps its contract: where it returns new tensors (the toolkit's default forms, raw, raw nb) the second call's
+        # share no memory with the first's, which the caller still holds; the out= exchange and raw lent return the
+        # same buffers each call (filled with NaN between the out= calls, so that they must be written)
+        agree, broken = {}, {}
         for backend in BACKENDS:
             for op in OPS:
-                first = [g.clone() for g in impls[(backend, "toolkit")][op]()]
-                kept = impls[(backend, "toolkit")][op]()
-                pairs = [(first, kept)]
-                if op == "neighbor_exchange_out":  # the same tensors each call: nothing of the first call to keep
-                    pairs = []
-                    for g in kept:
-                        g.fill_(float("nan"))
-                got = impls[(backend, "toolkit")][op]()
-                if op == "neighbor_exchange_out" and not all(g is k for g, k in zip(got, kept)):
-                    got = [torch.full_like(g, float("nan")) for g in got]  # not the lent tensors: a disagreement
-                want = _as_list(impls[(backend, "raw")][op]())
-                pairs.append((got, want))
-                for impl in IMPLS[backend][2:]:  # the other raw forms
-                    pairs.append((_as_list(impls[(backend, impl)][op]()), want))
-                agree[(backend, op)] = max(_largest_difference(a, b) for a, b in pairs)
+                want = [t.clone() for t in _as_list(impls[(backend, "raw")][op]())]
+                worst, broken[(backend, op)] = 0.0, []
+                for impl in IMPLS[backend]:
+                    first = _as_list(impls[(backend, impl)][op]())
+                    worst = max(worst, _largest_difference(first, want))
+                    if op == "neighbor_exchange_out":
+                        for t in first:
+                            t.fill_(float("nan"))
+                    second = _as_list(impls[(backend, impl)][op]())
+                    worst = max(worst, _largest_difference(second, want))
+                    new = op != "neighbor_exchange_out" and (impl == "toolkit" or RAW[(backend, impl)][1])
+                    if new != {t.data_ptr() for t in first}.isdisjoint(t.data_ptr() for t in second):
+                        broken[(backend, op)].append(impl)
+                agree[(backend, op)] = worst
 
         reps, warmup = reps_for(mb, args.reps, largest), args.warmup
         times = {(b, op, impl): [] for b in BACKENDS for op in OPS for impl in IMPLS[b]}  # (raw_lent of out=: none)
-        faults = {k: [] for k in times}
+        faults, held = {k: [] for k in times}, {}
         for i in range(warmup + reps):
             for backend in BACKENDS:
                 for op in OPS:
                     # alternate the order, so that drift and cache state favour none
                     order = [m for m in IMPLS[backend] if not (m == "raw_lent" and op == "neighbor_exchange_out")]
                     for impl in order if i % 2 == 0 else order[::-1]:
-                        dt, df, _ = ranks.timed(world, impls[(backend, impl)][op])
+                        # each result held until the same implementation's next call, as a caller keeps it
+                        dt, df, held[(backend, op, impl)] = ranks.timed(world, impls[(backend, impl)][op])
                         if i >= warmup:
                             times[(backend, op, impl)].append(dt)
                             faults[(backend, op, impl)].append(df)
         diffs = {k: ranks.slowest(world, [v])[0] for k, v in agree.items()}
+        broken = {k: sorted(set().union(*world.allgather(v))) for k, v in broken.items()}  # on any rank
+        del held
         for backend in BACKENDS:
             for op in OPS:
                 tk = ranks.slowest(world, times[(backend, op, "toolkit")])
@@ -283,15 +285,17 @@ def worker(args) -> None:
                         # the out= exchange is raw itself (into lent buffers in every form)
                         "raw_lent_s": (
                             ranks.slowest_median(world, times[(backend, op, "raw_lent")])
-                            if op != "neighbor_exchange_out"
+                            if "raw_lent" in IMPLS[backend] and op != "neighbor_exchange_out"
                             else None
                         ),
                         "bytes_sent_per_rank": sent,
                         "floor_s": ranks.floor_s(sent, floor),
                         "max_abs_diff_vs_raw": diffs[(backend, op)],
+                        "contract_broken_by": broken[(backend, op)],  # new tensors where kept ones were due, or back
                         "page_faults": {
                             impl: ranks.slowest_median(world, faults[(backend, op, impl)])
-                            for impl in ("toolkit", "raw")
+                            for impl in IMPLS[backend]
+                            if faults[(backend, op, impl)]
                         },
                     }
                 )
@@ -312,13 +316,13 @@ def miss_cause(row: dict) -> str:
     toolkit's own work in ms. Then what the operation's contract (new tensors) costs raw itself, which the ratio leaves
     out: raw against raw into preallocated buffers."""
     excess_ms = (row["toolkit_s"] - row["raw_s"]) * 1e3
-    if row["raw_lent_s"] is None:  # the out= exchange: into lent buffers, as raw
-        contract = ""
-    else:
-        contract = (
-            f"; not counted: new tensors cost raw itself {row['raw_s'] / row['raw_lent_s']:.2f}x against preallocated "
-            f"buffers (out= avoids it)"
-        )
+    contract = ""
+    if row["raw_lent_s"] is not None:  # (the out= exchange: into lent buffers in every form, raw's own contract)
+        price = {  # and how a caller avoids it
+            "neighbor_exchange": "new receive buffers (out= avoids it)",
+            "allreduce_mean": "a new result (the in-place sum, start_allreduce_sum_, avoids it)",
+        }.get(row["op"], "a new result (the operation has no form that writes into the caller's tensor)")
+        contract = f"; not counted: raw / raw lent {row['raw_s'] / row['raw_lent_s']:.2f}x, the price of {price}"
     if row["raw_nonblocking_s"] is None:
         return (
             f"the toolkit makes the same gloo calls as raw; its own work (flattening, staging copies, polls) costs "
@@ -371,7 +375,7 @@ def run(args) -> harness.Result:
                 r["raw_nonblocking_s"] * 1e3 if r["raw_nonblocking_s"] is not None else "-",
                 r["raw_lent_s"] * 1e3 if r["raw_lent_s"] is not None else "-",
                 r["ratio"],
-                r["toolkit_s"] / (r["raw_lent_s"] or r["raw_s"]),
+                r["toolkit_s"] / (r["raw_s"] if r["raw_lent_s"] is None else r["raw_lent_s"]),
                 r["floor_s"] * 1e3,
                 r["toolkit_s"] / r["floor_s"],
                 f"{r['page_faults']['toolkit']:.0f}/{r['page_faults']['raw']:.0f}",
@@ -389,6 +393,12 @@ def run(args) -> harness.Result:
     )
     bad = [r for r in rows if r["max_abs_diff_vs_raw"] > 1e-5]
     problems = [f"toolkit and raw results differ: {[(r['backend'], r['op'], r['mb']) for r in bad]}"] if bad else []
+    problems += [
+        f"{r['backend']} {r['op']} {r['mb']:g} MiB: {', '.join(r['contract_broken_by'])} did not keep the operation's "
+        f"contract (new tensors each call: the default forms, raw, raw nb; the same buffers: out=, raw lent)"
+        for r in rows
+        if r["contract_broken_by"]
+    ]
     return harness.Result(res, targets, problems)
 
 
