@@ -403,8 +403,8 @@ class Communicator(ABC):
         `out`: one contiguous tensor per peer of `recv_from` (as many elements as `buf`, its dtype and device) that the
         received buffers are written to and returned, instead of new ones; the caller must not touch them before
         `.wait()`, and after a timeout a late message may still be written to them. On mpi and torch they are received
-        into directly (a 1 MiB exchange on mpi, 4 ranks on 2 cores: new buffers cost 1.14-1.21x, benchmarks.md);
-        elsewhere (staged, emulated network, local) copied to."""
+        into directly, which spares the receive buffers' first touch each call (what new buffers cost:
+        docs/results/benchmarks.md); elsewhere (staged, emulated network, local) copied to."""
         buf = _flat(buf) if _is_message(buf) else flatten([buf])  # (a lazy conjugate resolved in a copy)
         recv_from = list(recv_from)
         if out is not None:
