@@ -8,6 +8,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from runs import assert_same_numbers
 
 from dpsgd import checkpoint
 from dpsgd.backends.launch import failure_cause
-from dpsgd.comm import PeerTimeoutError, run_local, transport
+from dpsgd.comm import LocalCommunicator, LocalWorld, PeerFailedError, PeerTimeoutError, run_local, transport
 from dpsgd.config import parse
 from dpsgd.faults import FaultInjector, FaultPlan, InjectedFault
 from dpsgd.supervisor import Supervisor
@@ -105,6 +106,32 @@ def test_a_peer_busy_outside_any_wait_does_not_hold_back_the_others_error():
     with pytest.raises(PeerTimeoutError, match="rank 0: barrier timed out after 1 s"):
         run_local(2, peer, timeout_s=1.0)
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("peer_fails", [True, False])
+def test_a_wait_downstream_of_an_earlier_wait_leaves_the_timeout_to_it(peer_fails):
+    """Peer 1 waits (for someone else) with an earlier deadline than peer 0, which waits for peer 1: a busy machine
+    can run peer 0 past its deadline first. Peer 0 then leaves the timeout to peer 1 (the run's first fault, nearer
+    its cause) and is released when peer 1 fails; if peer 1 never does, peer 0 times out one timeout span later."""
+    world = LocalWorld(2)
+    comm = LocalCommunicator(world, 0, timeout_s=0.4)
+    start = time.monotonic()
+    world.waiting_until[1] = start + 0.2  # peer 1, waiting since before peer 0 (its thread not run: a busy machine)
+    if peer_fails:
+        threading.Timer(0.8, world.fail, args=(1,)).start()  # peer 1's own timeout, late
+        with pytest.raises(PeerFailedError, match="abandoned because peer 1 failed"):
+            comm.neighbor_exchange(torch.ones(3), [1], [1])
+        assert 0.7 < time.monotonic() - start < 3
+    else:
+        with pytest.raises(PeerTimeoutError, match=r"rank 0: neighbor_exchange timed out after 0.4 s .* \[1\]"):
+            comm.neighbor_exchange(torch.ones(3), [1], [1])
+        assert 0.75 < time.monotonic() - start < 3  # its deadline (0.4 s), then one more span
+    later = LocalWorld(2)
+    later.waiting_until[1] = time.monotonic() + 10  # peer 1 waits since after peer 0: peer 0's own deadline, as before
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError):
+        LocalCommunicator(later, 0, timeout_s=0.2).neighbor_exchange(torch.ones(3), [1], [1])
+    assert time.monotonic() - start < 0.35
 
 
 def test_lost_messages_are_a_timeout_naming_the_sender(config):

@@ -33,6 +33,7 @@ class LocalWorld:
         self._barrier = threading.Barrier(n)
         self.failed_rank: int | None = None
         self.stopped: str | None = None  # why the driver stopped every peer (its watchdog), once it did
+        self.waiting_until: dict[int, float] = {}  # rank -> the deadline of the exchange it waits in now
 
     def channel(self, src: int, dst: int, tag: int) -> queue.SimpleQueue:
         key = (src, dst, tag)
@@ -64,6 +65,14 @@ class LocalWorld:
         self.stopped = reason
         self.fail(-1)
 
+    def waits_on_earlier(self, peer: int, deadline: float, until: float) -> bool:
+        """Whether a peer waited for past `deadline` is itself waiting with an earlier deadline, until `until`: that
+        peer's own timeout, nearer the run's first fault, is due first, and a busy machine can run this thread past its
+        deadline before that peer's. Meanwhile the waiter leaves the timeout to that peer (released when the peer fails)
+        so that the run reports the first fault, not a peer downstream of it."""
+        earlier = self.waiting_until.get(peer)
+        return earlier is not None and earlier < deadline and time.monotonic() < until
+
     def check(self, rank: int, op: str) -> None:
         if self.failed_rank is not None and self.failed_rank != rank:
             raise PeerFailedError(f"rank {rank}: {op} abandoned because peer {self.failed_rank} failed")
@@ -76,18 +85,24 @@ class _LocalExchange(Exchange):
         self.received: dict[int, torch.Tensor] = {}
 
     def wait(self, deadline: float) -> None:
-        while self._missing:
-            peer = self._missing[0]
-            q = self._world.channel(peer, self._rank, self._tag)
-            while peer not in self.received:
-                self._world.check(self._rank, "receive")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerTimeoutError(f"peer {peer} did not answer")
-                with contextlib.suppress(queue.Empty):
-                    self.received[peer] = q.get(timeout=min(remaining, _POLL_S))
-            self._world.release(peer, self._rank, self._tag)
-            self._missing.pop(0)
+        world = self._world
+        world.waiting_until[self._rank] = deadline
+        patience = deadline + max(0.0, deadline - time.monotonic())  # at most one more timeout span after it
+        try:
+            while self._missing:
+                peer = self._missing[0]
+                q = world.channel(peer, self._rank, self._tag)
+                while peer not in self.received:
+                    world.check(self._rank, "receive")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 and not world.waits_on_earlier(peer, deadline, patience):
+                        raise PeerTimeoutError(f"peer {peer} did not answer")
+                    with contextlib.suppress(queue.Empty):
+                        self.received[peer] = q.get(timeout=min(remaining, _POLL_S) if remaining > 0 else _POLL_S)
+                world.release(peer, self._rank, self._tag)
+                self._missing.pop(0)
+        finally:
+            world.waiting_until.pop(self._rank, None)
 
     def peers_outstanding(self) -> list[int]:
         # peers whose message has not arrived (not merely not yet taken: they are taken in order)
