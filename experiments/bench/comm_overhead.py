@@ -33,13 +33,9 @@ def limit_for(mb: float) -> float:
 
 
 # neighbor_exchange_out: the exchange receiving into buffers the caller lends (`out=`), as raw receives into its
-# preallocated ones; neighbor_exchange: its default form, returning new buffers (as raw then does: IMPLS below)
+# preallocated ones; neighbor_exchange: its default form, returning new buffers (as raw then does: RAW below)
 OPS = ("neighbor_exchange", "neighbor_exchange_out", "neighbor_average", "allreduce_mean")
 BACKENDS = ("mpi", "torch")
-# raw: the backend's blocking calls by hand, returning new tensors as the toolkit's operations do (the same contract);
-# raw_nb: mpi's non-blocking calls completed by MPI's spinning Waitall (torch's raw calls are already the toolkit's);
-# raw_lent: raw into preallocated buffers, which the default forms do not use (the contract's own cost)
-IMPLS = {"mpi": ("toolkit", "raw", "raw_nb", "raw_lent"), "torch": ("toolkit", "raw", "raw_lent")}
 # the communicators closed before the ranks finish: the torch group goes down at exit (its close() ends it for all)
 CLOSED_HERE = ("mpi",)
 
@@ -118,8 +114,10 @@ def _raw_torch(raw, x, left, right):
     return exchange, allreduce
 
 
-# the raw implementations: each made of one backend's calls, returning new tensors as the toolkit's operations do
-# ("raw", "raw_nb") or writing into buffers it reuses ("raw_lent": what the contract of new tensors costs)
+# the raw implementations, each made of one backend's calls: raw, its blocking calls by hand, and raw_nb, mpi's
+# non-blocking calls completed by MPI's spinning Waitall (torch's raw calls are already the toolkit's), both returning
+# new tensors as the toolkit's operations do (the same contract); raw_lent, raw into preallocated buffers, which the
+# default forms do not use (the contract's own cost)
 RAW = {
     ("mpi", "raw"): (_raw_mpi, True),
     ("mpi", "raw_nb"): (_raw_mpi_nonblocking, True),
@@ -127,6 +125,8 @@ RAW = {
     ("torch", "raw"): (_raw_torch, True),
     ("torch", "raw_lent"): (_raw_torch, False),
 }
+# each backend's implementations, timed in this order: the toolkit, then its raw forms
+IMPLS = {b: ("toolkit", *(impl for backend, impl in RAW if backend == b)) for b in BACKENDS}
 
 
 def _raw_ops(calls, x, lent, left, right, nb, new_tensors: bool):
